@@ -1,0 +1,53 @@
+# One front door: `make demo` runs the whole system on this machine, `make test` proves it.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+
+.PHONY: install redis proto test test-fast lint bench demo serve clean
+
+install: $(STAMP) redis proto
+
+# torch goes first and pinned: an unpinned resolve pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml setup.py
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet $(TORCH)
+	$(PIP) install --quiet -e '.[dev]'
+	@touch $@
+
+redis:
+	@if ! command -v redis-server >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing redis-server (Debian package)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else \
+	    echo "redis-server is missing: install Debian's redis-server package (sudo apt-get install redis-server)"; exit 1; \
+	  fi; \
+	fi
+
+# gRPC modules are generated from proto/*.proto, never edited by hand.
+proto: $(STAMP)
+	$(PY) -m disagg.proto.build
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: install
+	$(PY) bench/engine.py
+
+demo: install
+	$(VENV)/bin/disagg up --demo
+
+serve: install
+	$(VENV)/bin/disagg up
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info .models .run

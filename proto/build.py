@@ -1,0 +1,47 @@
+"""Generate the gRPC modules from proto/*.proto (run by `make install`; never edit the output).
+
+Sources are staged under a `disagg/proto/` include path so that the generated modules
+import each other as `disagg.proto.x_pb2`, matching the installed package name.
+Regenerates only when a .proto is newer than its outputs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _stale(src: Path) -> bool:
+    outs = [HERE / f"{src.stem}_pb2.py", HERE / f"{src.stem}_pb2_grpc.py"]
+    return any(not o.exists() or o.stat().st_mtime < src.stat().st_mtime for o in outs)
+
+
+def build(force: bool = False) -> list[str]:
+    from grpc_tools import protoc
+
+    sources = sorted(HERE.glob("*.proto"))
+    todo = [s for s in sources if force or _stale(s)]
+    if not todo:
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        stage = Path(tmp) / "disagg" / "proto"
+        stage.mkdir(parents=True)
+        for s in sources:
+            shutil.copy(s, stage / s.name)
+        include = str(Path(protoc.__file__).parent / "_proto")
+        args = ["protoc", f"-I{tmp}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
+                f"--grpc_python_out={tmp}"] + [f"disagg/proto/{s.name}" for s in todo]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed for {[s.name for s in todo]}")
+        for f in stage.glob("*_pb2*"):
+            shutil.copy(f, HERE / f.name)
+    return [s.name for s in todo]
+
+
+if __name__ == "__main__":
+    done = build(force="--force" in sys.argv)
+    print(f"generated gRPC modules for {', '.join(done)}" if done else "gRPC modules up to date")

@@ -1,0 +1,54 @@
+"""The `disagg` command: one entry point for every role.
+
+Each sub-command lives in its own module exposing `add_arguments(parser)` and
+`run(args) -> int`; modules are imported only when their command runs so that
+`disagg operator` does not pay for torch and `disagg worker` not for kopf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "make-model": ("disagg.worker.make_model", "write a randomly initialised Llama-family checkpoint"),
+    "generate": ("disagg.worker.generate_cmd", "run the engine offline on prompts"),
+    "worker": ("disagg.worker.worker_cmd", "run a prefill, decode or colocated worker"),
+    "router": ("disagg.worker.router_cmd", "run the OpenAI-compatible router"),
+    "up": ("disagg.worker.up_cmd", "run Redis, workers and the router on this machine"),
+    "operator": ("disagg.operator.main", "run the Kubernetes operator"),
+}
+
+
+def _available() -> dict[str, tuple[str, str]]:
+    found = {}
+    for name, (module, help_text) in COMMANDS.items():
+        if importlib.util.find_spec(module) is not None:
+            found[name] = (module, help_text)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = _available()
+    parser = argparse.ArgumentParser(prog="disagg", description="Disaggregated LLM serving.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_module, help_text) in commands.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        args = parser.parse_args(argv)  # prints help or the error for an unknown command
+        if args.command is None:
+            parser.print_help()
+            return 2
+    name = argv[0]
+    module = importlib.import_module(commands[name][0])
+    cmd_parser = argparse.ArgumentParser(prog=f"disagg {name}", description=commands[name][1])
+    module.add_arguments(cmd_parser)
+    args = cmd_parser.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
