@@ -12,7 +12,6 @@ import os
 from types import SimpleNamespace
 
 import torch
-
 from disagg.kernels import torch_ops
 
 OP_NAMES = (

@@ -1,0 +1,14 @@
+"""The engine's tiny model fixtures, shared with the kernel tests.
+
+tests/ is on sys.path already when the root conftest is imported in pytest's default import
+mode; adding it here keeps `engine.conftest` importable in any mode.
+"""
+
+import sys
+from pathlib import Path
+
+TESTS_DIR = str(Path(__file__).resolve().parents[1])
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
+
+from engine.conftest import paged, tiny_llama_dir  # noqa: E402, F401

@@ -1,0 +1,24 @@
+"""The Triton op table mirrors the torch twins: same names, same signatures, one dispatch point."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from disagg.kernels import OP_NAMES, get_ops, torch_ops, triton_ops
+
+
+@pytest.mark.parametrize("name", OP_NAMES)
+def test_same_signature_as_twin(name):
+    ours, twin = inspect.signature(getattr(triton_ops, name)), inspect.signature(getattr(torch_ops, name))
+    assert list(ours.parameters) == list(twin.parameters)
+    assert [p.default for p in ours.parameters.values()] == [p.default for p in twin.parameters.values()]
+
+
+def test_dispatch_forced_to_triton(monkeypatch):
+    monkeypatch.setenv("DISAGG_KERNELS", "triton")
+    ops = get_ops("cpu")
+    assert ops.backend == "triton"
+    assert all(getattr(ops, name) is getattr(triton_ops, name) for name in OP_NAMES)
+    monkeypatch.delenv("DISAGG_KERNELS")
+    assert get_ops("cpu").backend == "torch"
