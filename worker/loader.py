@@ -1,0 +1,177 @@
+"""Load a Hugging Face safetensors checkpoint into `LlamaForCausalLM` (no transformers needed).
+
+Accepts a single `model.safetensors` or shards listed in `model.safetensors.index.json`.
+q/k/v and gate/up are concatenated into fused weights here, once, so every forward pass runs
+fewer, larger matmuls.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from disagg.worker.config import ModelConfig, resolve_dtype
+from disagg.worker.model import LayerWeights, LlamaForCausalLM, ModelWeights
+from safetensors import safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Buffers some checkpoints carry that are recomputed here.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory, single or sharded."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"weight shard {f.name} listed in {INDEX_FILE} not found in {path}")
+        return files
+    single = path / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"no weights in {path}: expected {SINGLE_FILE} or {INDEX_FILE}")
+
+
+class CheckpointTensors(Mapping):
+    """Tensor name -> tensor over a checkpoint's files, read from disk only when asked for.
+
+    Building the model one layer at a time from this keeps peak memory near one copy of the
+    weights instead of two.
+    """
+
+    def __init__(self, files: list[Path]):
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where: dict[str, int] = {}
+        for i, handle in enumerate(self._handles):
+            for name in handle.keys():
+                if name in self._where:
+                    raise ValueError(
+                        f"tensor {name} appears in more than one weight file (again in {files[i].name})"
+                    )
+                self._where[name] = i
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._handles[self._where[name]].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def expected_names(config: ModelConfig) -> list[str]:
+    """Every tensor name the checkpoint must hold (lm_head optional when tying)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names.append(f"{p}self_attn.{proj}.weight")
+        if config.qkv_bias:
+            names += [f"{p}self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
+        if config.o_bias:
+            names.append(f"{p}self_attn.o_proj.bias")
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            names.append(f"{p}mlp.{proj}.weight")
+            if config.mlp_bias:
+                names.append(f"{p}mlp.{proj}.bias")
+    return names
+
+
+def build_weights(
+    config: ModelConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> ModelWeights:
+    """Check names and shapes, convert, fuse. Missing or unexpected tensors are errors naming them."""
+    names = {k for k in tensors if not k.endswith(_IGNORED_SUFFIXES)}
+    wanted = expected_names(config)
+    missing = [n for n in wanted if n not in names]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:10])}")
+    allowed = set(wanted) | {"lm_head.weight"}
+    unexpected = sorted(names - allowed)
+    if unexpected:
+        raise ValueError(
+            f"checkpoint has {len(unexpected)} unexpected tensor(s): {', '.join(unexpected[:10])}"
+        )
+
+    h, d, i_size = config.hidden_size, config.head_dim, config.intermediate_size
+    q_rows, kv_rows = config.num_attention_heads * d, config.num_key_value_heads * d
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, config.json implies {shape}")
+        return t
+
+    def place(*parts: torch.Tensor) -> torch.Tensor:
+        fused = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return fused.to(device=device, dtype=dtype).contiguous()
+
+    layers = []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        qkv_bias = o_bias = gate_up_bias = down_bias = None
+        if config.qkv_bias:
+            qkv_bias = place(
+                get(a + "q_proj.bias", (q_rows,)),
+                get(a + "k_proj.bias", (kv_rows,)),
+                get(a + "v_proj.bias", (kv_rows,)),
+            )
+        if config.o_bias:
+            o_bias = place(get(a + "o_proj.bias", (h,)))
+        if config.mlp_bias:
+            gate_up_bias = place(get(m + "gate_proj.bias", (i_size,)), get(m + "up_proj.bias", (i_size,)))
+            down_bias = place(get(m + "down_proj.bias", (h,)))
+        layers.append(
+            LayerWeights(
+                input_norm=place(get(p + "input_layernorm.weight", (h,))),
+                qkv=place(
+                    get(a + "q_proj.weight", (q_rows, h)),
+                    get(a + "k_proj.weight", (kv_rows, h)),
+                    get(a + "v_proj.weight", (kv_rows, h)),
+                ),
+                qkv_bias=qkv_bias,
+                o=place(get(a + "o_proj.weight", (h, q_rows))),
+                o_bias=o_bias,
+                post_norm=place(get(p + "post_attention_layernorm.weight", (h,))),
+                gate_up=place(
+                    get(m + "gate_proj.weight", (i_size, h)), get(m + "up_proj.weight", (i_size, h))
+                ),
+                gate_up_bias=gate_up_bias,
+                down=place(get(m + "down_proj.weight", (h, i_size))),
+                down_bias=down_bias,
+            )
+        )
+    embed = place(get("model.embed_tokens.weight", (config.vocab_size, h)))
+    if config.tie_word_embeddings or "lm_head.weight" not in tensors:
+        lm_head = embed
+    else:
+        lm_head = place(get("lm_head.weight", (config.vocab_size, h)))
+    return ModelWeights(
+        embed=embed, layers=layers, norm=place(get("model.norm.weight", (h,))), lm_head=lm_head
+    )
+
+
+def load_model(
+    path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Read config and weights from `path`; returns the model ready for `forward` and its config."""
+    config = ModelConfig.from_pretrained(path)
+    torch_dtype = resolve_dtype(dtype)
+    device = torch.device(device)
+    tensors = CheckpointTensors(checkpoint_files(path))
+    weights = build_weights(config, tensors, torch_dtype, device)
+    return LlamaForCausalLM(config, weights, torch_dtype, device), config

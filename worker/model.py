@@ -1,0 +1,166 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
+
+Weights live in plain tensors, q/k/v and gate/up fused at load time so each layer runs four
+matmuls. Attention, norm, RoPE and activation go through the `disagg.kernels` op table so the
+same model runs the torch twins on CPU and Triton kernels on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from disagg.kernels import get_ops
+from disagg.worker.config import ModelConfig, RopeConfig
+from disagg.worker.forward_batch import ForwardBatch
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [H, Hq * D]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H], gate rows first
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [H, I]
+    down_bias: torch.Tensor | None
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, H]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Per-pair rotation frequencies [D/2] in float32, with linear or llama3 scaling applied."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.type == "linear":
+        return inv_freq / rope.factor
+    if rope.type == "llama3":
+        # Long wavelengths (beyond the original context / low_freq_factor) are slowed down by
+        # `factor`, short ones (below context / high_freq_factor) kept, the band between blended.
+        old_ctx = rope.original_max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        slowed = torch.where(wavelen > old_ctx / rope.low_freq_factor, inv_freq / rope.factor, inv_freq)
+        blend = (old_ctx / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        blended = (1 - blend) * slowed / rope.factor + blend * slowed
+        in_band = (wavelen >= old_ctx / rope.high_freq_factor) & (wavelen <= old_ctx / rope.low_freq_factor)
+        return torch.where(in_band, blended, slowed)
+    return inv_freq
+
+
+def rope_cos_sin_cache(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
+    """[max_positions, D] float32: cos of every (position, pair) in the first D/2 columns, sin after."""
+    inv_freq = rope_inv_freq(rope, head_dim)
+    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+class LlamaForCausalLM:
+    """Forward passes over packed batches; see `forward`."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, dtype: torch.dtype, device: torch.device):
+        self.config = config
+        self.weights = weights
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.vocab_size = config.vocab_size
+        self.max_model_len = config.max_model_len
+        self.scale = self.head_dim**-0.5
+        self.ops = get_ops(self.device)
+        self.cos_sin_cache = rope_cos_sin_cache(
+            config.rope, self.head_dim, config.max_position_embeddings
+        ).to(self.device)
+        self._q_size = self.num_heads * self.head_dim
+        self._kv_size = self.num_kv_heads * self.head_dim
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of the whole model's KV cache: [layers, blocks, 2 (K, V), block_size, Hkv, D]."""
+        return (self.num_layers, num_blocks, 2, block_size, self.num_kv_heads, self.head_dim)
+
+    def kv_cache_block_bytes(self, block_size: int) -> int:
+        """Bytes one block takes across all layers (for sizing the cache from a memory budget)."""
+        return math.prod(self.kv_cache_shape(1, block_size)) * self.dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        return torch.zeros(self.kv_cache_shape(num_blocks, block_size), dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv_caches: torch.Tensor,
+        layer_hook: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Run one step; returns float32 logits [len(batch.logits_indices), vocab].
+
+        Writes every token's K/V into `kv_caches` at `batch.slot_mapping`. `layer_hook(i)` is
+        called as soon as layer i's K/V are in the cache, so their transfer can overlap the
+        remaining layers.
+        """
+        if batch.is_prefill and batch.cu_seqlens_q is None:
+            raise ValueError("a prefill ForwardBatch needs cu_seqlens_q")
+        ops, w, eps = self.ops, self.weights, self.config.rms_norm_eps
+        num_tokens = batch.input_ids.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q_end, k_end = self._q_size, self._q_size + self._kv_size
+
+        hidden = F.embedding(batch.input_ids, w.embed)
+        residual = None
+        for i, layer in enumerate(w.layers):
+            if residual is None:
+                residual = hidden
+                hidden = ops.rms_norm(hidden, layer.input_norm, eps)
+            else:
+                hidden, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
+            qkv = F.linear(hidden, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_end].view(num_tokens, hq, d)
+            k = qkv[:, q_end:k_end].view(num_tokens, hkv, d)
+            v = qkv[:, k_end:].view(num_tokens, hkv, d)
+            ops.rotary_embedding(batch.positions, q, k, self.cos_sin_cache)
+            kv_cache = kv_caches[i]
+            ops.write_kv_cache(k, v, kv_cache, batch.slot_mapping)
+            if layer_hook is not None:
+                layer_hook(i)
+            if batch.is_prefill:
+                attn = ops.prefill_attention(
+                    q, k, v, kv_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, self.scale
+                )
+            else:
+                attn = ops.decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, self.scale)
+            hidden = F.linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
+            hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
+            gate_up = F.linear(hidden, layer.gate_up, layer.gate_up_bias)
+            hidden = F.linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
+
+        # Only the wanted rows go through the final norm and the (large) vocabulary projection.
+        idx = batch.logits_indices
+        last = hidden.index_select(0, idx) + residual.index_select(0, idx)
+        last = ops.rms_norm(last, w.norm, eps)
+        return F.linear(last, w.lm_head).float()
+
+    __call__ = forward
+
+
+def load_model(
+    path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Load a checkpoint directory; see `disagg.worker.loader.load_model`."""
+    from disagg.worker.loader import load_model as _load
+
+    return _load(path, dtype=dtype, device=device)
