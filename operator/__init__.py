@@ -1,1 +1,1 @@
-"""disagg.operator."""
+"""disagg.operator: the InferenceDeployment CRD's operator (kopf handlers over pure builders)."""

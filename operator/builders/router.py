@@ -1,0 +1,102 @@
+"""The OpenAI-compatible router: a Deployment and the Service that is the deployment's endpoint."""
+
+from __future__ import annotations
+
+from disagg.operator.builders import common, config
+from disagg.operator.spec import InferenceDeployment
+
+API_KEYS_DIR = "/etc/disagg/api-keys"
+SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+def _args(idep: InferenceDeployment) -> list[str]:
+    router = idep.spec.router
+    args = [
+        "router",
+        "--port",
+        str(router.port),
+        "--redis-url",
+        common.redis_url(idep),
+        "--deployment",
+        idep.deployment_id,
+        "--model-name",
+        idep.spec.model.name,
+    ]
+    if router.api_key is not None:
+        args += ["--api-key-file", f"{API_KEYS_DIR}/{router.api_key.key}"]
+    return args
+
+
+def deployment(idep: InferenceDeployment) -> dict:
+    spec = idep.spec
+    router = spec.router
+    health = {"path": "/health", "port": "http"}
+    container = {
+        "name": "router",
+        "image": spec.image.ref,
+        "imagePullPolicy": spec.image.pull_policy,
+        "command": ["disagg"],
+        "args": _args(idep),
+        "env": common.redis_password_env(idep),
+        "envFrom": [{"configMapRef": {"name": common.config_name(idep)}}],
+        "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": health, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {"httpGet": health, "periodSeconds": 10, "failureThreshold": 6},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": SECURITY,
+    }
+    if not container["env"]:
+        del container["env"]
+    if router.resources:
+        container["resources"] = router.resources
+    volumes = [{"name": "tmp", "emptyDir": {}}]
+    if router.api_key is not None:
+        container["volumeMounts"].append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+        volumes.append({"name": "api-keys", "secret": {"secretName": router.api_key.name}})
+    pod_spec = {
+        "serviceAccountName": common.service_account_name(idep),
+        "automountServiceAccountToken": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000},
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if spec.image.pull_secrets:
+        pod_spec["imagePullSecrets"] = common.pull_secrets(idep)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": common.metadata(idep, common.router_name(idep), "router"),
+        "spec": {
+            "replicas": router.replicas,
+            "selector": {"matchLabels": common.selector_labels(idep, "router")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {
+                    "labels": common.labels(idep, "router"),
+                    "annotations": {config.CONFIG_HASH_ANNOTATION: config.config_hash(idep)},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def service(idep: InferenceDeployment) -> dict:
+    router = idep.spec.router
+    meta = common.metadata(idep, common.api_service_name(idep), "router")
+    if router.service_annotations:
+        meta["annotations"] = dict(router.service_annotations)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "type": router.service_type,
+            "selector": common.selector_labels(idep, "router"),
+            "ports": [{"name": "http", "port": router.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }

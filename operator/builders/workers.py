@@ -1,0 +1,212 @@
+"""Prefill and decode workers: one StatefulSet and one headless Service per role.
+
+Role identity (the `--role` flag, the `disagg.dev/role` label, the `DISAGG_ROLE` variable) is set
+here and nowhere else; user-supplied env may not override it.
+"""
+
+from __future__ import annotations
+
+from disagg.operator import constants as c
+from disagg.operator.builders import common, config, model
+from disagg.operator.spec import InferenceDeployment, Role, SpecError
+
+GPU = "nvidia.com/gpu"
+SHM_VOLUME = "dshm"
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def desired_replicas(idep: InferenceDeployment, role: Role) -> int | None:
+    """The StatefulSet's replica count, or None when an HPA owns it (then the field is left out).
+
+    With operator-mode autoscaling the autoscaler's last decision (status) wins, so a reconcile
+    never fights it; before its first decision the pool starts at minReplicas.
+    """
+    auto = role.autoscaling
+    if auto is None:
+        return role.replicas
+    if auto.mode == "hpa":
+        return None
+    desired = idep.autoscaler_desired.get(role.name, auto.min_replicas)
+    return max(auto.min_replicas, min(auto.max_replicas, desired))
+
+
+def _resources(idep: InferenceDeployment, role: Role) -> dict:
+    path = f"spec.{role.name}.resources"
+    requests = dict(role.resources.get("requests") or {})
+    limits = dict(role.resources.get("limits") or {})
+    if GPU in limits and str(limits[GPU]).isdigit() and int(limits[GPU]) < role.tensor_parallel_size:
+        raise SpecError(
+            f"{path}.limits.{GPU}",
+            f"tensorParallelSize {role.tensor_parallel_size} needs at least that many GPUs, "
+            f"got {limits[GPU]}",
+        )
+    rdma = idep.spec.kv_transfer
+    if rdma.rdma_count > 0:
+        requests[rdma.rdma_resource] = rdma.rdma_count
+        limits[rdma.rdma_resource] = rdma.rdma_count
+    out = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _args(idep: InferenceDeployment, role: Role) -> list[str]:
+    spec = idep.spec
+    args = [
+        "worker",
+        "--role",
+        role.name,
+        "--model",
+        model.model_dir(idep),
+        "--port",
+        str(c.WORKER_GRPC_PORT),
+        "--metrics-port",
+        str(c.WORKER_METRICS_PORT),
+        "--redis-url",
+        common.redis_url(idep),
+        "--deployment",
+        idep.deployment_id,
+        "--kv-transfer",
+        spec.kv_transfer.backend,
+        "--block-size",
+        str(role.block_size),
+        "--kv-cache-memory-fraction",
+        str(role.memory_fraction),
+        "--tensor-parallel-size",
+        str(role.tensor_parallel_size),
+    ]
+    if spec.model.dtype != "auto":
+        args += ["--dtype", spec.model.dtype]
+    if spec.model.max_model_length is not None:
+        args += ["--max-model-len", str(spec.model.max_model_length)]
+    return args
+
+
+def _env(idep: InferenceDeployment, role: Role) -> list[dict]:
+    for i, item in enumerate(role.env):
+        if item["name"] in common.RESERVED_ENV:
+            raise SpecError(f"spec.{role.name}.env[{i}].name", f"{item['name']} is set by the operator")
+    env = [
+        {"name": "DISAGG_ROLE", "value": role.name},
+        {"name": "DISAGG_DEPLOYMENT", "value": idep.deployment_id},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        *common.redis_password_env(idep),
+    ]
+    transports = idep.spec.kv_transfer.ucx_transports
+    if transports:
+        env.append({"name": "UCX_TLS", "value": ",".join(transports)})
+    return env + [dict(item) for item in role.env]
+
+
+def _container(idep: InferenceDeployment, role: Role) -> dict:
+    spec = idep.spec
+    security = dict(CONTAINER_SECURITY)
+    if spec.kv_transfer.rdma_count > 0:
+        # RDMA registers (pins) memory, which needs IPC_LOCK.
+        security["capabilities"] = {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    http_health = {"path": "/health", "port": "metrics"}
+    container = {
+        "name": "worker",
+        "image": spec.image.ref,
+        "imagePullPolicy": spec.image.pull_policy,
+        "command": ["disagg"],
+        "args": _args(idep, role),
+        "env": _env(idep, role),
+        "envFrom": [{"configMapRef": {"name": common.config_name(idep)}}],
+        "ports": [
+            {"name": "grpc", "containerPort": c.WORKER_GRPC_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": c.WORKER_METRICS_PORT, "protocol": "TCP"},
+        ],
+        # Loading weights can take minutes; the startup probe covers it so liveness can stay strict.
+        "startupProbe": {"httpGet": http_health, "periodSeconds": 10, "failureThreshold": 180},
+        "readinessProbe": {"httpGet": http_health, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {"httpGet": http_health, "periodSeconds": 10, "failureThreshold": 6},
+        # Drain: stop admitting work and return once in-flight requests have finished; the kubelet
+        # waits for this hook up to terminationGracePeriodSeconds before sending SIGTERM.
+        "lifecycle": {"preStop": {"httpGet": {"path": "/drain", "port": "metrics"}}},
+        "volumeMounts": [model.mount(idep), {"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
+        "securityContext": security,
+    }
+    resources = _resources(idep, role)
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def statefulset(idep: InferenceDeployment, role_name: str) -> dict:
+    role = idep.spec.role(role_name)
+    spec = idep.spec
+    name = common.role_name(idep, role_name)
+    pod_spec = {
+        "serviceAccountName": common.service_account_name(idep),
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": role.termination_grace_seconds,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
+        "initContainers": model.init_containers(idep, CONTAINER_SECURITY),
+        "containers": [_container(idep, role)],
+        "volumes": [
+            model.volume(idep),
+            # NCCL and UCX shared-memory transports need more than the container runtime's 64 MiB /dev/shm.
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+        ],
+    }
+    if not pod_spec["initContainers"]:
+        del pod_spec["initContainers"]
+    if spec.image.pull_secrets:
+        pod_spec["imagePullSecrets"] = common.pull_secrets(idep)
+    if role.node_selector:
+        pod_spec["nodeSelector"] = dict(role.node_selector)
+    if role.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in role.tolerations]
+    if role.affinity:
+        pod_spec["affinity"] = role.affinity
+    sts_spec = {
+        "serviceName": name,
+        # Workers do not depend on each other's start order.
+        "podManagementPolicy": "Parallel",
+        "selector": {"matchLabels": common.selector_labels(idep, role_name)},
+        "updateStrategy": {"type": "RollingUpdate"},
+        "template": {
+            "metadata": {
+                "labels": common.labels(idep, role_name),
+                "annotations": {
+                    "disagg.dev/model": spec.model.name,
+                    config.CONFIG_HASH_ANNOTATION: config.config_hash(idep),
+                },
+            },
+            "spec": pod_spec,
+        },
+    }
+    replicas = desired_replicas(idep, role)
+    if replicas is not None:
+        sts_spec = {"replicas": replicas, **sts_spec}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": common.metadata(idep, name, role_name),
+        "spec": sts_spec,
+    }
+
+
+def headless_service(idep: InferenceDeployment, role_name: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": common.metadata(idep, common.role_name(idep, role_name), role_name),
+        "spec": {
+            "clusterIP": "None",
+            "selector": common.selector_labels(idep, role_name),
+            "ports": [
+                {"name": "grpc", "port": c.WORKER_GRPC_PORT, "targetPort": "grpc", "protocol": "TCP"},
+                {
+                    "name": "metrics",
+                    "port": c.WORKER_METRICS_PORT,
+                    "targetPort": "metrics",
+                    "protocol": "TCP",
+                },
+            ],
+        },
+    }

@@ -1,0 +1,150 @@
+"""The kopf layer: which events run a reconcile, the finalizer's work, and the operator's settings.
+
+Handlers are registered onto a registry passed in (the default one in production, a fresh one
+per test), so several operators can live in one process under test.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import Callable
+
+import kopf
+
+from disagg.operator import cleanup
+from disagg.operator import constants as c
+from disagg.operator import spec as specs
+from disagg.operator.kube import Kube
+from disagg.operator.reconcile import Reconciler
+
+CHILD_FILTER = {c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
+
+
+def default_login(**kwargs) -> kopf.ConnectionInfo:
+    """In-cluster service account first, then a kubeconfig (KUBECONFIG or ~/.kube/config)."""
+    conn = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if conn is None:
+        raise kopf.LoginError("no service account token and no kubeconfig found")
+    return conn
+
+
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    # Our own names for kopf's bookkeeping; status stays ours (and the autoscaler's).
+    settings.persistence.finalizer = c.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=c.GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING
+
+
+def _owner(body: dict) -> tuple[str, str] | None:
+    for ref in (body.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") == c.KIND and str(ref.get("apiVersion", "")).startswith(f"{c.GROUP}/"):
+            return body["metadata"].get("namespace"), ref["name"]
+    return None
+
+
+async def _external_redis_password(kube: Kube, idep: specs.InferenceDeployment) -> str | None:
+    ref = idep.spec.redis.password
+    if ref is None:
+        return None
+    secret = await kube.get("v1", "Secret", idep.namespace, ref.name)
+    value = ((secret or {}).get("data") or {}).get(ref.key)
+    return base64.b64decode(value).decode() if value else None
+
+
+def register(
+    registry: kopf.OperatorRegistry,
+    *,
+    login: Callable[..., kopf.ConnectionInfo] = default_login,
+    kube: Kube | None = None,
+    resync_seconds: float = 60.0,
+) -> Reconciler:
+    """Register every handler of the operator onto `registry`; returns the reconciler it uses."""
+    kube = kube or Kube()
+    reconciler = Reconciler(kube)
+    resource = (c.GROUP, c.VERSION, c.PLURAL)
+
+    @kopf.on.startup(registry=registry, id="disagg-settings")
+    def _startup(settings: kopf.OperatorSettings, **_):
+        configure_settings(settings)
+
+    @kopf.on.login(registry=registry, id="disagg-login")
+    def _login(**kwargs):
+        conn = login(**kwargs)
+        kube.configure(conn)
+        return conn
+
+    @kopf.on.cleanup(registry=registry, id="disagg-close")
+    async def _close(**_):
+        await kube.close()
+
+    @kopf.on.resume(*resource, registry=registry, id="reconcile")
+    @kopf.on.create(*resource, registry=registry, id="reconcile")
+    @kopf.on.update(*resource, registry=registry, id="reconcile")
+    async def _reconcile(body, logger, **_):
+        outcome = await reconciler.reconcile(dict(body), logger)
+        if outcome.applied:
+            logger.info("applied %s", ", ".join(outcome.applied))
+
+    @kopf.timer(
+        *resource, registry=registry, id="resync", interval=resync_seconds, initial_delay=resync_seconds
+    )
+    async def _resync(body, logger, **_):
+        # Safety net for missed watch events; a no-op when nothing drifted.
+        if not body.get("metadata", {}).get("deletionTimestamp"):
+            await reconciler.reconcile(dict(body), logger)
+
+    @kopf.on.delete(*resource, registry=registry, id="cleanup")
+    async def _delete(body, logger, **_):
+        reconciler.forget(body["metadata"].get("uid", ""))
+        try:
+            idep = specs.parse(dict(body))
+        except specs.SpecError as exc:
+            logger.warning("spec unreadable at deletion, nothing to clean: %s", exc)
+            return
+        if idep.spec.redis.managed:
+            return  # the managed Redis is garbage-collected with the other children
+        password = await _external_redis_password(kube, idep)
+        count = await cleanup.delete_keys(
+            idep.spec.redis.url, idep.deployment_id, password=password, logger=logger
+        )
+        if count is None:
+            kopf.warn(
+                body,
+                reason="CleanupSkipped",
+                message=f"Redis at {idep.spec.redis.url} unreachable; "
+                f"keys {cleanup.key_pattern(idep.deployment_id)} left",
+            )
+        else:
+            kopf.event(
+                body,
+                type="Normal",
+                reason="CleanedUp",
+                message=f"deleted {count} Redis keys of {idep.deployment_id}",
+            )
+
+    async def _child_changed(event, body, logger, **_):
+        owner = _owner(body)
+        if owner is None:
+            return
+        namespace, name = owner
+        parent = await kube.get(c.API_VERSION, c.KIND, namespace, name)
+        if parent is None or parent["metadata"].get("deletionTimestamp"):
+            return
+        if event.get("type") == "DELETED":
+            logger.info("child %s/%s deleted; reconciling %s", body["kind"], body["metadata"]["name"], name)
+        try:
+            await reconciler.reconcile(parent, logger)
+        except (kopf.PermanentError, kopf.TemporaryError) as exc:
+            logger.warning("reconcile of %s after a child change did not finish: %s", name, exc)
+
+    kopf.on.event(
+        "apps", "v1", "statefulsets", registry=registry, id="child-statefulset", labels=CHILD_FILTER
+    )(_child_changed)
+    kopf.on.event("apps", "v1", "deployments", registry=registry, id="child-deployment", labels=CHILD_FILTER)(
+        _child_changed
+    )
+    return reconciler

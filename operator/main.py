@@ -1,0 +1,87 @@
+"""`disagg operator`: run the InferenceDeployment operator (kopf, embedded, in this process)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import logging
+
+import kopf
+
+from disagg.operator import handlers
+
+AUTOSCALER_HANDLERS = "disagg.operator.autoscaling.handlers"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="watch this namespace (repeatable; globs like 'team-*' work)",
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
+    parser.add_argument(
+        "--liveness",
+        metavar="URL",
+        default=None,
+        help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
+    )
+    parser.add_argument("--log-format", choices=("plain", "full", "json"), default="full")
+    parser.add_argument(
+        "--standalone", action="store_true", help="do not take part in peering (run exactly one replica)"
+    )
+    parser.add_argument(
+        "--peering",
+        default=None,
+        metavar="NAME",
+        help="name of the kopf peering object that elects one active replica",
+    )
+    parser.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=60.0,
+        help="how often every resource is re-checked for drift (default 60)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def build_registry(resync_seconds: float = 60.0) -> kopf.OperatorRegistry:
+    """The default registry with our handlers, plus the autoscaler's timer when it is installed."""
+    registry = kopf.get_default_registry()
+    handlers.register(registry, resync_seconds=resync_seconds)
+    if importlib.util.find_spec(AUTOSCALER_HANDLERS) is not None:
+        # Its handlers register themselves on the default registry at import: one process, one watch.
+        importlib.import_module(AUTOSCALER_HANDLERS)
+    return registry
+
+
+def run(args: argparse.Namespace) -> int:
+    fmt = {"plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL, "json": kopf.LogFormat.JSON}[
+        args.log_format
+    ]
+    kopf.configure(verbose=args.verbose, log_format=fmt)
+    registry = build_registry(args.resync_seconds)
+    clusterwide = args.all_namespaces or not args.namespace
+    standalone = args.standalone or args.peering is None
+    logging.getLogger(__name__).info(
+        "watching %s", "all namespaces" if clusterwide else ", ".join(args.namespace)
+    )
+    try:
+        asyncio.run(
+            kopf.operator(
+                registry=registry,
+                clusterwide=clusterwide,
+                namespaces=() if clusterwide else args.namespace,
+                standalone=standalone,
+                peering_name=args.peering,
+                liveness_endpoint=args.liveness,
+            )
+        )
+    except KeyboardInterrupt:
+        return 130
+    return 0

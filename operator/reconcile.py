@@ -1,0 +1,205 @@
+"""One reconcile of an InferenceDeployment: build, compare, apply what changed, report status.
+
+Runs for create/update/resume, for every change of a child workload (so a child deleted by hand
+is recreated and the status follows readiness), and on a slow timer as a safety net. Runs of
+the same object are serialized; a run that finds nothing to change writes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import kopf
+
+from disagg.operator import constants as c
+from disagg.operator import rollout, rules
+from disagg.operator import spec as specs
+from disagg.operator import status as statuses
+from disagg.operator.builders import build_children, common
+from disagg.operator.kube import Kube, KubeError
+
+DISCOVERY_TTL_SECONDS = 60.0
+
+
+class InvalidSpec(kopf.PermanentError):
+    """The resource cannot be reconciled until its spec changes."""
+
+
+@dataclass
+class Outcome:
+    applied: list[str]
+    held: list[str]
+    status: dict
+
+
+def _key(manifest: dict) -> tuple[str, str]:
+    return manifest["kind"], manifest["metadata"]["name"]
+
+
+def _describe(manifest: dict, was: dict | None, seen_before: bool) -> tuple[str, str]:
+    """The Event for one applied child: what happened and, for a replica revert, why."""
+    kind, name = _key(manifest)
+    if was is None:
+        reason = "Recreated" if seen_before else "Created"
+        return reason, f"{reason.lower()} {kind} {name}"
+    if rollout.applied_hash(was) == rollout.applied_hash(manifest):
+        have = (was.get("spec") or {}).get("replicas")
+        want = manifest["spec"].get("replicas")
+        return "ReplicasReverted", (
+            f"{kind} {name} replicas {have} -> {want}: the InferenceDeployment (or its autoscaler) owns the "
+            f"replica count; change spec or let the autoscaler decide instead of editing the {kind}"
+        )
+    return "Updated", f"updated {kind} {name}"
+
+
+class Reconciler:
+    def __init__(self, kube: Kube):
+        self.kube = kube
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._sm_checked: tuple[float, bool] | None = None
+        self._waiting: dict[str, int] = {}  # uid -> runs queued for the lock
+        self._held: dict[str, set[str]] = {}  # uid -> children held back, to post the Event once
+
+    def _lock(self, uid: str) -> asyncio.Lock:
+        return self._locks.setdefault(uid, asyncio.Lock())
+
+    def forget(self, uid: str) -> None:
+        self._locks.pop(uid, None)
+        self._waiting.pop(uid, None)
+        self._held.pop(uid, None)
+
+    async def _service_monitors_served(self) -> bool:
+        # Discovery changes rarely (installing the Prometheus Operator); ask once a minute at most.
+        now = time.monotonic()
+        if self._sm_checked is None or now - self._sm_checked[0] > DISCOVERY_TTL_SECONDS:
+            self._sm_checked = (now, await self.kube.serves("monitoring.coreos.com/v1", "servicemonitors"))
+        return self._sm_checked[1]
+
+    async def _observe(self, desired: list[dict], idep: specs.InferenceDeployment) -> dict:
+        """The live children, one LIST per kind (selected by the instance label), keyed by (kind, name)."""
+        wanted = {_key(m) for m in desired}
+        kinds = {(m["apiVersion"], m["kind"]) for m in desired}
+        selector = f"{c.LABEL_INSTANCE}={idep.name}"
+        observed: dict[tuple[str, str], dict | None] = dict.fromkeys(wanted)
+        for api_version, kind in sorted(kinds):
+            for item in await self.kube.list(api_version, kind, idep.namespace, selector):
+                key = (kind, item["metadata"]["name"])
+                if key in wanted:
+                    observed[key] = {"apiVersion": api_version, "kind": kind, **item}
+        return observed
+
+    async def _write_status(self, body: dict, new: dict) -> None:
+        meta = body["metadata"]
+        if statuses.changed(body.get("status") or {}, new):
+            await self.kube.patch_status(c.API_VERSION, c.KIND, meta["namespace"], meta["name"], new)
+
+    async def _reject(self, body: dict, message: str) -> None:
+        meta = body["metadata"]
+        previous = (body.get("status") or {}).get("conditions") or []
+        new = statuses.compute(
+            generation=int(meta.get("generation") or 1),
+            endpoint="",
+            desired={},
+            observed={},
+            held=[],
+            problem=("InvalidSpec", message),
+            previous=previous,
+        )
+        new = {k: v for k, v in new.items() if k in ("observedGeneration", "conditions")}
+        if statuses.changed(body.get("status") or {}, new):
+            kopf.event(body, type="Warning", reason="InvalidSpec", message=message)
+        await self._write_status(body, new)
+
+    async def reconcile(self, body: dict, logger: logging.Logger) -> Outcome:
+        meta = body["metadata"]
+        uid = meta.get("uid", "")
+        lock = self._lock(uid)
+        if lock.locked() and self._waiting.get(uid, 0) > 0:
+            # A run is already queued behind the current one and will read the latest state itself.
+            return Outcome(applied=[], held=[], status={})
+        self._waiting[uid] = self._waiting.get(uid, 0) + 1
+        try:
+            await lock.acquire()
+        finally:
+            self._waiting[uid] -= 1
+        try:
+            # Work from the latest stored object: the event that triggered this run may predate
+            # the status an earlier run wrote, and conditions must keep their transition times.
+            fresh = await self.kube.get(c.API_VERSION, c.KIND, meta["namespace"], meta["name"])
+            if fresh is None or fresh["metadata"].get("uid", "") != uid:
+                return Outcome(applied=[], held=[], status={})
+            return await self._reconcile(fresh, logger)
+        finally:
+            lock.release()
+
+    async def _reconcile(self, body: dict, logger: logging.Logger) -> Outcome:
+        try:
+            broken = rules.violations(body)
+            if broken:
+                raise specs.SpecError(broken[0].split(":", 1)[0], broken[0].split(": ", 1)[1])
+            idep = specs.parse(body)
+            sm_available = idep.spec.monitoring.service_monitor and await self._service_monitors_served()
+            desired = [
+                rollout.stamp(m) for m in build_children(idep, body, service_monitor_available=sm_available)
+            ]
+        except specs.SpecError as exc:
+            await self._reject(body, str(exc))
+            raise InvalidSpec(str(exc)) from exc
+        except RuntimeError as exc:  # e.g. HPA mode in a build without HPA support
+            await self._reject(body, str(exc))
+            raise InvalidSpec(str(exc)) from exc
+
+        observed = await self._observe(desired, idep)
+        decode_key = ("StatefulSet", common.role_name(idep, "decode"))
+        prefill_key = ("StatefulSet", common.role_name(idep, "prefill"))
+        plan = rollout.plan(desired, observed, decode_key, prefill_key)
+        seen_before = "observedGeneration" in (body.get("status") or {})
+
+        problem = None
+        applied = []
+        for manifest in plan.apply:
+            key = _key(manifest)
+            was = observed.get(key)
+            try:
+                observed[key] = await self.kube.apply(manifest)
+            except KubeError as exc:
+                problem = ("ApplyFailed", f"{key[0]} {key[1]}: {exc}")
+                kopf.event(body, type="Warning", reason="ApplyFailed", message=problem[1])
+                logger.error("applying %s %s failed: %s", *key, exc)
+                break
+            applied.append(f"{key[0]}/{key[1]}")
+            reason, message = _describe(manifest, was, seen_before)
+            kopf.event(body, type="Normal", reason=reason, message=message)
+
+        held_names = {m["metadata"]["name"] for m in plan.held}
+        newly_held = held_names - self._held.get(idep.uid, set())
+        for name in sorted(newly_held):
+            kopf.event(
+                body, type="Normal", reason="RolloutHeld", message=f"{name} waits until decode has rolled out"
+            )
+        self._held[idep.uid] = held_names
+
+        by_kind_name = {_key(m): m for m in desired}
+        workloads = {
+            "decode": decode_key,
+            "prefill": prefill_key,
+            "router": ("Deployment", common.router_name(idep)),
+        }
+        new_status = statuses.compute(
+            generation=idep.generation,
+            endpoint=common.endpoint(idep),
+            desired={n: by_kind_name[k] for n, k in workloads.items()},
+            observed={n: observed.get(k) for n, k in workloads.items()},
+            held=plan.reasons,
+            problem=problem,
+            redis_observed=observed.get(("StatefulSet", common.redis_name(idep))),
+            redis_managed=idep.spec.redis.managed,
+            previous=(body.get("status") or {}).get("conditions") or [],
+        )
+        await self._write_status(body, new_status)
+        if problem is not None:
+            raise kopf.TemporaryError(problem[1], delay=15)
+        return Outcome(applied=applied, held=sorted(held_names), status=new_status)

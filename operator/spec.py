@@ -1,0 +1,390 @@
+"""The InferenceDeployment spec as typed values, with the CRD's defaults applied.
+
+The API server applies the CRD defaults, but the operator must not depend on that (older
+objects, other API servers, tests), so parsing fills the same defaults itself; a test checks
+that these defaults equal the ones declared in `crds/inferencedeployment.yaml`. Malformed input
+raises `SpecError` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg.operator.constants import ROLES
+
+
+class SpecError(ValueError):
+    """The resource cannot be reconciled as written; the message names the field."""
+
+    def __init__(self, path: str, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+
+
+def _section(obj: dict, key: str, path: str, required: bool = False) -> dict:
+    value = obj.get(key)
+    if value is None:
+        if required:
+            raise SpecError(f"{path}.{key}", "is required")
+        return {}
+    if not isinstance(value, dict):
+        raise SpecError(f"{path}.{key}", f"must be an object, got {type(value).__name__}")
+    return value
+
+
+def _get(
+    obj: dict, key: str, path: str, kind: type | tuple[type, ...], default: Any = None, required: bool = False
+):
+    value = obj.get(key, default)
+    if value is None:
+        if required:
+            raise SpecError(f"{path}.{key}", "is required")
+        return None
+    if isinstance(value, bool) and kind in (int, float, (int, float)):
+        raise SpecError(f"{path}.{key}", f"must be a number, got {value!r}")
+    if not isinstance(value, kind):
+        raise SpecError(f"{path}.{key}", f"has the wrong type: {value!r}")
+    return value
+
+
+def _choice(obj: dict, key: str, path: str, allowed: tuple[str, ...], default: str | None) -> str | None:
+    value = _get(obj, key, path, str, default)
+    if value is not None and value not in allowed:
+        raise SpecError(f"{path}.{key}", f"must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    name: str
+    key: str
+
+
+def _secret(obj: dict, key: str, path: str, default_key: str) -> SecretRef | None:
+    sec = _section(obj, key, path)
+    if not sec:
+        return None
+    return SecretRef(
+        _get(sec, "name", f"{path}.{key}", str, required=True),
+        _get(sec, "key", f"{path}.{key}", str, default_key),
+    )
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # pvc | hostPath | huggingFace | generate
+    claim_name: str | None = None
+    path: str = ""
+    repo: str | None = None
+    revision: str = "main"
+    token: SecretRef | None = None
+    size_limit: str = "60Gi"
+    preset: str | None = None
+
+
+SOURCE_KINDS = ("pvc", "hostPath", "huggingFace", "generate")
+
+
+def _source(model: dict) -> ModelSource:
+    path = "spec.model.source"
+    src = _section(model, "source", "spec.model", required=True)
+    kinds = [k for k in SOURCE_KINDS if src.get(k) is not None]
+    if len(kinds) != 1:
+        raise SpecError(
+            path, f"set exactly one of {', '.join(SOURCE_KINDS)} (got {', '.join(kinds) or 'none'})"
+        )
+    kind = kinds[0]
+    body = _section(src, kind, path)
+    sub = f"{path}.{kind}"
+    if kind == "pvc":
+        return ModelSource(
+            kind,
+            claim_name=_get(body, "claimName", sub, str, required=True),
+            path=_get(body, "path", sub, str, ""),
+        )
+    if kind == "hostPath":
+        host = _get(body, "path", sub, str, required=True)
+        if not host.startswith("/"):
+            raise SpecError(f"{sub}.path", f"must be an absolute path, got {host!r}")
+        return ModelSource(kind, path=host)
+    if kind == "huggingFace":
+        return ModelSource(
+            kind,
+            repo=_get(body, "repo", sub, str, required=True),
+            revision=_get(body, "revision", sub, str, "main"),
+            token=_secret(body, "tokenSecret", sub, "token"),
+            size_limit=_get(body, "sizeLimit", sub, str, "60Gi"),
+        )
+    return ModelSource(
+        kind, preset=_choice(body, "preset", sub, ("tiny", "small"), None) or _missing(sub, "preset")
+    )
+
+
+def _missing(path: str, key: str):
+    raise SpecError(f"{path}.{key}", "is required")
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    source: ModelSource
+    dtype: str = "auto"
+    max_model_length: int | None = None
+
+
+@dataclass(frozen=True)
+class Image:
+    repository: str = "ghcr.io/disagg/disagg-worker"
+    tag: str = "0.1.0"
+    pull_policy: str = "IfNotPresent"
+    pull_secrets: tuple[str, ...] = ()
+
+    @property
+    def ref(self) -> str:
+        return f"{self.repository}:{self.tag}"
+
+
+@dataclass(frozen=True)
+class Router:
+    replicas: int = 1
+    service_type: str = "ClusterIP"
+    port: int = 8000
+    service_annotations: dict = field(default_factory=dict)
+    api_key: SecretRef | None = None
+    resources: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    min_replicas: int
+    max_replicas: int
+    ttft_ms: int | None
+    itl_ms: int | None
+    percentile: float = 90
+    up_stabilization_s: int = 0
+    up_max_step: int | None = None
+    down_stabilization_s: int = 300
+    down_max_step: int = 1
+    mode: str = "operator"
+    metrics_url: str | None = None
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str  # prefill | decode
+    replicas: int | None
+    autoscaling: Autoscaling | None
+    resources: dict = field(default_factory=dict)
+    tensor_parallel_size: int = 1
+    block_size: int = 16
+    memory_fraction: float = 0.9
+    max_unavailable: int = 1
+    termination_grace_seconds: int = 120
+    node_selector: dict = field(default_factory=dict)
+    tolerations: tuple = ()
+    affinity: dict | None = None
+    env: tuple = ()
+
+
+@dataclass(frozen=True)
+class KvTransfer:
+    backend: str = "nixl"
+    ucx_transports: tuple[str, ...] = ()
+    rdma_resource: str = "rdma/hca"
+    rdma_count: int = 0
+
+
+@dataclass(frozen=True)
+class Redis:
+    managed: bool = True
+    image: str = "redis:7.4-alpine"
+    url: str | None = None
+    password: SecretRef | None = None
+
+
+@dataclass(frozen=True)
+class Monitoring:
+    service_monitor: bool = True
+    interval: str = "15s"
+
+
+@dataclass(frozen=True)
+class Spec:
+    model: Model
+    image: Image
+    router: Router
+    prefill: Role
+    decode: Role
+    kv_transfer: KvTransfer
+    redis: Redis
+    monitoring: Monitoring
+
+    def role(self, name: str) -> Role:
+        return self.prefill if name == "prefill" else self.decode
+
+
+@dataclass(frozen=True)
+class InferenceDeployment:
+    """One InferenceDeployment object: identity, parsed spec, and the autoscaler's status."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: Spec
+    autoscaler_desired: dict = field(
+        default_factory=dict
+    )  # role -> status.<role>.autoscaling.desiredReplicas
+
+    @property
+    def deployment_id(self) -> str:
+        # Unique across namespaces, so two deployments sharing an external Redis never share keys.
+        return f"{self.namespace}.{self.name}"
+
+
+def _int(obj: dict, key: str, path: str, default: int | None, minimum: int | None = None) -> int | None:
+    value = _get(obj, key, path, int, default)
+    if value is not None and minimum is not None and value < minimum:
+        raise SpecError(f"{path}.{key}", f"must be at least {minimum}, got {value}")
+    return value
+
+
+def _autoscaling(body: dict, path: str) -> Autoscaling:
+    target = _section(body, "target", path, required=True)
+    up = _section(body, "scaleUp", path)
+    down = _section(body, "scaleDown", path)
+    tpath = f"{path}.target"
+    percentile = _get(target, "percentile", tpath, (int, float), 90)
+    if not 50 <= percentile <= 99.99:
+        raise SpecError(f"{tpath}.percentile", f"must be between 50 and 99.99, got {percentile}")
+    return Autoscaling(
+        min_replicas=_int(body, "minReplicas", path, 1, 1),
+        max_replicas=_int(body, "maxReplicas", path, None, 1) or _missing(path, "maxReplicas"),
+        ttft_ms=_int(target, "ttftMilliseconds", tpath, None, 1),
+        itl_ms=_int(target, "itlMilliseconds", tpath, None, 1),
+        percentile=float(percentile),
+        up_stabilization_s=_int(up, "stabilizationSeconds", f"{path}.scaleUp", 0, 0),
+        up_max_step=_int(up, "maxStep", f"{path}.scaleUp", None, 1),
+        down_stabilization_s=_int(down, "stabilizationSeconds", f"{path}.scaleDown", 300, 0),
+        down_max_step=_int(down, "maxStep", f"{path}.scaleDown", 1, 1),
+        mode=_choice(body, "mode", path, ("operator", "hpa"), "operator"),
+        metrics_url=_get(body, "metricsUrl", path, str),
+    )
+
+
+def _role(spec: dict, name: str) -> Role:
+    path = f"spec.{name}"
+    body = _section(spec, name, "spec", required=True)
+    kv = _section(body, "kvCache", path)
+    auto = _section(body, "autoscaling", path)
+    tp = _int(body, "tensorParallelSize", path, 1, 1)
+    if tp not in (1, 2, 4, 8):
+        raise SpecError(f"{path}.tensorParallelSize", f"must be one of 1, 2, 4, 8, got {tp}")
+    fraction = _get(kv, "memoryFraction", f"{path}.kvCache", (int, float), 0.9)
+    if not 0.05 <= fraction <= 0.98:
+        raise SpecError(f"{path}.kvCache.memoryFraction", f"must be between 0.05 and 0.98, got {fraction}")
+    block = _int(kv, "blockSize", f"{path}.kvCache", 16, 1)
+    if block not in (8, 16, 32, 64, 128):
+        raise SpecError(f"{path}.kvCache.blockSize", f"must be one of 8, 16, 32, 64, 128, got {block}")
+    env = _get(body, "env", path, list, [])
+    for i, item in enumerate(env):
+        if not isinstance(item, dict) or not item.get("name"):
+            raise SpecError(f"{path}.env[{i}].name", "is required")
+    return Role(
+        name=name,
+        replicas=_int(body, "replicas", path, None, 0),
+        autoscaling=_autoscaling(auto, f"{path}.autoscaling") if auto else None,
+        resources=_section(body, "resources", path),
+        tensor_parallel_size=tp,
+        block_size=block,
+        memory_fraction=float(fraction),
+        max_unavailable=_int(body, "maxUnavailable", path, 1, 0),
+        termination_grace_seconds=_int(body, "terminationGracePeriodSeconds", path, 120, 1),
+        node_selector=_section(body, "nodeSelector", path),
+        tolerations=tuple(_get(body, "tolerations", path, list, [])),
+        affinity=_section(body, "affinity", path) or None,
+        env=tuple(env),
+    )
+
+
+def parse_spec(spec: dict) -> Spec:
+    if not isinstance(spec, dict):
+        raise SpecError("spec", "is required")
+    model = _section(spec, "model", "spec", required=True)
+    image = _section(spec, "image", "spec")
+    router = _section(spec, "router", "spec")
+    service = _section(router, "service", "spec.router")
+    kvt = _section(spec, "kvTransfer", "spec")
+    rdma = _section(kvt, "rdma", "spec.kvTransfer")
+    redis = _section(spec, "redis", "spec") or {"managed": {}}
+    mon = _section(spec, "monitoring", "spec")
+    if (redis.get("managed") is None) == (redis.get("external") is None):
+        raise SpecError("spec.redis", "set exactly one of managed and external")
+    external = _section(redis, "external", "spec.redis")
+    managed = _section(redis, "managed", "spec.redis")
+    return Spec(
+        model=Model(
+            name=_get(model, "name", "spec.model", str, required=True),
+            source=_source(model),
+            dtype=_choice(model, "dtype", "spec.model", ("auto", "float32", "bfloat16", "float16"), "auto"),
+            max_model_length=_int(model, "maxModelLength", "spec.model", None, 1),
+        ),
+        image=Image(
+            repository=_get(image, "repository", "spec.image", str, Image.repository),
+            tag=str(_get(image, "tag", "spec.image", (str, int, float), Image.tag)),
+            pull_policy=_choice(
+                image, "pullPolicy", "spec.image", ("Always", "IfNotPresent", "Never"), "IfNotPresent"
+            ),
+            pull_secrets=tuple(_get(image, "pullSecrets", "spec.image", list, [])),
+        ),
+        router=Router(
+            replicas=_int(router, "replicas", "spec.router", 1, 1),
+            service_type=_choice(
+                service, "type", "spec.router.service", ("ClusterIP", "NodePort", "LoadBalancer"), "ClusterIP"
+            ),
+            port=_int(service, "port", "spec.router.service", 8000, 1),
+            service_annotations=_section(service, "annotations", "spec.router.service"),
+            api_key=_secret(router, "apiKeySecret", "spec.router", "api-keys"),
+            resources=_section(router, "resources", "spec.router"),
+        ),
+        prefill=_role(spec, "prefill"),
+        decode=_role(spec, "decode"),
+        kv_transfer=KvTransfer(
+            backend=_choice(kvt, "backend", "spec.kvTransfer", ("nixl", "grpc"), "nixl"),
+            ucx_transports=tuple(_get(kvt, "ucxTransports", "spec.kvTransfer", list, [])),
+            rdma_resource=_get(rdma, "resourceName", "spec.kvTransfer.rdma", str, "rdma/hca"),
+            rdma_count=_int(rdma, "count", "spec.kvTransfer.rdma", 0, 0),
+        ),
+        redis=Redis(
+            managed=redis.get("managed") is not None,
+            image=_get(managed, "image", "spec.redis.managed", str, "redis:7.4-alpine"),
+            url=_get(
+                external, "url", "spec.redis.external", str, required=bool(redis.get("external") is not None)
+            ),
+            password=_secret(external, "passwordSecret", "spec.redis.external", "password"),
+        ),
+        monitoring=Monitoring(
+            service_monitor=_get(mon, "serviceMonitor", "spec.monitoring", bool, True),
+            interval=_get(mon, "interval", "spec.monitoring", str, "15s"),
+        ),
+    )
+
+
+def parse(body: dict) -> InferenceDeployment:
+    """Parse a whole InferenceDeployment object (metadata, spec, and the autoscaler's status)."""
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    desired = {}
+    for role in ROLES:
+        value = ((status.get(role) or {}).get("autoscaling") or {}).get("desiredReplicas")
+        if isinstance(value, int) and not isinstance(value, bool):
+            desired[role] = value
+    return InferenceDeployment(
+        name=meta.get("name") or _missing("metadata", "name"),
+        namespace=meta.get("namespace") or "default",
+        uid=meta.get("uid") or "",
+        generation=int(meta.get("generation") or 1),
+        spec=parse_spec(body.get("spec")),
+        autoscaler_desired=desired,
+    )

@@ -1,0 +1,303 @@
+"""The pure builders: every child of the examples, validated strictly against Kubernetes' own schemas."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import kubernetes_validate
+import pytest
+from kube_emulator import load_example
+
+from disagg.operator import constants as c
+from disagg.operator import rollout
+from disagg.operator import spec as specs
+from disagg.operator import status as statuses
+from disagg.operator.builders import build_children, common, workers
+
+KUBE_VERSION = "1.35"
+EXAMPLES = ("cpu-tiny.yaml", "gpu-llama3-8b.yaml")
+
+
+def children(body: dict, **kwargs) -> dict[tuple[str, str], dict]:
+    out = build_children(specs.parse(body), body, **kwargs)
+    return {(m["kind"], m["metadata"]["name"]): m for m in out}
+
+
+def worker(kids: dict, name: str, role: str) -> dict:
+    return kids["StatefulSet", f"{name}-{role}"]["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_every_child_validates_strictly(example):
+    body = load_example(example)
+    kids = build_children(specs.parse(body), body, service_monitor_available=True)
+    kinds = sorted({m["kind"] for m in kids})
+    assert kinds == [
+        "ConfigMap",
+        "Deployment",
+        "PodDisruptionBudget",
+        "Service",
+        "ServiceAccount",
+        "ServiceMonitor",
+        "StatefulSet",
+    ]
+    for manifest in kids:
+        if manifest["kind"] == "ServiceMonitor":
+            continue  # a custom resource: Kubernetes ships no schema for it
+        kubernetes_validate.validate(rollout.stamp(manifest), KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_role_identity_labels_and_owners(example):
+    body = load_example(example, uid="u-42")
+    name = body["metadata"]["name"]
+    kids = children(body)
+    for role in c.ROLES:
+        sts = kids["StatefulSet", f"{name}-{role}"]
+        for labels in (sts["metadata"]["labels"], sts["spec"]["template"]["metadata"]["labels"]):
+            assert labels[c.LABEL_ROLE] == role
+            assert labels[c.LABEL_DEPLOYMENT] == name
+            assert labels[c.LABEL_INSTANCE] == name
+        assert (
+            sts["spec"]["selector"]["matchLabels"].items()
+            <= sts["spec"]["template"]["metadata"]["labels"].items()
+        )
+        main = worker(kids, name, role)
+        assert main["args"][:3] == ["worker", "--role", role]
+        assert {"name": "DISAGG_ROLE", "value": role} in main["env"]
+        assert {"name": "DISAGG_DEPLOYMENT", "value": f"default.{name}"} in main["env"]
+        assert main["lifecycle"]["preStop"]["httpGet"]["path"] == "/drain"
+        assert main["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in sts["spec"]["template"]["spec"][
+            "volumes"
+        ]
+    for manifest in kids.values():
+        (owner,) = manifest["metadata"]["ownerReferences"]
+        assert owner == {
+            "apiVersion": "disagg.dev/v1alpha1",
+            "kind": "InferenceDeployment",
+            "name": name,
+            "uid": "u-42",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def test_gpu_example_resources_rdma_ucx_and_model_download():
+    body = load_example("gpu-llama3-8b.yaml")
+    kids = children(body)
+    decode = worker(kids, "llama3-8b", "decode")
+    assert decode["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert decode["resources"]["limits"]["rdma/hca"] == 1
+    assert decode["resources"]["requests"]["rdma/hca"] == 1
+    assert decode["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert {"name": "UCX_TLS", "value": "rc,cuda_copy,cuda_ipc,tcp"} in decode["env"]
+    pod = kids["StatefulSet", "llama3-8b-decode"]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 900
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    (init,) = pod["initContainers"]
+    assert init["args"][:2] == ["download", "meta-llama/Llama-3.1-8B-Instruct"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}} in init[
+        "env"
+    ]
+    assert {"name": "model", "emptyDir": {"sizeLimit": "40Gi"}} in pod["volumes"]
+    # Both pools start at minReplicas until the autoscaler has decided.
+    assert kids["StatefulSet", "llama3-8b-prefill"]["spec"]["replicas"] == 2
+    assert kids["StatefulSet", "llama3-8b-decode"]["spec"]["replicas"] == 4
+    router = kids["Deployment", "llama3-8b-router"]["spec"]["template"]["spec"]["containers"][0]
+    assert router["args"][-2:] == ["--api-key-file", "/etc/disagg/api-keys/api-keys"]
+    assert kids["Service", "llama3-8b"]["spec"]["type"] == "LoadBalancer"
+
+
+def test_cpu_example_generates_the_tiny_model():
+    kids = children(load_example("cpu-tiny.yaml"))
+    pod = kids["StatefulSet", "tiny-prefill"]["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["args"] == ["make-model", "/models/model", "--preset", "tiny"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/model"
+    assert args[args.index("--dtype") + 1] == "float32"
+    assert args[args.index("--redis-url") + 1] == "redis://tiny-redis.default.svc:6379/0"
+
+
+def test_autoscaled_replicas_follow_the_autoscaler_and_hpa_mode_leaves_them_out(monkeypatch):
+    body = load_example("gpu-llama3-8b.yaml")
+    body["status"] = {
+        "prefill": {"autoscaling": {"desiredReplicas": 5}},
+        "decode": {"autoscaling": {"desiredReplicas": 99}},
+    }
+    kids = children(body)
+    assert kids["StatefulSet", "llama3-8b-prefill"]["spec"]["replicas"] == 5
+    assert kids["StatefulSet", "llama3-8b-decode"]["spec"]["replicas"] == 16  # clamped to maxReplicas
+
+    body["spec"]["decode"]["autoscaling"]["mode"] = "hpa"
+    idep = specs.parse(body)
+    assert "replicas" not in workers.statefulset(idep, "decode")["spec"]
+    monkeypatch.setitem(sys.modules, "disagg.operator.autoscaling.hpa", None)  # a build without HPA support
+    with pytest.raises(RuntimeError, match=r"spec\.decode\.autoscaling\.mode is hpa"):
+        build_children(idep, body)
+
+
+def test_model_sources_mount_the_checkpoint_read_only():
+    body = load_example("cpu-tiny.yaml")
+    body["spec"]["model"]["source"] = {"pvc": {"claimName": "models", "path": "llama/8b"}}
+    kids = children(body)
+    pod = kids["StatefulSet", "tiny-decode"]["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod[
+        "volumes"
+    ]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/llama/8b"
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+
+    body["spec"]["model"]["source"] = {"hostPath": {"path": "/data/tiny"}}
+    pod = children(body)["StatefulSet", "tiny-decode"]["spec"]["template"]["spec"]
+    assert {"name": "model", "hostPath": {"path": "/data/tiny", "type": "Directory"}} in pod["volumes"]
+
+
+def test_external_redis_password_comes_from_a_secret():
+    body = load_example("cpu-tiny.yaml")
+    body["spec"]["redis"] = {
+        "external": {"url": "redis://cache.infra.svc:6379/2", "passwordSecret": {"name": "redis-auth"}}
+    }
+    kids = children(body)
+    assert ("StatefulSet", "tiny-redis") not in kids
+    main = worker(kids, "tiny", "decode")
+    args = main["args"]
+    assert args[args.index("--redis-url") + 1] == "redis://:$(DISAGG_REDIS_PASSWORD)@cache.infra.svc:6379/2"
+    assert {
+        "name": "DISAGG_REDIS_PASSWORD",
+        "valueFrom": {"secretKeyRef": {"name": "redis-auth", "key": "password"}},
+    } in main["env"]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "path"),
+    [
+        (
+            lambda s: s["decode"].update(env=[{"name": "DISAGG_ROLE", "value": "prefill"}]),
+            "spec.decode.env[0].name",
+        ),
+        (
+            lambda s: s["prefill"].update(tensorParallelSize=2, resources={"limits": {"nvidia.com/gpu": 1}}),
+            "spec.prefill.resources.limits",
+        ),
+        (lambda s: s["model"].update(source={}), "spec.model.source"),
+        (lambda s: s["model"].update(dtype="fp8"), "spec.model.dtype"),
+        (lambda s: s["decode"].update(kvCache={"memoryFraction": 1.5}), "spec.decode.kvCache.memoryFraction"),
+        (lambda s: s.pop("prefill"), "spec.prefill"),
+    ],
+)
+def test_unbuildable_specs_name_the_field(mutate, path):
+    body = load_example("cpu-tiny.yaml")
+    mutate(body["spec"])
+    with pytest.raises(specs.SpecError) as err:
+        build_children(specs.parse(body), body)
+    assert err.value.path.startswith(path), str(err.value)
+
+
+def test_builders_are_deterministic_and_the_stamp_ignores_replicas():
+    body = load_example("gpu-llama3-8b.yaml")
+    first, second = children(body), children(copy.deepcopy(body))
+    assert first == second
+    sts = first["StatefulSet", "llama3-8b-decode"]
+    scaled = copy.deepcopy(sts)
+    scaled["spec"]["replicas"] = 9
+    assert rollout.applied_hash(rollout.stamp(sts)) == rollout.applied_hash(rollout.stamp(scaled))
+    changed = copy.deepcopy(sts)
+    changed["spec"]["template"]["spec"]["containers"][0]["image"] = "other:1"
+    assert rollout.applied_hash(rollout.stamp(sts)) != rollout.applied_hash(rollout.stamp(changed))
+
+
+def _live(manifest: dict, *, ready: int, updated: int, generation: int = 1, observed: int = 1) -> dict:
+    live = copy.deepcopy(manifest)
+    live["metadata"]["generation"] = generation
+    live["status"] = {"observedGeneration": observed, "readyReplicas": ready, "updatedReplicas": updated}
+    return live
+
+
+def test_rollout_holds_prefill_until_decode_has_rolled_out():
+    body = load_example("cpu-tiny.yaml")
+    old = [rollout.stamp(m) for m in build_children(specs.parse(body), body)]
+    body["spec"]["image"]["tag"] = "next"
+    new = [rollout.stamp(m) for m in build_children(specs.parse(body), body)]
+    decode, prefill = ("StatefulSet", "tiny-decode"), ("StatefulSet", "tiny-prefill")
+    observed = {(m["kind"], m["metadata"]["name"]): _live(m, ready=1, updated=1) for m in old}
+
+    plan = rollout.plan(new, observed, decode, prefill)
+    applied = {(m["kind"], m["metadata"]["name"]) for m in plan.apply}
+    assert decode in applied and prefill not in applied
+    assert [m["metadata"]["name"] for m in plan.held] == ["tiny-prefill"]
+
+    by_key = {(m["kind"], m["metadata"]["name"]): m for m in new}
+    observed[decode] = _live(by_key[decode], ready=1, updated=0, generation=2, observed=1)  # still rolling
+    assert prefill not in {
+        (m["kind"], m["metadata"]["name"]) for m in rollout.plan(new, observed, decode, prefill).apply
+    }
+    observed[decode] = _live(by_key[decode], ready=1, updated=1, generation=2, observed=2)
+    plan = rollout.plan(new, observed, decode, prefill)
+    assert prefill in {(m["kind"], m["metadata"]["name"]) for m in plan.apply}
+    assert not plan.held
+
+    # Everything current: nothing to write.
+    observed = {k: _live(m, ready=1, updated=1) for k, m in by_key.items()}
+    assert rollout.plan(new, observed, decode, prefill).apply == []
+
+
+def test_first_creation_applies_both_pools_at_once():
+    body = load_example("cpu-tiny.yaml")
+    new = [rollout.stamp(m) for m in build_children(specs.parse(body), body)]
+    plan = rollout.plan(new, {}, ("StatefulSet", "tiny-decode"), ("StatefulSet", "tiny-prefill"))
+    assert len(plan.apply) == len(new) and not plan.held
+
+
+def test_status_is_ready_only_when_every_role_is_rolled_out_and_keeps_transition_times():
+    body = load_example("cpu-tiny.yaml")
+    idep = specs.parse(body)
+    kids = {(m["kind"], m["metadata"]["name"]): rollout.stamp(m) for m in build_children(idep, body)}
+    desired = {
+        "decode": kids["StatefulSet", "tiny-decode"],
+        "prefill": kids["StatefulSet", "tiny-prefill"],
+        "router": kids["Deployment", "tiny-router"],
+    }
+    ready = {n: _live(m, ready=1, updated=1) for n, m in desired.items()}
+    args = dict(generation=1, endpoint=common.endpoint(idep), desired=desired, held=[])
+
+    status = statuses.compute(observed=ready, timestamp="t1", **args)
+    conds = {x["type"]: x for x in status["conditions"]}
+    assert (conds["Ready"]["status"], conds["Progressing"]["status"], conds["Degraded"]["status"]) == (
+        "True",
+        "False",
+        "False",
+    )
+    assert status["decode"] == {"ready": "1/1", "replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}
+
+    again = statuses.compute(observed=ready, previous=status["conditions"], timestamp="t2", **args)
+    assert again == status  # nothing changed: not even the transition times
+    assert not statuses.changed(status, again)
+
+    rolling = dict(ready, prefill=_live(desired["prefill"], ready=1, updated=0, generation=2, observed=2))
+    later = statuses.compute(observed=rolling, previous=status["conditions"], timestamp="t3", **args)
+    conds = {x["type"]: x for x in later["conditions"]}
+    assert conds["Ready"]["status"] == "False" and conds["Ready"]["lastTransitionTime"] == "t3"
+    assert conds["Ready"]["reason"] == "RolloutInProgress" and "prefill" in conds["Ready"]["message"]
+    assert conds["Progressing"]["status"] == "True"
+    assert statuses.changed(status, later)
+
+
+def test_hpa_mode_adds_the_autoscalers_hpa_among_the_children():
+    pytest.importorskip("disagg.operator.autoscaling.hpa", reason="built by the autoscaling package")
+    body = load_example("gpu-llama3-8b.yaml")
+    body["spec"]["prefill"]["autoscaling"]["mode"] = "hpa"
+    kids = children(body)
+    hpa = kids["HorizontalPodAutoscaler", "llama3-8b-prefill"]
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "name": "llama3-8b-prefill",
+    }
+    assert "replicas" not in kids["StatefulSet", "llama3-8b-prefill"]["spec"]
+    assert ("HorizontalPodAutoscaler", "llama3-8b-decode") not in kids
+    kubernetes_validate.validate(rollout.stamp(hpa), KUBE_VERSION, strict=True)

@@ -1,0 +1,154 @@
+"""The Helm chart, rendered and linted by Helm's own library (helm-python-sdk), output validated."""
+
+from __future__ import annotations
+
+import json
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+from kube_emulator import ROOT, load_example
+
+from disagg.operator import spec as specs
+from disagg.operator.builders import build_children
+from disagg.operator.kube import PLURALS
+
+CHART = ROOT / "charts" / "disagg"
+KUBE_VERSION = "1.35"
+NAMESPACED = {"watchNamespace": "team-a", "grafanaDashboard": {"enabled": True}}
+
+
+def render(values: dict) -> list[dict]:
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema(values)
+        out = chart.render(values, name="disagg", namespace="ops", is_install=True)
+    docs = []
+    for path, text in out.items():
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def by_kind(docs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for doc in docs:
+        out.setdefault(doc["kind"], []).append(doc)
+    return out
+
+
+@pytest.mark.parametrize("values", [{}, NAMESPACED], ids=["cluster-wide", "namespaced"])
+def test_lint_is_clean(values):
+    report = helm.lint(str(CHART), values, strict=True, namespace="ops", kube_version=f"v{KUBE_VERSION}.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert problems == [] and report["errors"] == []
+
+
+@pytest.mark.parametrize("values", [{}, NAMESPACED], ids=["cluster-wide", "namespaced"])
+def test_rendered_objects_validate_strictly(values):
+    docs = render(values)
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+    (deploy,) = by_kind(docs)["Deployment"]
+    pod = deploy["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["resources"]["requests"]
+    assert container["args"][0] == "operator" and "--standalone" in container["args"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def _rules(role: dict) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def _needed() -> set[tuple[str, str, str]]:
+    """What the operator does to the kinds the builders emit, plus its own resource and events."""
+    body = load_example("gpu-llama3-8b.yaml")
+    kinds = {
+        (m["apiVersion"], m["kind"])
+        for m in build_children(specs.parse(body), body, service_monitor_available=True)
+    }
+    needed = set()
+    for api_version, kind in kinds:
+        group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
+        needed |= {(group, PLURALS[kind], verb) for verb in ("get", "list", "patch")}
+    needed |= {("disagg.dev", "inferencedeployments", v) for v in ("get", "list", "watch", "patch")}
+    needed |= {
+        ("disagg.dev", "inferencedeployments/status", "patch"),
+        ("", "events", "create"),
+        ("apps", "statefulsets", "watch"),
+        ("apps", "deployments", "watch"),
+        ("", "secrets", "get"),
+    }
+    return needed
+
+
+def test_cluster_wide_install_uses_a_cluster_role_covering_what_the_operator_does():
+    docs = by_kind(render({}))
+    assert "Role" not in docs
+    (cluster_role,) = docs["ClusterRole"]
+    granted = _rules(cluster_role)
+    assert _needed() <= granted, sorted(_needed() - granted)
+    assert ("apiextensions.k8s.io", "customresourcedefinitions", "watch") in granted
+    assert not any(verb == "*" or resource == "*" for _, resource, verb in granted)
+    assert "--all-namespaces" in docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_namespaced_install_grants_workload_rights_only_in_the_watched_namespace():
+    docs = by_kind(render(NAMESPACED))
+    (role,) = docs["Role"]
+    (binding,) = docs["RoleBinding"]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "team-a"
+    assert binding["subjects"][0]["namespace"] == "ops"
+    assert _needed() <= _rules(role)
+    cluster_wide = {(g, r) for g, r, _ in _rules(docs["ClusterRole"][0])}
+    assert cluster_wide == {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces")}
+    args = docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--all-namespaces" not in args
+
+
+def test_grafana_dashboard_has_ttft_and_itl_panels():
+    docs = by_kind(render(NAMESPACED))
+    (cm,) = [d for d in docs["ConfigMap"] if d["metadata"]["name"].endswith("-dashboard")]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["disagg.json"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in (
+        "disagg_time_to_first_token_seconds_bucket",
+        "disagg_inter_token_latency_seconds_bucket",
+        "disagg_e2e_request_latency_seconds_bucket",
+    ):
+        assert metric in exprs
+    assert "ConfigMap" not in by_kind(render({}))  # off by default
+
+
+def test_crd_ships_in_the_chart_and_notes_say_what_to_do_next():
+    with helm.Chart.load(CHART) as chart:
+        (crd,) = chart.crds
+        notes = chart.render(NAMESPACED, name="disagg", namespace="ops")["disagg/templates/NOTES.txt"]
+    assert yaml.safe_load(crd["data"])["metadata"]["name"] == "inferencedeployments.disagg.dev"
+    assert "kubectl apply -n team-a" in notes and "kubectl get idep" in notes
+
+
+@pytest.mark.parametrize(
+    ("values", "key"),
+    [
+        ({"replicaCount": 2}, "replicaCount"),
+        ({"logFormat": "yaml"}, "logFormat"),
+        ({"watchNamespace": "Team_A"}, "watchNamespace"),
+        ({"unknownKey": True}, "unknownKey"),
+    ],
+)
+def test_values_schema_rejects_bad_values_naming_the_key(values, key):
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError) as err:
+        chart.validate_schema(values)
+    assert key in str(err.value)
