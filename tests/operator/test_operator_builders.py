@@ -288,7 +288,6 @@ def test_status_is_ready_only_when_every_role_is_rolled_out_and_keeps_transition
 
 
 def test_hpa_mode_adds_the_autoscalers_hpa_among_the_children():
-    pytest.importorskip("disagg.operator.autoscaling.hpa", reason="built by the autoscaling package")
     body = load_example("gpu-llama3-8b.yaml")
     body["spec"]["prefill"]["autoscaling"]["mode"] = "hpa"
     kids = children(body)
