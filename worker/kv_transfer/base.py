@@ -1,0 +1,223 @@
+"""KVTransport: what both transports (NIXL, gRPC stream) offer to the worker.
+
+Sender (prefill worker P), from the thread that owns the transport:
+    add_peer(peer_id, payload)                      once per peer, payload from the peer's handshake
+    h = send(peer_id, transfer_id, src, dst, layers)  nonblocking; any number per transfer
+    finish(peer_id, transfer_id)                    after the last send: tells the receiver how many
+    h.poll() / h.wait(timeout)                      "pending" | "done" | "error" (+ h.reason)
+Receiver (decode worker D), polled each engine step:
+    poll_completed() -> [transfer_id]               every send of the transfer has landed
+    poll_failed()    -> [(transfer_id, reason)]     the sender aborted, vanished, or stalled
+
+A send that errors evicts the peer when the cause is the connection (disconnect, timeout), so the
+next send raises UnknownPeer and the caller handshakes again. Use a fresh transfer id per attempt
+(e.g. request id + generation): ids that completed or failed are remembered and their late notices
+dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from disagg.proto import kv_transfer_pb2 as pb
+from disagg.worker.kv_transfer.errors import UnknownPeer
+from disagg.worker.kv_transfer.handle import PENDING, TransferHandle, finished_handle
+from disagg.worker.kv_transfer.layout import KVLayout
+from disagg.worker.kv_transfer.metrics import TRANSFER_BYTES, TRANSFER_FAILURES
+from disagg.worker.kv_transfer.tracker import ReceiveTracker
+
+log = logging.getLogger(__name__)
+
+# Error kinds after which the peer's cached handshake is dropped.
+EVICTING_ERRORS = frozenset({"disconnect", "timeout"})
+
+
+@dataclass
+class _Outgoing:
+    """Sends issued for one (peer, transfer) until `finish`."""
+
+    parts: int = 0
+    failure: str = ""
+
+
+class KVTransport(ABC):
+    backend: str = ""
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        name: str,
+        *,
+        default_timeout: float = 30.0,
+        stall_timeout: float | None = None,
+    ):
+        if not name:
+            raise ValueError("name: a transport needs a non-empty name (the worker id)")
+        if default_timeout <= 0:
+            raise ValueError(f"default_timeout: must be positive, got {default_timeout}")
+        layout.check_tensor(kv_cache)
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.name = name
+        self.default_timeout = default_timeout
+        self.tracker = ReceiveTracker(stall_timeout)
+        self._outgoing: dict[tuple[str, str], _Outgoing] = {}
+        self._peer_layouts: dict[str, KVLayout] = {}
+        # Notices still in flight: a gRPC call whose future is garbage-collected gets cancelled.
+        self._notices: list[TransferHandle] = []
+
+    # ---- peers -------------------------------------------------------------------------------
+    @abstractmethod
+    def handshake_payload(self) -> bytes:
+        """What a peer passes to `add_peer` to send blocks to this worker."""
+
+    @abstractmethod
+    def add_peer(self, peer_id: str, payload: bytes, address: str | None = None) -> None:
+        """Cache a peer's handshake (replacing an older one). Raises IncompatiblePeer / ValueError."""
+
+    @abstractmethod
+    def remove_peer(self, peer_id: str) -> None:
+        """Forget a peer: sends to it turn into errors, and transfers it was sending to us that
+        already started are reported by poll_failed (call this when the peer is known dead)."""
+
+    def has_peer(self, peer_id: str) -> bool:
+        return peer_id in self._peer_layouts
+
+    def peers(self) -> list[str]:
+        return list(self._peer_layouts)
+
+    def _peer_layout(self, peer_id: str) -> KVLayout:
+        try:
+            return self._peer_layouts[peer_id]
+        except KeyError:
+            raise UnknownPeer(f"no handshake cached for peer {peer_id!r}: call add_peer first") from None
+
+    # ---- sender ------------------------------------------------------------------------------
+    def send(
+        self,
+        peer_id: str,
+        transfer_id: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        layers: range | list[int] | None = None,
+        timeout: float | None = None,
+    ) -> TransferHandle:
+        """Write our blocks `src_block_ids` into the peer's `dst_block_ids` for the given layers
+        (all when None). Nonblocking; the source blocks must stay untouched until the handle is done."""
+        if not transfer_id:
+            raise ValueError("transfer_id: must be non-empty")
+        src, dst = list(src_block_ids), list(dst_block_ids)
+        if len(src) != len(dst):
+            raise ValueError(f"dst_block_ids: {len(dst)} ids for {len(src)} src_block_ids")
+        remote = self._peer_layout(peer_id)
+        layers = range(self.layout.num_layers) if layers is None else layers
+        src_regions = self.layout.region_indices(layers, src)
+        try:
+            dst_regions = remote.region_indices(layers, dst)
+        except ValueError as exc:
+            raise ValueError(f"dst_block_ids: {exc} on peer {peer_id!r}") from exc
+        if not src_regions:
+            return finished_handle(self.backend, peer_id, transfer_id)
+        outgoing = self._outgoing.setdefault((peer_id, transfer_id), _Outgoing())
+        outgoing.parts += 1
+        timeout = self.default_timeout if timeout is None else timeout
+        return self._post(peer_id, transfer_id, layers, src, dst, src_regions, dst_regions, timeout)
+
+    def finish(self, peer_id: str, transfer_id: str, timeout: float | None = None) -> TransferHandle:
+        """Tell the receiver how many sends this transfer had; it completes once all have landed.
+        If a send already failed, the receiver is told to abort instead and the handle is an error."""
+        outgoing = self._outgoing.pop((peer_id, transfer_id), _Outgoing())
+        timeout = self.default_timeout if timeout is None else timeout
+        if outgoing.failure:
+            self.abort(peer_id, transfer_id, outgoing.failure)
+            return finished_handle(self.backend, peer_id, transfer_id, ("aborted", outgoing.failure))
+        self._peer_layout(peer_id)
+        notice = pb.KVNotice(kind=pb.KVNotice.FINAL, request_id=transfer_id, parts=outgoing.parts)
+        return self._track_notice(self._notify(peer_id, notice, timeout))
+
+    def abort(self, peer_id: str, transfer_id: str, reason: str) -> TransferHandle | None:
+        """Best effort: tell the receiver this transfer will not complete (None: peer unknown)."""
+        self._outgoing.pop((peer_id, transfer_id), None)
+        if not self.has_peer(peer_id):
+            return None
+        notice = pb.KVNotice(kind=pb.KVNotice.ABORT, request_id=transfer_id, reason=reason[:500])
+        return self._track_notice(self._notify(peer_id, notice, self.default_timeout))
+
+    def _track_notice(self, handle: TransferHandle) -> TransferHandle:
+        self._notices = [h for h in self._notices if h.poll() == PENDING]
+        if handle.state == PENDING:
+            self._notices.append(handle)
+        return handle
+
+    def _on_send_error(self, handle: TransferHandle) -> None:
+        outgoing = self._outgoing.get((handle.peer_id, handle.request_id))
+        reason = f"{handle.error_kind}: {handle.reason}"
+        if outgoing is not None:
+            outgoing.failure = outgoing.failure or reason  # `finish` will abort instead
+        elif handle.bytes:
+            # FINAL already went out counting this send, which will never land: abort now.
+            self.abort(handle.peer_id, handle.request_id, reason)
+        log.warning(
+            "KV send %s to %s failed (%s): %s",
+            handle.request_id,
+            handle.peer_id,
+            handle.error_kind,
+            handle.reason,
+        )
+        if handle.error_kind in EVICTING_ERRORS and self.has_peer(handle.peer_id):
+            self.remove_peer(handle.peer_id)
+
+    @abstractmethod
+    def _post(
+        self, peer_id, transfer_id, layers, src, dst, src_regions, dst_regions, timeout
+    ) -> TransferHandle:
+        """Start moving the regions; return a pending (or settled) handle."""
+
+    @abstractmethod
+    def _notify(self, peer_id: str, notice: pb.KVNotice, timeout: float) -> TransferHandle:
+        """Deliver a FINAL or ABORT notice after every earlier send of the same transfer was posted."""
+
+    # ---- receiver ----------------------------------------------------------------------------
+    def poll_completed(self) -> list[str]:
+        """Transfer ids whose every send has landed in our cache (each reported once)."""
+        self._pump()
+        return self.tracker.pop_completed()
+
+    def poll_failed(self) -> list[tuple[str, str]]:
+        """(transfer id, reason) of incoming transfers that will not complete."""
+        self._pump()
+        failed = self.tracker.pop_failed()
+        for _, reason in failed:
+            TRANSFER_FAILURES.labels(self.backend, reason.split(":", 1)[0]).inc()
+        return failed
+
+    def forget(self, transfer_id: str) -> None:
+        """Drop receive state of a transfer the caller gave up on (its late notices are ignored)."""
+        self.tracker.forget(transfer_id)
+
+    def _received(self, sender: str, transfer_id: str, nbytes: int) -> None:
+        TRANSFER_BYTES.labels(self.backend, "recv").inc(nbytes)
+        self.tracker.on_part(sender, transfer_id, nbytes)
+
+    def _on_notice(self, sender: str, notice: pb.KVNotice) -> None:
+        if notice.kind == pb.KVNotice.PART:
+            self._received(sender, notice.request_id, notice.bytes)
+        elif notice.kind == pb.KVNotice.FINAL:
+            self.tracker.on_final(sender, notice.request_id, notice.parts)
+        elif notice.kind == pb.KVNotice.ABORT:
+            self.tracker.on_failure(sender, notice.request_id, f"aborted: {notice.reason}")
+        else:
+            log.warning("ignoring KV notice of unknown kind %s from %s", notice.kind, sender)
+
+    def _pump(self) -> None:
+        """Collect what arrived since the last poll (NIXL notifications); pushed transports have none."""
+        return None
+
+    def close(self) -> None:
+        for peer_id in list(self._peer_layouts):
+            self.remove_peer(peer_id)

@@ -1,0 +1,83 @@
+"""The handshake payload: encoded by the receiver, checked and decoded by the sender.
+
+Carried as opaque bytes by the worker's Handshake RPC; the schema is `KVHandshake` in
+proto/kv_transfer.proto.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.message import DecodeError
+
+from disagg.proto import kv_transfer_pb2 as pb
+from disagg.worker.kv_transfer.errors import IncompatiblePeer
+from disagg.worker.kv_transfer.layout import PROTOCOL_VERSION, KVLayout
+
+_COMPAT_FIELDS = ("model_id", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size")
+
+
+def layout_to_proto(layout: KVLayout) -> pb.KVLayoutSpec:
+    return pb.KVLayoutSpec(
+        model_id=layout.model_id,
+        dtype=layout.dtype,
+        num_layers=layout.num_layers,
+        num_blocks=layout.num_blocks,
+        block_size=layout.block_size,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+    )
+
+
+def layout_from_proto(spec: pb.KVLayoutSpec) -> KVLayout:
+    return KVLayout(
+        model_id=spec.model_id,
+        dtype=spec.dtype,
+        num_layers=spec.num_layers,
+        num_blocks=spec.num_blocks,
+        block_size=spec.block_size,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+    )
+
+
+def encode_handshake(layout: KVLayout, backend: str, agent_name: str, **fields) -> bytes:
+    msg = pb.KVHandshake(
+        protocol_version=PROTOCOL_VERSION,
+        compat_hash=layout.compat_hash(),
+        layout=layout_to_proto(layout),
+        backend=backend,
+        agent_name=agent_name,
+        **fields,
+    )
+    return msg.SerializeToString()
+
+
+def decode_handshake(payload: bytes, local: KVLayout, backend: str) -> tuple[pb.KVHandshake, KVLayout]:
+    """Parse a peer's payload; raise IncompatiblePeer saying exactly what differs."""
+    if not isinstance(payload, bytes | bytearray) or not payload:
+        raise ValueError("payload: expected the non-empty bytes of a peer's handshake_payload()")
+    msg = pb.KVHandshake()
+    try:
+        msg.ParseFromString(bytes(payload))
+    except DecodeError as exc:
+        raise ValueError(f"payload: not a KV handshake ({exc})") from exc
+    if msg.protocol_version != PROTOCOL_VERSION:
+        raise IncompatiblePeer(
+            f"KV protocol version differs: local {PROTOCOL_VERSION}, peer {msg.protocol_version}"
+        )
+    if msg.backend != backend:
+        raise IncompatiblePeer(f"KV transport differs: local {backend!r}, peer {msg.backend!r}")
+    if not msg.agent_name:
+        raise ValueError("payload: agent_name is empty")
+    try:
+        remote = layout_from_proto(msg.layout)
+    except ValueError as exc:
+        raise ValueError(f"payload: bad layout ({exc})") from exc
+    for field in _COMPAT_FIELDS:
+        mine, theirs = getattr(local, field), getattr(remote, field)
+        if mine != theirs:
+            raise IncompatiblePeer(f"KV layouts differ in {field}: local {mine!r}, peer {theirs!r}")
+    if msg.compat_hash != local.compat_hash():
+        raise IncompatiblePeer(
+            f"KV compatibility hash differs: local {local.compat_hash()}, peer {msg.compat_hash}"
+        )
+    return msg, remote

@@ -1,0 +1,100 @@
+"""Where each (layer, block) region of a KV cache tensor lives, and when two caches can exchange blocks.
+
+The cache is one tensor [num_layers, num_blocks, 2, block_size, kv_heads, head_dim], so region
+(layer, block) is the contiguous byte range starting at (layer * num_blocks + block) * block_bytes.
+Peers may have different num_blocks; everything else must match, which the compatibility hash checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+PROTOCOL_VERSION = 1
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    model_id: str
+    dtype: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self):
+        if self.dtype not in _ITEMSIZE:
+            raise ValueError(f"dtype: unsupported KV dtype {self.dtype!r} (known: {sorted(_ITEMSIZE)})")
+        for field in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{field}: must be a positive integer, got {value!r}")
+
+    @classmethod
+    def from_tensor(cls, kv_cache: torch.Tensor, model_id: str) -> KVLayout:
+        if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
+            raise ValueError(
+                "kv_cache: expected shape [num_layers, num_blocks, 2, block_size, kv_heads, head_dim], "
+                f"got {tuple(kv_cache.shape)}"
+            )
+        layers, blocks, _, block_size, heads, head_dim = kv_cache.shape
+        return cls(
+            model_id=model_id,
+            dtype=str(kv_cache.dtype).removeprefix("torch."),
+            num_layers=layers,
+            num_blocks=blocks,
+            block_size=block_size,
+            num_kv_heads=heads,
+            head_dim=head_dim,
+        )
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one (layer, block) region: K and V of block_size tokens."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def num_regions(self) -> int:
+        return self.num_layers * self.num_blocks
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_regions * self.block_bytes
+
+    def compat_hash(self) -> str:
+        """Equal for caches whose blocks are interchangeable (num_blocks excluded: pools differ)."""
+        key = "|".join(
+            str(v)
+            for v in (
+                PROTOCOL_VERSION, self.model_id, self.dtype, self.num_layers,
+                self.num_kv_heads, self.head_dim, self.block_size,
+            )
+        )  # fmt: skip
+        return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+    def check_tensor(self, kv_cache: torch.Tensor) -> None:
+        """The tensor a transport registers must be exactly this layout, contiguous."""
+        actual = KVLayout.from_tensor(kv_cache, self.model_id)
+        if actual != self:
+            raise ValueError(f"kv_cache: tensor layout {actual} does not match the given layout {self}")
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache: the tensor must be contiguous (it is registered as one region)")
+
+    def region_indices(self, layers: range | list[int], blocks: list[int]):
+        """Flat region indices (layer-major) for every layer x block, validated against this layout."""
+        for layer in layers:
+            if not 0 <= layer < self.num_layers:
+                raise ValueError(f"layers: layer {layer} out of range [0, {self.num_layers})")
+        for block in blocks:
+            if not 0 <= block < self.num_blocks:
+                raise ValueError(f"block ids: block {block} out of range [0, {self.num_blocks})")
+        return [layer * self.num_blocks + block for layer in layers for block in blocks]

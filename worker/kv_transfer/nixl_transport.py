@@ -1,0 +1,236 @@
+"""KV transport over NIXL (UCX): the sender WRITEs regions straight into the receiver's tensor.
+
+The whole KV tensor is registered once and described as one descriptor per (layer, block)
+region, prepared once locally and once per peer, so a send only picks indices. Each send carries
+a PART notice as its NIXL notification, delivered after its data; FINAL and ABORT are plain
+notifications. On CPU, UCX moves the bytes with CMA and notifications over TCP.
+
+Threading: NIXL agents here run without their progress thread (it competes with the caller on
+small machines), so progress happens when the owning thread polls: the sender polling its
+handles, the receiver calling poll_completed each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+import numpy as np
+import torch
+
+from disagg.proto import kv_transfer_pb2 as pb
+from disagg.worker.kv_transfer.base import KVTransport
+from disagg.worker.kv_transfer.handle import TransferHandle, finished_handle
+from disagg.worker.kv_transfer.handshake import decode_handshake, encode_handshake
+from disagg.worker.kv_transfer.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+_PURGE_PROGRESS_CALLS = 10
+
+
+def _error_kind(exc: Exception) -> str:
+    text = f"{type(exc).__name__} {exc}"
+    return "disconnect" if "Disconnect" in text or "DISCONNECT" in text else "error"
+
+
+def check_ucx_env() -> None:
+    """UCX needs a transport with peer-failure handling for NIXL's active messages; here only tcp has it."""
+    tls = os.environ.get("UCX_TLS")
+    if tls and not tls.startswith("^") and "tcp" not in tls.split(","):
+        raise RuntimeError(
+            f"UCX_TLS={tls!r} lacks tcp, which NIXL needs for notifications; add it or unset UCX_TLS"
+        )
+
+
+def _region_table(base: int, layout: KVLayout, device_id: int) -> np.ndarray:
+    """Nx3 (address, length, device) of every region, index = layer * num_blocks + block."""
+    table = np.empty((layout.num_regions, 3), dtype=np.uint64)
+    table[:, 0] = base + np.arange(layout.num_regions, dtype=np.uint64) * np.uint64(layout.block_bytes)
+    table[:, 1] = layout.block_bytes
+    table[:, 2] = device_id
+    return table
+
+
+class _Peer:
+    def __init__(self, agent_name: str, dlist, layout: KVLayout):
+        self.agent_name = agent_name
+        self.sender_name = agent_name  # how its notices name it when it sends to us
+        self.dlist = dlist
+        self.layout = layout
+        self.handles: set[NixlHandle] = set()
+
+
+class NixlHandle(TransferHandle):
+    def __init__(self, transport: NixlTransport, xfer, peer: _Peer, **kw):
+        super().__init__(**kw)
+        self._transport = transport
+        self._xfer = xfer
+        self._peer = peer
+        peer.handles.add(self)
+
+    def _check(self) -> None:
+        try:
+            status = self._transport.agent.check_xfer_state(self._xfer)
+        except Exception as exc:
+            self._settle_error(_error_kind(exc), f"{type(exc).__name__}: {exc}")
+            return
+        if status == "DONE":
+            self._release()
+            self.succeed()
+        elif status == "ERR":
+            self._settle_error("error", "NIXL reported the transfer failed")
+
+    def _settle_error(self, kind: str, reason: str) -> None:
+        self._release()
+        self.fail(kind, reason)
+
+    def _cancel(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        self._peer.handles.discard(self)
+        if self._xfer is not None:
+            xfer, self._xfer = self._xfer, None
+            try:
+                self._transport.agent.release_xfer_handle(xfer)
+            except Exception as exc:  # an active transfer that cannot be cancelled
+                log.debug("releasing a NIXL transfer handle failed: %s", exc)
+
+
+class NixlTransport(KVTransport):
+    backend = "nixl"
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, name: str, **kw):
+        super().__init__(kv_cache, layout, name, **kw)
+        check_ucx_env()
+        # NIXL logs every agent creation at INFO on stdout; keep worker output to warnings unless asked.
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        # A fresh suffix per process: a restarted worker must not be confused with its old self.
+        self.agent_name = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.agent = nixl_agent(
+            self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
+        self.mem_type = "VRAM" if kv_cache.is_cuda else "DRAM"
+        self.device_id = (kv_cache.device.index or 0) if kv_cache.is_cuda else 0
+        self._registration = self.agent.register_memory(kv_cache)
+        table = _region_table(kv_cache.data_ptr(), layout, self.device_id)
+        self._local_dlist = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", table, self.mem_type)
+        self._metadata = self.agent.get_agent_metadata()  # after registering: the snapshot includes it
+        self._peers: dict[str, _Peer] = {}
+
+    def handshake_payload(self) -> bytes:
+        return encode_handshake(
+            self.layout,
+            self.backend,
+            self.agent_name,
+            agent_metadata=self._metadata,
+            base_address=self.kv_cache.data_ptr(),
+            mem_type=self.mem_type,
+            device_id=self.device_id,
+        )
+
+    def add_peer(self, peer_id: str, payload: bytes, address: str | None = None) -> None:
+        """`address` is unused: NIXL finds the peer from its agent metadata."""
+        msg, remote = decode_handshake(payload, self.layout, self.backend)
+        if msg.mem_type not in ("DRAM", "VRAM"):
+            raise ValueError(f"payload: mem_type must be DRAM or VRAM, got {msg.mem_type!r}")
+        if peer_id in self._peers:
+            self.remove_peer(peer_id)
+        name = self.agent.add_remote_agent(msg.agent_metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        table = _region_table(msg.base_address, remote, msg.device_id)
+        try:
+            dlist = self.agent.prep_xfer_dlist(name, table, msg.mem_type)
+        except Exception:
+            self.agent.remove_remote_agent(name)
+            raise
+        self._peers[peer_id] = _Peer(name, dlist, remote)
+        self._peer_layouts[peer_id] = remote
+
+    def remove_peer(self, peer_id: str) -> None:
+        peer = self._peers.pop(peer_id, None)
+        self._peer_layouts.pop(peer_id, None)
+        if peer is None:
+            return
+        self.tracker.fail_sender(peer.sender_name, f"disconnect: peer {peer_id} removed")
+        for handle in list(peer.handles):
+            handle._settle_error("disconnect", f"peer {peer_id} removed")
+        try:
+            self.agent.release_dlist_handle(peer.dlist)
+            self.agent.remove_remote_agent(peer.agent_name)
+        except Exception as exc:
+            log.debug("cleanup of NIXL peer %s: %s", peer_id, exc)
+        # Without a progress thread, operations UCX queued on a dead peer's endpoint are only
+        # purged when the worker progresses; left queued, UCX asserts when the agent is destroyed.
+        for _ in range(_PURGE_PROGRESS_CALLS):
+            self._pump()
+
+    def _post(self, peer_id, transfer_id, layers, src, dst, src_regions, dst_regions, timeout):
+        peer = self._peers[peer_id]
+        nbytes = len(src_regions) * self.layout.block_bytes
+        notice = pb.KVNotice(kind=pb.KVNotice.PART, request_id=transfer_id, bytes=nbytes)
+        try:
+            xfer = self.agent.make_prepped_xfer(
+                "WRITE",
+                self._local_dlist,
+                np.asarray(src_regions, dtype=np.int32),
+                peer.dlist,
+                np.asarray(dst_regions, dtype=np.int32),
+                notif_msg=notice.SerializeToString(),
+            )
+        except Exception as exc:
+            return self._refused(peer_id, transfer_id, exc)
+        handle = NixlHandle(
+            self, xfer, peer, backend=self.backend, peer_id=peer_id, request_id=transfer_id,
+            nbytes=nbytes, timeout=timeout, on_error=self._on_send_error,
+        )  # fmt: skip
+        try:
+            status = self.agent.transfer(xfer)
+        except Exception as exc:
+            handle._settle_error(_error_kind(exc), f"{type(exc).__name__}: {exc}")
+            return handle
+        if status == "DONE":
+            handle._release()
+            handle.succeed()
+        elif status == "ERR":
+            handle._settle_error("error", "NIXL refused to post the transfer")
+        return handle
+
+    def _refused(self, peer_id: str, transfer_id: str, exc: Exception) -> TransferHandle:
+        handle = TransferHandle(
+            self.backend, peer_id, transfer_id, 0, timeout=1.0, on_error=self._on_send_error
+        )
+        handle.fail(_error_kind(exc), f"{type(exc).__name__}: {exc}")
+        return handle
+
+    def _notify(self, peer_id: str, notice: pb.KVNotice, timeout: float) -> TransferHandle:
+        peer = self._peers[peer_id]
+        try:
+            self.agent.send_notif(peer.agent_name, notice.SerializeToString())
+        except Exception as exc:
+            return self._refused(peer_id, notice.request_id, exc)
+        return finished_handle(self.backend, peer_id, notice.request_id)
+
+    def _pump(self) -> None:
+        for sender, messages in self.agent.get_new_notifs().items():
+            sender = sender.decode() if isinstance(sender, bytes) else sender
+            for raw in messages:
+                notice = pb.KVNotice()
+                try:
+                    notice.ParseFromString(raw)
+                except Exception:
+                    log.warning("ignoring a malformed KV notification from %s", sender)
+                    continue
+                self._on_notice(sender, notice)
+
+    def close(self) -> None:
+        super().close()
+        try:
+            self.agent.release_dlist_handle(self._local_dlist)
+            self.agent.deregister_memory(self._registration)
+        except Exception as exc:
+            log.debug("NIXL cleanup: %s", exc)
