@@ -1,0 +1,213 @@
+"""Real worker and router processes on loopback for the serving tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from disagg.proto import worker_pb2 as pb
+from disagg.proto import worker_pb2_grpc as pb_grpc
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+STARTUP_TIMEOUT = 120.0
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    log: Path
+    health: str
+    grpc_address: str | None = None
+    popen: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.popen = subprocess.Popen(
+                self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.health, timeout=1) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def kill(self) -> None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.popen.terminate()
+            try:
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+
+class Cluster:
+    def __init__(
+        self,
+        model_dir: Path,
+        tmp: Path,
+        *,
+        redis_url: str | None,
+        prefill: int = 1,
+        decode: int = 1,
+        both: int = 0,
+        kv_transfer: str = "nixl",
+        worker_args: tuple[str, ...] = (),
+        router_args: tuple[str, ...] = (),
+        deployment: str = "test",
+    ):
+        self.model_dir = model_dir
+        self.tmp = tmp
+        self.redis_url = redis_url
+        self.deployment = deployment
+        self.workers: dict[str, Proc] = {}
+        py = [sys.executable, "-m", "disagg.worker.cli"]
+        for role, count in (("prefill", prefill), ("decode", decode), ("both", both)):
+            for i in range(count):
+                name = f"{role}-{i}"
+                port, mport = free_port(), free_port()
+                cmd = py + [
+                    "worker", "--role", role, "--model", str(model_dir), "--worker-id", name, "--host", "127.0.0.1",
+                    "--port", str(port), "--metrics-port", str(mport), "--kv-transfer", kv_transfer,
+                    "--deployment", deployment, "--threads", "1", "--num-blocks", "512", "--max-num-seqs", "64",
+                    *(["--redis-url", redis_url] if redis_url else []), *worker_args,
+                ]  # fmt: skip
+                self.workers[name] = Proc(
+                    name, cmd, tmp / f"{name}.log", f"http://127.0.0.1:{mport}/health", f"127.0.0.1:{port}"
+                )
+        rport = free_port()
+        self.url = f"http://127.0.0.1:{rport}"
+        addrs = ",".join(w.grpc_address for w in self.workers.values())
+        cmd = py + [
+            "router", "--host", "127.0.0.1", "--port", str(rport), "--model", str(model_dir),
+            "--workers", addrs, "--deployment", deployment, *(["--redis-url", redis_url] if redis_url else []),
+            *router_args,
+        ]  # fmt: skip
+        self.router = Proc("router", cmd, tmp / "router.log", f"{self.url}/health")
+        self.model_name = model_dir.name
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def procs(self) -> list[Proc]:
+        return [*self.workers.values(), self.router]
+
+    def start(self) -> Cluster:
+        env_threads = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            for p in self.procs():
+                p.start()
+        finally:
+            if env_threads is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = env_threads
+        self.wait_ready(list(self.workers))
+        return self
+
+    def wait_ready(self, names: list[str], timeout: float = STARTUP_TIMEOUT) -> None:
+        """Wait for workers `names` to be healthy and the router to see every worker of them."""
+        deadline = time.monotonic() + timeout
+        pending = [self.workers[n] for n in names] + [self.router]
+        while pending:
+            for p in list(pending):
+                if not p.alive():
+                    raise RuntimeError(f"{p.name} exited:\n{p.tail()}")
+                if p.healthy():
+                    pending.remove(p)
+            if time.monotonic() > deadline:
+                raise RuntimeError("not ready: " + ", ".join(f"{p.name}:\n{p.tail()}" for p in pending))
+            time.sleep(0.1)
+        want = {n for n in names}
+        while time.monotonic() < deadline:
+            seen = self.router_sees()
+            if want <= seen:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"the router does not see {want - self.router_sees()}")
+
+    def router_sees(self) -> set[str]:
+        import json
+
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
+                body = json.load(r)
+        except urllib.error.HTTPError as e:
+            body = json.load(e)
+        except (urllib.error.URLError, OSError):
+            return set()
+        return {w["id"] for w in body["workers"] if w["ready"]}
+
+    def stub(self, name: str) -> pb_grpc.WorkerStub:
+        addr = self.workers[name].grpc_address
+        if addr not in self._channels:
+            self._channels[addr] = grpc.insecure_channel(addr)
+        return pb_grpc.WorkerStub(self._channels[addr])
+
+    def load(self, name: str) -> pb.LoadResponse:
+        return self.stub(name).Load(pb.LoadRequest(), timeout=5)
+
+    def live_workers(self) -> list[str]:
+        return [n for n, p in self.workers.items() if p.alive()]
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, pb.LoadResponse]:
+        """Poll until every live worker holds no blocks and tracks no request; return the loads."""
+        deadline = time.monotonic() + timeout
+        while True:
+            loads = {n: self.load(n) for n in self.live_workers()}
+            busy = {
+                n: ld for n, ld in loads.items()
+                if ld.used_blocks or ld.reserved_blocks or ld.pinned_blocks or ld.inflight_requests or ld.running or ld.waiting
+            }  # fmt: skip
+            if not busy or time.monotonic() > deadline:
+                return loads
+            time.sleep(0.1)
+
+    def metric(self, name: str, metric: str) -> float:
+        """Sum of a metric's samples (any labels) on a worker's or the router's /metrics page."""
+        url = self.router.health if name == "router" else self.workers[name].health
+        with urllib.request.urlopen(url.replace("/health", "/metrics"), timeout=5) as r:
+            text = r.read().decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(metric) and not line.startswith("#"):
+                key = line.split(" ", 1)[0].split("{", 1)[0]
+                if key == metric:
+                    total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
+        for p in [self.router, *self.workers.values()]:
+            p.stop()

@@ -1,0 +1,229 @@
+"""Faults with real processes: a prefill worker killed mid-transfer, a decode worker killed
+mid-stream, Redis restarted under load. Nothing may leak on the survivors or in Redis."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from disagg.worker.sampling_params import SamplingParams
+
+from .cluster import Cluster
+from .redis_check import assert_no_transfer_records
+
+pytestmark = pytest.mark.timeout(300)
+
+LEASE = 3.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory, redis_server):
+    # a small token budget makes a long prompt's prefill span many steps: a window to kill in
+    c = Cluster(
+        tiny_model,
+        tmp_path_factory.mktemp("faults"),
+        redis_url=redis_server.url,
+        prefill=2,
+        decode=3,
+        worker_args=(
+            "--disagg-threshold",
+            "8",
+            "--max-num-batched-tokens",
+            "64",
+            "--lease-seconds",
+            str(LEASE),
+        ),
+        deployment="faults",
+    )
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+
+
+def _idle_everywhere(cluster: Cluster, redis_url: str) -> None:
+    loads = cluster.wait_idle(timeout=LEASE * 4)
+    for name, load in loads.items():
+        assert load.used_blocks == 0 and load.inflight_requests == 0, f"{name} leaked: {load}"
+        assert load.pinned_blocks == 0 and load.reserved_blocks == 0, f"{name} leaked: {load}"
+    assert_no_transfer_records(redis_url, cluster.deployment, timeout=LEASE * 4)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 1000) for _ in range(n)]
+
+
+def _wait_running(cluster: Cluster, name: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while cluster.load(name).running < 1:
+        assert time.monotonic() < deadline, f"{name} never started the request"
+        time.sleep(0.002)
+
+
+def test_prefill_killed_mid_transfer_is_retried_on_another(cluster, reference_llm, redis_server):
+    prompt = _prompt(1200, seed=3)
+    want = reference_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    retries_before = cluster.metric("decode-0", "disagg_prefill_retries_total")
+    result = {}
+
+    def request():
+        body = {
+            "model": cluster.model_name,
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        result["r"] = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
+
+    t = threading.Thread(target=request)
+    t.start()
+    _wait_running(cluster, "prefill-0")  # both prefill workers idle: the router ranks prefill-0 first
+    cluster.workers["prefill-0"].kill()
+    t.join(120)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want.outputs[0].text
+    assert r.headers["X-Disagg-Prefill-Worker"] == "prefill-1"
+    assert cluster.metric("decode-0", "disagg_prefill_retries_total") == retries_before + 1
+    _idle_everywhere(cluster, redis_server.url)
+
+
+def test_decode_killed_mid_transfer_prefill_blocks_come_back_within_the_lease(
+    cluster, reference_llm, redis_server
+):
+    prompt = _prompt(1200, seed=7)
+    want = reference_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    result = {}
+
+    def request():
+        body = {
+            "model": cluster.model_name,
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        result["r"] = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
+
+    t = threading.Thread(target=request)
+    t.start()
+    _wait_running(cluster, "prefill-1")
+    victim = next(
+        n for n in cluster.live_workers() if n.startswith("decode") and cluster.load(n).reserved_blocks
+    )
+    cluster.workers[victim].kill()
+    t.join(120)
+    # nothing had reached the client yet: the router replays the request on another decode worker
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert r.headers["X-Disagg-Decode-Worker"] != victim
+    assert r.json()["choices"][0]["text"] == want.outputs[0].text
+    # P gave the dead worker's prefill blocks back; its transfer record expired and was reaped
+    _idle_everywhere(cluster, redis_server.url)
+
+
+def test_decode_killed_mid_stream_client_gets_error_event(cluster, redis_server):
+    body = {"model": cluster.model_name, "prompt": _prompt(40, seed=4), "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    events = []
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        victim = r.headers["X-Disagg-Decode-Worker"]
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 3:
+                cluster.workers[victim].kill()
+    assert events[-1] != "[DONE]"
+    last = json.loads(events[-1])
+    assert "error" in last and last["error"]["code"] == "worker_unavailable", last
+    # the survivors hold nothing: the prefill worker's blocks came back, records are gone
+    _idle_everywhere(cluster, redis_server.url)
+    # and the deployment still serves (the other decode worker)
+    ok = httpx.post(
+        f"{cluster.url}/v1/completions",
+        json={"model": cluster.model_name, "prompt": _prompt(30, seed=5), "max_tokens": 4},
+        timeout=60,
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_redis_restart_under_load(cluster, redis_server, reference_llm):
+    from disagg.worker.kv_state import KVState
+
+    prompt = _prompt(48, seed=6)
+    want = reference_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    body = {
+        "model": cluster.model_name,
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    statuses: list[int] = []
+    texts: list[str] = []
+    stop = threading.Event()
+
+    def load():
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                r = client.post(f"{cluster.url}/v1/completions", json=body)
+                statuses.append(r.status_code)
+                if r.status_code == 200:
+                    texts.append(r.json()["choices"][0]["text"])
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    redis_server.restart()  # every key is gone: registry, records, prefix index
+    time.sleep(2.0)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert statuses and all(s == 200 for s in statuses), statuses
+    assert set(texts) == {want.outputs[0].text}
+    # the workers re-register and republish: the prompt's blocks are found again
+    from disagg.worker.block_hash import block_hashes
+
+    state = KVState(redis_server.url, cluster.deployment, "test-observer")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        live = {w.id for w in state.workers()}
+        match = state.match_prefix(block_hashes(prompt, 16))
+        if {n for n in cluster.live_workers()} <= live and max(match.values(), default=0) == len(
+            prompt
+        ) // 16:
+            break
+        time.sleep(0.2)
+    assert set(cluster.live_workers()) <= live
+    assert max(match.values(), default=0) == len(prompt) // 16, match
+    _idle_everywhere(cluster, redis_server.url)
+
+
+def test_sigterm_drains_in_flight_requests_then_deregisters(cluster, redis_server):
+    from disagg.worker.kv_state import KVState
+
+    (last,) = [n for n in cluster.live_workers() if n.startswith("decode")]
+    body = {"model": cluster.model_name, "prompt": _prompt(20, seed=8), "max_tokens": 150, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    events = []
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 2:
+                    cluster.workers[last].popen.terminate()  # SIGTERM: drain
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert cluster.workers[last].popen.wait(30) == 0
+    state = KVState(redis_server.url, cluster.deployment, "test-observer")
+    assert last not in {w.id for w in state.workers()}

@@ -1,0 +1,148 @@
+"""Pure pieces of the serving path: response shapes, the engine-loop thread, wire conversions."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from disagg.proto import worker_pb2 as pb
+from disagg.worker.outputs import TokenLogprob
+from disagg.worker.router.openai_format import SSE_DONE, Logprob, ResponseBuilder, sse, usage_body
+from disagg.worker.server.convert import logprob_from_proto, logprob_to_proto, sampling_params
+from disagg.worker.server.engine_loop import EngineLoop
+
+
+def _text(t: int) -> str:
+    return f"<{t}>"
+
+
+def test_chat_stream_chunks():
+    b = ResponseBuilder("chat", "m", _text, want_logprobs=True)
+    first = b.chunk("He", [Logprob(1, -0.5, [(1, -0.5), (2, -1.0)])], None, include_usage=True)
+    assert first["object"] == "chat.completion.chunk" and first["id"].startswith("chatcmpl-")
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "He"}
+    assert first["usage"] is None
+    lp = first["choices"][0]["logprobs"]["content"][0]
+    assert (
+        lp["token"] == "<1>"
+        and lp["logprob"] == -0.5
+        and [t["token"] for t in lp["top_logprobs"]] == ["<1>", "<2>"]
+    )
+    last = b.chunk("llo", [], "length", include_usage=False)
+    assert (
+        last["choices"][0]["delta"] == {"content": "llo"} and last["choices"][0]["finish_reason"] == "length"
+    )
+    assert "usage" not in last
+    u = b.usage_chunk(usage_body(3, 2, 1))
+    assert (
+        u["choices"] == []
+        and u["usage"]["total_tokens"] == 5
+        and u["usage"]["prompt_tokens_details"]["cached_tokens"] == 1
+    )
+
+
+def test_completion_bodies_and_logprob_offsets():
+    b = ResponseBuilder("completion", "m", _text, want_logprobs=True)
+    body = b.full("<1><2>", [Logprob(1, -0.1), Logprob(2, -0.2, [(2, -0.2)])], "stop", usage_body(4, 2))
+    choice = body["choices"][0]
+    assert (
+        body["object"] == "text_completion"
+        and choice["text"] == "<1><2>"
+        and choice["finish_reason"] == "stop"
+    )
+    assert choice["logprobs"] == {
+        "tokens": ["<1>", "<2>"],
+        "token_logprobs": [-0.1, -0.2],
+        "top_logprobs": [None, {"<2>": -0.2}],
+        "text_offset": [0, 3],
+    }
+    plain = ResponseBuilder("completion", "m", _text, want_logprobs=False).chunk(
+        "x", [Logprob(1, 0.0)], None, False
+    )
+    assert plain["choices"][0]["logprobs"] is None
+    assert sse({"a": 1}) == b'data: {"a":1}\n\n' and SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_sampling_params_from_wire():
+    wire = pb.SamplingParams(
+        temperature=0.5, top_p=0.9, top_k=-1, max_tokens=7, stop=["x"], repetition_penalty=1.1
+    )
+    p = sampling_params(wire)
+    assert p.temperature == 0.5 and p.max_tokens == 7 and p.stop_strings == ["x"] and p.logprobs is None
+    # on a prefill worker nothing may end the prompt early: the stop checks are the decode worker's
+    pre = sampling_params(wire, prefill_only=True)
+    assert pre.stop_strings == [] and pre.max_tokens is None and pre.ignore_eos
+    wire.logprobs = 3
+    assert sampling_params(wire).logprobs == 3
+    with pytest.raises(ValueError, match="temperature"):
+        sampling_params(pb.SamplingParams(temperature=-1, max_tokens=1))
+
+
+def test_logprob_round_trip():
+    lp = TokenLogprob(5, -0.25, {5: -0.25, 9: -2.0})
+    back = logprob_from_proto(logprob_to_proto(lp))
+    assert back.token_id == 5 and back.logprob == -0.25 and back.top_logprobs == {5: -0.25, 9: -2.0}
+
+
+def test_engine_loop_runs_calls_on_its_thread_and_fails_pending_on_stop():
+    loop = EngineLoop(idle_wait=0.01)
+    seen = []
+    steps = []
+    work = {"n": 3}
+
+    def step():
+        steps.append(threading.get_ident())
+        work["n"] -= 1
+
+    loop.step_fn = step
+    loop.has_work = lambda: work["n"] > 0
+    loop.start(lambda: seen.append(threading.get_ident())).result(5)
+    assert loop.call(lambda x: (x * 2, threading.get_ident()), 21).result(5) == (42, loop.thread_id)
+    with pytest.raises(KeyError):
+        loop.call(lambda: {}["missing"]).result(5)
+    assert seen == [loop.thread_id]
+    deadline = threading.Event()
+    deadline.wait(0.2)
+    assert len(steps) == 3 and set(steps) == {loop.thread_id}
+    loop.stop()
+    assert not loop.alive
+    with pytest.raises(RuntimeError, match="stopped"):
+        loop.call(lambda: 1).result(1)
+
+
+def test_engine_loop_init_failure_is_reported():
+    loop = EngineLoop()
+    fut = loop.start(lambda: (_ for _ in ()).throw(FileNotFoundError("config.json")))
+    with pytest.raises(FileNotFoundError):
+        fut.result(5)
+
+
+def test_core_publishes_prefilled_prompts_and_reports_evictions(tiny_model):
+    """WorkerCore over a real engine with a small cache: what it publishes, what eviction takes back."""
+    from disagg.worker.block_hash import block_hashes
+    from disagg.worker.engine import LLMEngine
+    from disagg.worker.metrics import ServingMetrics
+    from disagg.worker.sampling_params import SamplingParams
+    from disagg.worker.server.core import WorkerCore
+
+    engine = LLMEngine(tiny_model, num_gpu_blocks=8, block_size=16)
+    published: list[list[int]] = []
+    core = WorkerCore(engine, None, 16, ServingMetrics("both", "tiny"), on_publish=published.append)
+    outputs = []
+    first = list(range(10, 58))  # 3 full blocks
+    core.on_loop_add("a", first, SamplingParams(max_tokens=2, ignore_eos=True), outputs.append, 0.0)
+    while core.has_work():
+        core.step()
+    assert outputs[-1].finished and published == [block_hashes(first, 16)]
+    assert core.on_loop_cached_tokens(first) == 48
+    assert core.on_loop_evicted(published[0]) == []
+    # a prompt needing every block evicts the first prompt's cached blocks
+    core.on_loop_add(
+        "b", list(range(100, 220)), SamplingParams(max_tokens=1, ignore_eos=True), outputs.append, 0.0
+    )
+    while core.has_work():
+        core.step()
+    assert core.on_loop_evicted(published[0]) == published[0]
+    core.refresh_load()
+    assert core.load["used_blocks"] == 0 and core.load["inflight_requests"] == 0

@@ -1,0 +1,169 @@
+"""Serving metrics (Prometheus). Names are a contract: the autoscaler and dashboards read them.
+
+Every series carries `role` (router, prefill, decode, both) and `model`. The metric families
+live in prometheus-client's default registry, so one `/metrics` page also shows what other
+modules register there (KV transfer bytes/seconds, Redis up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LABELS = ("role", "model")
+
+# Latency buckets from 1 ms to 2 min: CPU tiny models answer in ms, big prompts take seconds.
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 120.0,
+)  # fmt: skip
+
+
+@dataclass
+class _Families:
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queue_time: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    requests: Counter
+    decisions: Counter
+    prefix_hits: Counter
+    prefix_queries: Counter
+    running: Gauge
+    waiting: Gauge
+    kv_usage: Gauge
+    kv_free: Gauge
+    kv_used: Gauge
+    prefix_routing_disabled: Counter
+    rejected: Counter
+    prefill_retries: Counter
+
+
+_FAMILIES: dict[int, _Families] = {}
+
+
+def _families(registry: CollectorRegistry) -> _Families:
+    """One set of metric families per registry (registering a name twice is an error)."""
+    key = id(registry)
+    if key not in _FAMILIES:
+
+        def hist(name, doc):
+            return Histogram(name, doc, LABELS, buckets=_LATENCY_BUCKETS, registry=registry)
+
+        _FAMILIES[key] = _Families(
+            ttft=hist("disagg_time_to_first_token_seconds", "Time from arrival to the first token."),
+            itl=hist("disagg_inter_token_latency_seconds", "Time between consecutive output tokens."),
+            e2e=hist("disagg_e2e_request_latency_seconds", "Time from arrival to the last token."),
+            queue_time=hist("disagg_queue_time_seconds", "Time a request waited before it was scheduled."),
+            prompt_tokens=Counter(
+                "disagg_prompt_tokens", "Prompt tokens processed.", LABELS, registry=registry
+            ),
+            generation_tokens=Counter(
+                "disagg_generation_tokens", "Output tokens generated.", LABELS, registry=registry
+            ),
+            requests=Counter(
+                "disagg_requests", "Finished requests.", (*LABELS, "finish_reason"), registry=registry
+            ),
+            decisions=Counter(
+                "disagg_disaggregation_decisions",
+                "Where prompts were prefilled: remote (a prefill worker) or local (the decode worker).",
+                (*LABELS, "decision"),
+                registry=registry,
+            ),
+            prefix_hits=Counter(
+                "disagg_prefix_cache_hits",
+                "Prompt blocks found in a prefix cache.",
+                LABELS,
+                registry=registry,
+            ),
+            prefix_queries=Counter(
+                "disagg_prefix_cache_queries", "Prompt blocks looked up.", LABELS, registry=registry
+            ),
+            running=Gauge("disagg_num_requests_running", "Requests being served.", LABELS, registry=registry),
+            waiting=Gauge("disagg_num_requests_waiting", "Requests queued.", LABELS, registry=registry),
+            kv_usage=Gauge(
+                "disagg_kv_cache_usage_ratio", "Fraction of KV blocks in use.", LABELS, registry=registry
+            ),
+            kv_free=Gauge("disagg_kv_blocks_free", "Free KV blocks.", LABELS, registry=registry),
+            kv_used=Gauge("disagg_kv_blocks_used", "KV blocks in use.", LABELS, registry=registry),
+            prefix_routing_disabled=Counter(
+                "disagg_prefix_routing_unavailable",
+                "Requests routed without the prefix index because Redis was unreachable.",
+                LABELS,
+                registry=registry,
+            ),
+            rejected=Counter(
+                "disagg_requests_rejected",
+                "Requests refused before serving, by HTTP status.",
+                (*LABELS, "status"),
+                registry=registry,
+            ),
+            prefill_retries=Counter(
+                "disagg_prefill_retries",
+                "Remote prefills retried on another prefill worker after the first one failed.",
+                LABELS,
+                registry=registry,
+            ),
+        )
+    return _FAMILIES[key]
+
+
+class ServingMetrics:
+    """The metric families bound to one process's role and model."""
+
+    def __init__(self, role: str, model: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or REGISTRY
+        self.role = role
+        self.model = model
+        f = _families(self.registry)
+        lab = {"role": role, "model": model}
+        self.ttft = f.ttft.labels(**lab)
+        self.itl = f.itl.labels(**lab)
+        self.e2e = f.e2e.labels(**lab)
+        self.queue_time = f.queue_time.labels(**lab)
+        self.prompt_tokens = f.prompt_tokens.labels(**lab)
+        self.generation_tokens = f.generation_tokens.labels(**lab)
+        self.prefix_hits = f.prefix_hits.labels(**lab)
+        self.prefix_queries = f.prefix_queries.labels(**lab)
+        self.running = f.running.labels(**lab)
+        self.waiting = f.waiting.labels(**lab)
+        self.kv_usage = f.kv_usage.labels(**lab)
+        self.kv_free = f.kv_free.labels(**lab)
+        self.kv_used = f.kv_used.labels(**lab)
+        self.prefix_routing_unavailable = f.prefix_routing_disabled.labels(**lab)
+        self.prefill_retries = f.prefill_retries.labels(**lab)
+        self._requests = f.requests
+        self._decisions = f.decisions
+        self._rejected = f.rejected
+
+    def request_finished(self, finish_reason: str) -> None:
+        self._requests.labels(
+            role=self.role, model=self.model, finish_reason=finish_reason or "unknown"
+        ).inc()
+
+    def disaggregation_decision(self, remote: bool) -> None:
+        self._decisions.labels(
+            role=self.role, model=self.model, decision="remote" if remote else "local"
+        ).inc()
+
+    def rejected(self, status: int) -> None:
+        self._rejected.labels(role=self.role, model=self.model, status=str(status)).inc()
+
+    def prefix_lookup(self, queried_blocks: int, hit_blocks: int) -> None:
+        self.prefix_queries.inc(queried_blocks)
+        self.prefix_hits.inc(hit_blocks)
+
+    def kv_blocks(self, free: int, total: int) -> None:
+        used = max(total - free, 0)
+        self.kv_free.set(free)
+        self.kv_used.set(used)
+        self.kv_usage.set(used / total if total else 0.0)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible router: HTTP front door, validation, routing policy, worker clients."""

@@ -1,0 +1,138 @@
+"""OpenAI response bodies and stream chunks for completions and chat completions (pure)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_logprobs(items: list[Logprob], token_text: Callable[[int], str], text_offset: int) -> dict:
+    """The legacy completions shape: parallel lists plus a dict of alternatives per position."""
+    tokens, lps, tops, offsets = [], [], [], []
+    pos = text_offset
+    for it in items:
+        t = token_text(it.token_id)
+        tokens.append(t)
+        lps.append(it.logprob)
+        tops.append({token_text(tid): lp for tid, lp in it.top} if it.top else None)
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(items: list[Logprob], token_text: Callable[[int], str]) -> dict:
+    def entry(tid: int, lp: float) -> dict:
+        t = token_text(tid)
+        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(it.token_id, it.logprob), "top_logprobs": [entry(tid, lp) for tid, lp in it.top]}
+            for it in items
+        ]
+    }
+
+
+class ResponseBuilder:
+    """Builds the JSON objects of one request, streamed or not."""
+
+    def __init__(self, kind: str, model: str, token_text: Callable[[int], str], want_logprobs: bool):
+        self.kind = kind
+        self.model = model
+        self.id = new_id(kind)
+        self.created = int(time.time())
+        self.token_text = token_text
+        self.want_logprobs = want_logprobs
+        self._text_offset = 0
+        self._sent_role = False
+
+    def _logprobs(self, items: list[Logprob]) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(items, self.token_text)
+        out = completion_logprobs(items, self.token_text, self._text_offset)
+        return out
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    # ---- streaming --------------------------------------------------------------------
+    def chunk(
+        self, text: str, logprobs: list[Logprob], finish_reason: str | None, include_usage: bool
+    ) -> dict:
+        lp = self._logprobs(logprobs)
+        if self.kind == "chat":
+            delta: dict = {"content": text}
+            if not self._sent_role:
+                delta = {"role": "assistant", "content": text}
+                self._sent_role = True
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+            body = self._envelope("chat.completion.chunk", [choice])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+            body = self._envelope("text_completion", [choice])
+        self._text_offset += len(text)
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: dict) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        body = self._envelope(obj, [])
+        body["usage"] = usage
+        return body
+
+    # ---- whole response ---------------------------------------------------------------
+    def full(self, text: str, logprobs: list[Logprob], finish_reason: str, usage: dict) -> dict:
+        lp = self._logprobs(logprobs)
+        if self.kind == "chat":
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": lp,
+                "finish_reason": finish_reason,
+            }
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+            body = self._envelope("text_completion", [choice])
+        body["usage"] = usage
+        return body
+
+
+def sse(obj: dict | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")

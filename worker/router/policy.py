@@ -1,0 +1,81 @@
+"""Routing policy (pure): which decode worker serves a request, and which prefill workers it may use.
+
+Decode: the least loaded worker, where load counts queued work heavier than running work and a
+nearly full KV cache as more load (a full D preempts); a cached prefix on D lowers its cost, since
+those tokens need neither prefill nor transfer. Prefill: longest cached prefix first (fewer
+tokens to compute), then the shortest queue. The router's own count of requests it has in flight
+on a worker is fresher than the worker's last heartbeat, so load takes the larger of the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    role: str  # "prefill" | "decode" | "both"
+    address: str
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    inflight: int = 0  # requests this router has outstanding on the worker
+
+    @property
+    def queue(self) -> int:
+        return max(self.running + self.waiting, self.inflight)
+
+    @property
+    def kv_free_ratio(self) -> float:
+        return self.free_blocks / self.total_blocks if self.total_blocks else 1.0
+
+
+DECODE_ROLES = ("decode", "both")
+
+# Weights of the decode cost: a queued request ~ 2 running ones; an empty KV cache is worth ~4
+# requests of headroom; a fully cached prompt ~ 1 request (it saves its whole prefill).
+_WAITING_WEIGHT = 2.0
+_KV_WEIGHT = 4.0
+_PREFIX_WEIGHT = 1.0
+
+
+def decode_cost(w: WorkerView, cached_blocks: int, prompt_blocks: int) -> float:
+    hit = cached_blocks / prompt_blocks if prompt_blocks else 0.0
+    queued = max(w.inflight - w.running, w.waiting)
+    return w.running + _WAITING_WEIGHT * queued + _KV_WEIGHT * (1.0 - w.kv_free_ratio) - _PREFIX_WEIGHT * hit
+
+
+def choose_decode(
+    workers: list[WorkerView], prefix_match: dict[str, int] | None = None, prompt_blocks: int = 0
+) -> WorkerView | None:
+    """The decode (or colocated) worker to serve a request, or None when there is none."""
+    prefix_match = prefix_match or {}
+    candidates = [w for w in workers if w.role in DECODE_ROLES]
+    if not candidates:
+        return None
+    return min(
+        candidates,
+        key=lambda w: (decode_cost(w, prefix_match.get(w.worker_id, 0), prompt_blocks), w.worker_id),
+    )
+
+
+def rank_prefill(
+    workers: list[WorkerView], prefix_match: dict[str, int] | None = None, limit: int = 2
+) -> list[WorkerView]:
+    """Prefill workers in order of preference: longest cached prefix, then shortest queue."""
+    prefix_match = prefix_match or {}
+    candidates = [w for w in workers if w.role == "prefill"]
+    candidates.sort(key=lambda w: (-prefix_match.get(w.worker_id, 0), w.queue, -w.free_blocks, w.worker_id))
+    return candidates[:limit]
+
+
+def should_disaggregate(prompt_tokens: int, cached_tokens: int, threshold: int, have_prefill: bool) -> bool:
+    """Prefill remotely only when the uncached part of the prompt is long enough to pay for the trip.
+
+    Short prompts cost D less to prefill itself than a round trip plus a KV transfer costs.
+    """
+    if not have_prefill:
+        return False
+    return prompt_tokens - cached_tokens >= threshold

@@ -1,0 +1,187 @@
+"""The router's view of the workers: membership (Redis registry and/or static addresses), their
+load (polled over gRPC `Load`, fresher than heartbeats and independent of Redis), one gRPC
+channel per worker, and the router's own count of requests in flight on each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import grpc
+
+from disagg.proto import worker_pb2, worker_pb2_grpc
+from disagg.worker.router.policy import WorkerView
+
+log = logging.getLogger("disagg.router.workers")
+
+# Large prompts (token ids) and KV-free control messages: 64 MiB is plenty.
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 10_000),
+    # reconnect quickly to a worker that (re)started: the default backoff grows to two minutes
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+_POLL_TIMEOUT = 2.0
+_SLOW_POLLS_TOLERATED = 3
+
+
+@dataclass
+class _Member:
+    address: str
+    view: WorkerView | None = None  # None until a Load answered
+    ready: bool = False
+    failures: int = 0
+
+
+class WorkerPool:
+    """Known workers and their gRPC stubs.
+
+    `members_source` returns the (worker_id, role, address) triples from the registry; it may
+    raise when Redis is down, in which case the last known membership is kept.
+    """
+
+    def __init__(
+        self,
+        members_source: Callable[[], list[tuple[str, str, str]]] | None = None,
+        static_addresses: list[str] | None = None,
+        refresh_seconds: float = 0.5,
+        model: str | None = None,
+    ):
+        self._source = members_source
+        self._static = list(static_addresses or [])
+        self._refresh = refresh_seconds
+        self._model = model
+        self._members: dict[str, _Member] = {a: _Member(a) for a in self._static}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._inflight: dict[str, int] = {}
+        self._task: asyncio.Task | None = None
+        self.registry_ok = self._source is None
+        self._registry_warned = False
+        self._refreshed = asyncio.Event()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh)
+            try:
+                await self.refresh()
+            except Exception:  # the loop must survive anything a worker or Redis does
+                log.exception("worker refresh failed")
+
+    # ---- membership and load ----------------------------------------------------------------
+    async def _registry_members(self) -> list[tuple[str, str, str]] | None:
+        if self._source is None:
+            return None
+        try:
+            members = await asyncio.wait_for(asyncio.to_thread(self._source), timeout=2.0)
+        except Exception as e:
+            if not self._registry_warned:
+                log.warning("worker registry unavailable (%s): keeping the last known workers", e)
+                self._registry_warned = True
+            self.registry_ok = False
+            return None
+        if self._registry_warned:
+            log.info("worker registry reachable again")
+            self._registry_warned = False
+        self.registry_ok = True
+        return members
+
+    async def refresh(self) -> None:
+        members = await self._registry_members()
+        if members is not None:
+            wanted = {addr for _id, _role, addr in members} | set(self._static)
+            for addr in wanted - self._members.keys():
+                self._members[addr] = _Member(addr)
+            # A worker that left the registry (deregistered, or heartbeat expired) and no longer
+            # answers is dropped; one that still answers stays until its TTL really runs out.
+            for addr in list(self._members.keys() - wanted):
+                if not self._members[addr].ready:
+                    await self._drop(addr)
+        await asyncio.gather(*(self._poll(m) for m in list(self._members.values())))
+        self._refreshed.set()
+
+    async def _poll(self, m: _Member) -> None:
+        try:
+            load = await self.stub(m.address).Load(worker_pb2.LoadRequest(), timeout=_POLL_TIMEOUT)
+            health = await self.stub(m.address).Health(worker_pb2.HealthRequest(), timeout=_POLL_TIMEOUT)
+        except grpc.aio.AioRpcError as e:
+            m.failures += 1
+            # a refused connection is a dead worker; a slow answer is usually a busy one, which
+            # stays in rotation until it has been silent for a few polls
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or m.failures >= _SLOW_POLLS_TOLERATED:
+                m.ready = False
+            return
+        m.failures = 0
+        m.ready = health.ready and not health.draining and (not self._model or health.model == self._model)
+        m.view = WorkerView(
+            worker_id=load.worker_id,
+            role=load.role,
+            address=m.address,
+            running=load.running,
+            waiting=load.waiting,
+            free_blocks=load.free_blocks,
+            total_blocks=load.total_blocks,
+        )
+
+    async def _drop(self, addr: str) -> None:
+        self._members.pop(addr, None)
+        ch = self._channels.pop(addr, None)
+        if ch is not None:
+            await ch.close()
+
+    def mark_failed(self, worker_id: str) -> None:
+        """A call to the worker failed: stop routing to it until its next successful poll."""
+        for m in self._members.values():
+            if m.view and m.view.worker_id == worker_id:
+                m.ready = False
+
+    def views(self) -> list[WorkerView]:
+        out = []
+        for m in self._members.values():
+            if m.ready and m.view is not None:
+                out.append(replace(m.view, inflight=self._inflight.get(m.view.worker_id, 0)))
+        return out
+
+    def all_views(self) -> list[tuple[WorkerView | None, bool, str]]:
+        return [(m.view, m.ready, m.address) for m in self._members.values()]
+
+    # ---- calls ------------------------------------------------------------------------------
+    def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = ch
+        return worker_pb2_grpc.WorkerStub(ch)
+
+    def begin(self, worker_id: str) -> None:
+        self._inflight[worker_id] = self._inflight.get(worker_id, 0) + 1
+
+    def end(self, worker_id: str) -> None:
+        n = self._inflight.get(worker_id, 0) - 1
+        if n > 0:
+            self._inflight[worker_id] = n
+        else:
+            self._inflight.pop(worker_id, None)

@@ -1,0 +1,115 @@
+"""`disagg router`: the OpenAI-compatible HTTP front door of a deployment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+
+def _env(name: str, default=None):
+    return os.environ.get(f"DISAGG_{name}", default)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default=_env("HOST", "0.0.0.0"))
+    p.add_argument("--port", type=int, default=int(_env("PORT", 8000)))
+    p.add_argument(
+        "--model", default=_env("MODEL"), help="model directory (tokenizer, chat template, context)"
+    )
+    p.add_argument(
+        "--model-name", default=_env("MODEL_NAME"), help="served model name (default: directory name)"
+    )
+    p.add_argument(
+        "--redis-url", default=_env("REDIS_URL"), help="Redis with the worker registry and prefix index"
+    )
+    p.add_argument("--deployment", default=_env("DEPLOYMENT", "default"))
+    p.add_argument("--workers", default=_env("WORKERS", ""),
+                   help="comma-separated worker gRPC addresses, in addition to the registry")  # fmt: skip
+    p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
+    p.add_argument("--api-key-file", default=_env("API_KEY_FILE"), help="file with one API key per line")
+    p.add_argument("--max-queue", type=int, default=int(_env("MAX_QUEUE", 256)),
+                   help="requests in flight before answering 429")  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN") and int(_env("MAX_MODEL_LEN")))
+    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", 16)))
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+
+
+def api_keys(args) -> frozenset[str]:
+    keys = set(args.api_key)
+    if os.environ.get("DISAGG_API_KEY"):
+        keys.add(os.environ["DISAGG_API_KEY"])
+    if args.api_key_file:
+        path = Path(args.api_key_file)
+        if not path.is_file():
+            raise SystemExit(f"disagg router: --api-key-file {path}: no such file")
+        keys |= {
+            line.strip()
+            for line in path.read_text().splitlines()
+            if line.strip() and not line.startswith("#")
+        }
+    return frozenset(keys)
+
+
+def context_length(model_dir: Path) -> int:
+    """The model's context from config.json (read directly: the router does not load torch)."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise SystemExit(f"disagg router: {path} not found")
+    raw = json.loads(path.read_text())
+    n = int(raw.get("max_position_embeddings", 2048))
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    return min(n, int(window)) if window else n
+
+
+def build_router(args):
+    from disagg.worker.router.app import Router, RouterConfig
+    from disagg.worker.router.workers import WorkerPool
+    from disagg.worker.tokenizer import Tokenizer
+
+    if not args.model:
+        raise SystemExit("disagg router: --model (or DISAGG_MODEL) is required: it holds the tokenizer")
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise SystemExit(f"disagg router: --model {args.model}: no such directory")
+    model_name = args.model_name or model_dir.name
+    max_len = args.max_model_len or context_length(model_dir)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    source = lookup = None
+    if args.redis_url:
+        from disagg.worker.kv_state import KVState
+
+        state = KVState(args.redis_url, args.deployment, f"router-{os.getpid()}")
+
+        def source():
+            return [(w.id, w.role, w.address) for w in state.workers()]
+
+        lookup = state.match_prefix
+    static = [a.strip() for a in args.workers.split(",") if a.strip()]
+    if source is None and not static:
+        raise SystemExit("disagg router: give --redis-url (worker registry) and/or --workers host:port,...")
+    pool = WorkerPool(source, static, model=model_name)
+    config = RouterConfig(
+        model_name=model_name,
+        max_model_len=max_len,
+        block_size=args.block_size,
+        api_keys=api_keys(args),
+        max_queue=args.max_queue,
+    )
+    return Router(config, tokenizer, pool, lookup)
+
+
+def run(args) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from aiohttp import web
+
+    router = build_router(args)
+    print(f"router serving {router.config.model_name} on http://{args.host}:{args.port}/v1", flush=True)
+    web.run_app(
+        router.app(), host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True
+    )
+    return 0

@@ -1,0 +1,1 @@
+"""The worker process: gRPC servicer for the prefill/decode/both roles around one engine-loop thread."""

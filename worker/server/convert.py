@@ -1,0 +1,58 @@
+"""Conversions between the wire messages (disagg.worker.v1) and the engine's types."""
+
+from __future__ import annotations
+
+from disagg.proto import worker_pb2 as pb
+from disagg.worker.outputs import TokenLogprob
+from disagg.worker.sampling_params import SamplingParams
+
+
+def sampling_params(p: pb.SamplingParams, *, prefill_only: bool = False) -> SamplingParams:
+    """Engine parameters from the wire; raises ValueError naming the field when invalid.
+
+    For a prefill on P only the first token's distribution matters: stop strings and the stop
+    checks are D's job, so P never ends a prompt early (it always finishes as "prefilled");
+    min_tokens still masks EOS/stop ids when sampling that first token, so it is kept.
+    """
+    stop = list(p.stop) or None
+    stop_ids = list(p.stop_token_ids)
+    ignore_eos = p.ignore_eos
+    max_tokens: int | None = p.max_tokens or None
+    if prefill_only:
+        stop = None
+        max_tokens = None
+        if p.min_tokens == 0:
+            ignore_eos, stop_ids = True, []
+    return SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p if p.top_p > 0 else 1.0,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty > 0 else 1.0,
+        max_tokens=max_tokens,
+        min_tokens=p.min_tokens,
+        stop=stop,
+        stop_token_ids=stop_ids,
+        ignore_eos=ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        skip_special_tokens=p.skip_special_tokens,
+    )
+
+
+def logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top_logprobs.items()],
+    )
+
+
+def logprob_from_proto(lp: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(lp.token_id, lp.logprob, {t.token_id: t.logprob for t in lp.top})
+
+
+def error(code: str, message: str) -> pb.Error:
+    return pb.Error(code=code, message=message)

@@ -1,0 +1,230 @@
+"""A worker process: engine-loop thread + gRPC server + /metrics and /health, until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from aiohttp import web
+
+from disagg.proto import worker_pb2_grpc as pb_grpc
+from disagg.worker.metrics import CONTENT_TYPE, ServingMetrics
+from disagg.worker.router.workers import GRPC_OPTIONS
+from disagg.worker.server.core import WorkerCore
+from disagg.worker.server.engine_loop import EngineLoop
+from disagg.worker.server.servicer import ServingOptions, WorkerService
+from disagg.worker.server.state_link import StateLink
+
+log = logging.getLogger("disagg.worker")
+
+
+@dataclass
+class WorkerConfig:
+    model: str
+    role: str
+    worker_id: str
+    model_name: str
+    host: str = "0.0.0.0"
+    advertise_host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    redis_url: str | None = None
+    deployment: str = "default"
+    kv_transfer: str = "nixl"
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float | None = None
+    max_model_len: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    disagg_threshold: int = 64
+    prefill_timeout: float = 120.0
+    lease_seconds: float = 30.0
+    drain_timeout: float = 30.0
+    enable_prefix_caching: bool = True
+
+
+def _build_engine(cfg: WorkerConfig):
+    from disagg.worker.engine import LLMEngine
+
+    kv_bytes = int(cfg.kv_cache_memory_gb * (1 << 30)) if cfg.kv_cache_memory_gb else None
+    return LLMEngine(
+        cfg.model,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        block_size=cfg.block_size,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        max_model_len=cfg.max_model_len,
+        num_gpu_blocks=cfg.num_blocks,
+        kv_cache_memory=kv_bytes,
+    )
+
+
+def _build_transport(cfg: WorkerConfig, engine, address: str):
+    if cfg.role == "both":
+        return None  # colocated: no KV ever leaves or arrives
+    from disagg.worker.kv_transfer import KVLayout, create_transport
+
+    layout = KVLayout.from_tensor(engine.kv_cache, cfg.model_name)
+    options = {"advertise_address": address} if cfg.kv_transfer == "grpc" else {}
+    return create_transport(cfg.kv_transfer, engine.kv_cache, layout, cfg.worker_id, **options)
+
+
+def _kv_state(cfg: WorkerConfig, address: str, metrics_url: str):
+    if not cfg.redis_url:
+        return None, None
+    from disagg.worker.kv_state import KVState, WorkerInfo
+
+    info = WorkerInfo(
+        id=cfg.worker_id, role=cfg.role, address=address, metrics_url=metrics_url, model=cfg.model_name
+    )
+    return KVState(cfg.redis_url, cfg.deployment, cfg.worker_id), info
+
+
+class WorkerProcess:
+    def __init__(self, cfg: WorkerConfig):
+        self.cfg = cfg
+        self.metrics = ServingMetrics(cfg.role, cfg.model_name)
+        self.loop = EngineLoop()
+        self.server: grpc.aio.Server | None = None
+        self.http: web.AppRunner | None = None
+        self.service: WorkerService | None = None
+        self.state: StateLink | None = None
+        self.port = cfg.port
+        self.metrics_port = cfg.metrics_port
+        self._stop = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.advertise_host}:{self.port}"
+
+    async def _start_grpc(self) -> None:
+        # sync handlers (the gRPC KV fallback's servicer) run on this pool
+        self.server = grpc.aio.server(
+            migration_thread_pool=concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="grpc-sync"),
+            options=GRPC_OPTIONS,
+        )
+        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind the gRPC port {self.cfg.host}:{self.cfg.port}")
+
+    async def _start_http(self) -> None:
+        app = web.Application()
+
+        async def metrics(_r):
+            return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+
+        async def health(_r):
+            s = self.service
+            ready = bool(s and s.ready and self.loop.alive and not s.draining)
+            body = {"ready": ready, "worker_id": self.cfg.worker_id, "role": self.cfg.role, "address": self.address,
+                    "draining": bool(s and s.draining), "load": s.core.load if s else {}}  # fmt: skip
+            return web.json_response(body, status=200 if ready else 503)
+
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/health", health)
+        self.http = web.AppRunner(app, access_log=None)
+        await self.http.setup()
+        site = web.TCPSite(self.http, self.cfg.host, self.cfg.metrics_port)
+        await site.start()
+        self.metrics_port = site._server.sockets[0].getsockname()[1]
+
+    async def run(self) -> int:
+        aio = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            aio.add_signal_handler(sig, self._stop.set)
+        await self._start_grpc()
+        await self._start_http()
+        holder: dict = {}
+
+        def init():
+            engine = _build_engine(self.cfg)
+            transport = _build_transport(self.cfg, engine, self.address)
+            holder["engine"], holder["transport"] = engine, transport
+
+        log.info("worker %s (%s) loading %s", self.cfg.worker_id, self.cfg.role, self.cfg.model)
+        try:
+            await asyncio.wrap_future(self.loop.start(init))
+        except Exception:
+            log.exception("worker failed to start")
+            await self._shutdown_servers()
+            return 1
+        engine = holder["engine"]
+        kv, info = _kv_state(
+            self.cfg, self.address, f"http://{self.cfg.advertise_host}:{self.metrics_port}/metrics"
+        )
+        self.state = StateLink(kv, info)
+        core = WorkerCore(
+            engine, holder["transport"], self.cfg.block_size, self.metrics, on_publish=self.state.publish
+        )
+        self.loop.engine = engine
+        self.loop.step_fn = core.step
+        self.loop.has_work = core.has_work
+        self.loop.on_iteration = core.refresh_load
+        self.loop.add_poller(core.poll_sender)
+        self.loop.add_poller(core.poll_receiver)
+        await asyncio.wrap_future(self.loop.call(core.refresh_load))
+        opts = ServingOptions(
+            worker_id=self.cfg.worker_id,
+            role=self.cfg.role,
+            model_name=self.cfg.model_name,
+            address=self.address,
+            disagg_threshold=self.cfg.disagg_threshold,
+            prefill_timeout=self.cfg.prefill_timeout,
+            lease_seconds=self.cfg.lease_seconds,
+        )
+        self.service = WorkerService(opts, self.loop, core, self.state, self.metrics, engine.max_model_len)
+        pb_grpc.add_WorkerServicer_to_server(self.service, self.server)
+        if holder["transport"] is not None and hasattr(holder["transport"], "servicer"):
+            from disagg.proto import kv_transfer_pb2_grpc
+
+            kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(holder["transport"].servicer(), self.server)
+        await self.server.start()
+        await self.state.register()
+        self.state.start(
+            lambda: dict(core.load),
+            lambda rid: self.loop.call(core.on_loop_reclaim, rid),
+            lambda hashes: asyncio.wrap_future(self.loop.call(core.on_loop_evicted, hashes)),
+        )
+        self.service.ready = True
+        print(
+            f"worker {self.cfg.worker_id} ready: role={self.cfg.role} grpc={self.address} "
+            f"metrics=http://{self.cfg.advertise_host}:{self.metrics_port}/metrics "
+            f"blocks={engine.num_total_blocks} kv={self.cfg.kv_transfer if holder['transport'] else 'none'}",
+            flush=True,
+        )
+        await self._stop.wait()
+        await self.drain()
+        return 0
+
+    async def drain(self) -> None:
+        """Stop admitting, let in-flight requests finish (bounded), deregister, stop."""
+        s = self.service
+        log.info("draining worker %s", self.cfg.worker_id)
+        s.draining = True
+        deadline = asyncio.get_running_loop().time() + self.cfg.drain_timeout
+        while s.streams > 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        await self.state.deregister()
+        await self.state.stop()
+        await s.close()
+        await self._shutdown_servers()
+        transport = s.core.transport
+        if transport is not None:
+            await asyncio.wrap_future(self.loop.call(transport.close))
+        self.loop.stop()
+        log.info("worker %s stopped", self.cfg.worker_id)
+
+    async def _shutdown_servers(self) -> None:
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+        if self.http is not None:
+            await self.http.cleanup()

@@ -1,0 +1,395 @@
+"""The worker's gRPC service (grpc.aio): Generate, Prefill, Handshake, Abort, Health, Load.
+
+Handlers run on the asyncio loop and talk to the engine-loop thread only through
+`EngineLoop.call` (a future) and per-request sinks (`call_soon_threadsafe` into an asyncio
+queue). Redis is reached through `StateLink`, whose calls never block serving when Redis is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from disagg.proto import worker_pb2 as pb
+from disagg.proto import worker_pb2_grpc as pb_grpc
+from disagg.worker.block_manager import NoFreeBlocksError
+from disagg.worker.metrics import ServingMetrics
+from disagg.worker.router.policy import should_disaggregate
+from disagg.worker.router.workers import GRPC_OPTIONS
+from disagg.worker.server.convert import error, logprob_from_proto, logprob_to_proto, sampling_params
+from disagg.worker.server.core import PrefillJob, WorkerCore
+from disagg.worker.server.engine_loop import EngineLoop
+from disagg.worker.server.state_link import StateLink
+
+log = logging.getLogger("disagg.worker.servicer")
+
+
+@dataclass
+class ServingOptions:
+    worker_id: str
+    role: str  # prefill | decode | both
+    model_name: str
+    address: str  # our gRPC host:port as peers reach it
+    disagg_threshold: int = 64  # uncached prompt tokens below which D prefills locally
+    prefill_timeout: float = 120.0
+    kv_wait_timeout: float = 60.0
+    lease_seconds: float = 30.0
+
+
+class PrefillFailed(Exception):
+    pass
+
+
+class RequestGone(Exception):
+    """The request was aborted while its prefill was in progress."""
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    def __init__(
+        self,
+        opts: ServingOptions,
+        loop: EngineLoop,
+        core: WorkerCore,
+        state: StateLink,
+        metrics: ServingMetrics,
+        max_model_len: int,
+    ):
+        self.opts = opts
+        self.loop = loop
+        self.core = core
+        self.state = state
+        self.metrics = metrics
+        self.max_model_len = max_model_len
+        self.ready = False
+        self.draining = False
+        self.streams = 0  # Generate and Prefill calls in progress (drain waits for zero)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._handshaken: set[str] = set()  # prefill workers whose KV handshake we hold
+        self._handshake_locks: dict[str, asyncio.Lock] = {}
+
+    # ---- plumbing ------------------------------------------------------------------------------
+    async def _call(self, fn, *args):
+        return await asyncio.wrap_future(self.loop.call(fn, *args))
+
+    def _stub(self, address: str) -> pb_grpc.WorkerStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = ch
+        return pb_grpc.WorkerStub(ch)
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+
+    def _refuse(self) -> pb.Error | None:
+        if self.draining:
+            return error("draining", f"worker {self.opts.worker_id} is shutting down")
+        if not self.ready:
+            return error("unavailable", f"worker {self.opts.worker_id} is not ready")
+        return None
+
+    def _count_prefix(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Prefix-cache hit ratio of this worker, in full blocks of the prompt."""
+        bs = self.core.block_size
+        self.metrics.prefix_lookup(prompt_tokens // bs, cached_tokens // bs)
+
+    # ---- Generate (decode / both) ----------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context):
+        refused = self._refuse()
+        if refused is None and self.opts.role == "prefill":
+            refused = error("invalid_request", "this is a prefill worker: send Generate to a decode worker")
+        if refused is not None:
+            yield pb.GenerateResponse(error=refused)
+            return
+        rid = request.request_id or uuid.uuid4().hex
+        prompt = list(request.prompt_token_ids)
+        try:
+            params = sampling_params(request.params)
+        except ValueError as e:
+            yield pb.GenerateResponse(error=error("invalid_request", str(e)))
+            return
+        aio = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def sink(out):
+            aio.call_soon_threadsafe(queue.put_nowait, out)
+
+        arrival = time.monotonic()
+        self.streams += 1
+        finished = False
+        served = pb.ServedBy(decode_worker=self.opts.worker_id)
+        try:
+            targets = list(request.prefill_targets)
+            remote = False
+            if self.opts.role == "decode" and targets and len(prompt) + 1 < self.max_model_len:
+                cached = await self._call(self.core.on_loop_cached_tokens, prompt)
+                remote = should_disaggregate(len(prompt), cached, self.opts.disagg_threshold, True)
+            try:
+                if remote:
+                    try:
+                        served.prefill_worker = await self._remote_prefill(
+                            rid, prompt, request, params, sink, targets
+                        )
+                        served.disaggregated = True
+                    except NoFreeBlocksError:
+                        # no room to reserve the whole prompt now: a local prefill waits in the
+                        # scheduler's queue for blocks instead of failing
+                        remote = False
+                if not remote:
+                    await self._call(self.core.on_loop_add, rid, prompt, params, sink, arrival)
+                self.metrics.disaggregation_decision(remote)
+            except ValueError as e:  # the engine refused the prompt (too long, bad token id)
+                yield pb.GenerateResponse(error=error("invalid_request", str(e)))
+                finished = True
+                return
+            except NoFreeBlocksError as e:
+                yield pb.GenerateResponse(error=error("unavailable", f"KV cache full: {e}"))
+                finished = True
+                return
+            except PrefillFailed as e:
+                yield pb.GenerateResponse(error=error("prefill_failed", str(e)))
+                finished = True
+                return
+            first = True
+            last_token_at = None
+            while True:
+                out = await queue.get()
+                if out is None:  # aborted on the engine thread (Abort RPC, lease reclaim)
+                    finished = True
+                    yield pb.GenerateResponse(
+                        finish_reason="abort", usage=pb.Usage(prompt_tokens=len(prompt))
+                    )
+                    self.metrics.request_finished("abort")
+                    return
+                msg = pb.GenerateResponse(token_ids=out.new_token_ids, text=out.new_text)
+                if out.new_logprobs:
+                    msg.logprobs.extend(logprob_to_proto(lp) for lp in out.new_logprobs)
+                now = time.monotonic()
+                if out.new_token_ids:
+                    if last_token_at is None:
+                        self.metrics.ttft.observe(now - arrival)
+                    else:
+                        self.metrics.itl.observe((now - last_token_at) / len(out.new_token_ids))
+                    last_token_at = now
+                    self.metrics.generation_tokens.inc(len(out.new_token_ids))
+                if first:
+                    msg.served_by.CopyFrom(served)
+                    first = False
+                if out.finished:
+                    finished = True
+                    n_out = len(out.outputs[0].token_ids)
+                    msg.finish_reason = out.finish_reason or "stop"
+                    msg.usage.CopyFrom(
+                        pb.Usage(
+                            prompt_tokens=len(prompt),
+                            completion_tokens=n_out,
+                            cached_tokens=out.num_cached_tokens,
+                        )
+                    )
+                    self.metrics.prompt_tokens.inc(len(prompt))
+                    self._count_prefix(len(prompt), out.num_cached_tokens)
+                    self.metrics.e2e.observe(now - arrival)
+                    self.metrics.request_finished(msg.finish_reason)
+                yield msg
+                if finished:
+                    return
+        finally:
+            self.streams -= 1
+            if not finished:
+                # client went away (or the stream broke): free the request without waiting
+                self.loop.call(self.core.on_loop_abort, rid)
+                self.metrics.request_finished("abort")
+
+    async def _remote_prefill(self, rid, prompt, request, params, sink, targets) -> str:
+        """Reserve blocks, have a prefill worker fill them (retrying once elsewhere), commit.
+
+        Returns the prefill worker's id; raises PrefillFailed after the blocks were freed.
+        """
+        dst = await self._call(self.core.on_loop_reserve, rid, prompt, params, sink)
+        reasons = []
+        gen = 0
+        for attempt, target in enumerate(targets[:2]):
+            if attempt:
+                self.metrics.prefill_retries.inc()
+            gen = await self.state.begin_transfer(rid, target.worker_id, dst, self.opts.lease_seconds, gen)
+            transfer_id = f"{rid}:{gen}:{attempt}"
+            try:
+                await self._prefill_once(rid, prompt, request, target, dst, gen, transfer_id)
+                await self.state.finish_transfer(rid, gen)
+                return target.worker_id
+            except asyncio.CancelledError:
+                await self._cleanup_attempt(target, rid, transfer_id, "cancelled")
+                await self.state.finish_transfer(rid, gen)
+                raise
+            except RequestGone:
+                # aborted meanwhile (Abort RPC, lease reclaim): the abort owns the blocks now
+                await self._cleanup_attempt(target, rid, transfer_id, "aborted")
+                await self.state.finish_transfer(rid, gen)
+                raise PrefillFailed(f"request {rid} was aborted") from None
+            except (PrefillFailed, grpc.aio.AioRpcError, TimeoutError) as e:
+                reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                log.warning(
+                    "prefill of %s on %s failed (attempt %d): %s", rid, target.worker_id, attempt + 1, reason
+                )
+                reasons.append(f"{target.worker_id}: {reason}")
+                if isinstance(e, grpc.aio.AioRpcError):
+                    self._handshaken.discard(target.worker_id)
+                await self._cleanup_attempt(target, rid, transfer_id, reason)
+        await self._call(self.core.on_loop_abort, rid)
+        await self.state.finish_transfer(rid, gen)
+        raise PrefillFailed("; ".join(reasons) or "no prefill worker available")
+
+    async def _cleanup_attempt(self, target, rid, transfer_id, reason) -> None:
+        await self._call(self.core.on_loop_forget_kv, transfer_id)
+        try:  # P may still hold the prompt (slow, not dead): tell it to let go
+            await self._stub(target.address).Abort(pb.AbortRequest(request_id=transfer_id), timeout=1.0)
+        except grpc.aio.AioRpcError:
+            pass
+
+    async def _prefill_once(self, rid, prompt, request, target, dst, gen, transfer_id) -> None:
+        aio = asyncio.get_running_loop()
+        landed: asyncio.Future = aio.create_future()
+
+        def on_landed(reason):
+            aio.call_soon_threadsafe(lambda: landed.done() or landed.set_result(reason))
+
+        if not await self._call(self.core.on_loop_expect_kv, transfer_id, rid, on_landed):
+            raise RequestGone(rid)
+        stub = self._stub(target.address)
+        req = pb.PrefillRequest(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            params=request.params,
+            decode_worker_id=self.opts.worker_id,
+            dst_block_ids=dst,
+            transfer_generation=gen,
+            transfer_id=transfer_id,
+        )
+        renew = asyncio.create_task(self._renew_lease(rid, gen))
+        try:
+            for _ in range(2):  # a second time only after a fresh handshake
+                await self._handshake(target)
+                resp = await stub.Prefill(req, timeout=self.opts.prefill_timeout)
+                if resp.error.code != "handshake_required":
+                    break
+                self._handshaken.discard(target.worker_id)
+            if resp.error.code:
+                raise PrefillFailed(f"{resp.error.code}: {resp.error.message}")
+            reason = await asyncio.wait_for(landed, timeout=self.opts.kv_wait_timeout)
+            if reason is not None:
+                raise PrefillFailed(f"KV transfer failed: {reason}")
+        finally:
+            renew.cancel()
+        lp = logprob_from_proto(resp.first_token) if request.params.HasField("logprobs") else None
+        committed = await self._call(self.core.on_loop_commit, rid, resp.first_token.token_id, lp)
+        if not committed:
+            raise RequestGone(rid)  # aborted while the KV was moving
+
+    async def _renew_lease(self, rid: str, gen: int) -> None:
+        while True:
+            await asyncio.sleep(self.opts.lease_seconds / 3)
+            await self.state.renew_transfer(rid, gen, self.opts.lease_seconds)
+
+    async def _handshake(self, target: pb.PrefillTarget) -> None:
+        # one handshake per peer at a time: concurrent requests to a new peer wait for the first
+        lock = self._handshake_locks.setdefault(target.worker_id, asyncio.Lock())
+        async with lock:
+            if target.worker_id in self._handshaken:
+                return
+            payload = await self._call(self.core.transport.handshake_payload)
+            resp = await self._stub(target.address).Handshake(
+                pb.HandshakeRequest(
+                    worker_id=self.opts.worker_id, address=self.opts.address, payload=payload
+                ),
+                timeout=10.0,
+            )
+            if resp.error.code:
+                raise PrefillFailed(f"handshake with {target.worker_id} refused: {resp.error.message}")
+            self._handshaken.add(target.worker_id)
+
+    # ---- Prefill (prefill / both) ----------------------------------------------------------------
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        refused = self._refuse()
+        if refused is None and self.opts.role == "decode":
+            refused = error("invalid_request", "this is a decode worker: it does not serve Prefill")
+        if refused is not None:
+            return pb.PrefillResponse(error=refused)
+        try:
+            params = sampling_params(request.params, prefill_only=True)
+        except ValueError as e:
+            return pb.PrefillResponse(error=error("invalid_request", str(e)))
+        if not await self.state.generation_current(request.request_id, request.transfer_generation):
+            return pb.PrefillResponse(error=error("prefill_failed", "transfer generation moved on"))
+        aio = asyncio.get_running_loop()
+        result: asyncio.Future = aio.create_future()
+        job = PrefillJob(
+            engine_id=request.transfer_id or request.request_id,
+            request_id=request.request_id,
+            peer_id=request.decode_worker_id,
+            dst_block_ids=list(request.dst_block_ids),
+            skip_blocks=request.skip_leading_blocks,
+            done=lambda r: aio.call_soon_threadsafe(lambda: result.done() or result.set_result(r)),
+        )
+        self.streams += 1
+        arrival = time.monotonic()
+        try:
+            await self._call(self.core.on_loop_prefill, job, list(request.prompt_token_ids), params, arrival)
+            r = await result
+        except ValueError as e:
+            return pb.PrefillResponse(error=error("invalid_request", str(e)))
+        except asyncio.CancelledError:  # D went away or gave up: free what we hold
+            self.loop.call(self.core.on_loop_abort, job.engine_id)
+            raise
+        finally:
+            self.streams -= 1
+        if "error" in r:
+            code, message = r["error"]
+            return pb.PrefillResponse(error=error(code, message))
+        n = len(request.prompt_token_ids)
+        self.metrics.ttft.observe(time.monotonic() - arrival)
+        self.metrics.prompt_tokens.inc(n)
+        self._count_prefix(n, r["cached_tokens"])
+        self.metrics.request_finished("prefilled")
+        first = pb.TokenLogprob(token_id=r["token_id"])
+        if r["logprob"] is not None:
+            first = logprob_to_proto(r["logprob"])
+        return pb.PrefillResponse(
+            first_token=first,
+            prompt_tokens=n,
+            cached_tokens=r["cached_tokens"],
+            kv_bytes=r["kv_bytes"],
+            transfer_seconds=r["seconds"],
+        )
+
+    async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
+        if not self.ready:
+            return pb.HandshakeResponse(error=error("unavailable", "not ready"))
+        try:
+            await self._call(self.core.on_loop_add_peer, request.worker_id, bytes(request.payload))
+            payload = await self._call(self.core.transport.handshake_payload)
+        except Exception as e:  # IncompatiblePeer, bad payload
+            return pb.HandshakeResponse(worker_id=self.opts.worker_id, error=error("invalid_request", str(e)))
+        return pb.HandshakeResponse(worker_id=self.opts.worker_id, payload=payload)
+
+    # ---- control ----------------------------------------------------------------------------------
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        found = await self._call(self.core.on_loop_abort, request.request_id)
+        return pb.AbortResponse(found=bool(found))
+
+    async def Health(self, request, context) -> pb.HealthResponse:
+        return pb.HealthResponse(
+            ready=self.ready and self.loop.alive,
+            worker_id=self.opts.worker_id,
+            role=self.opts.role,
+            model=self.opts.model_name,
+            draining=self.draining,
+        )
+
+    async def Load(self, request, context) -> pb.LoadResponse:
+        return self.core.load_response(self.opts.worker_id, self.opts.role)

@@ -1,0 +1,333 @@
+"""`disagg up`: the whole deployment on this machine — Redis, prefill and decode workers, router.
+
+Children are started with a parent-death signal, so they never outlive this process, and are
+stopped with SIGTERM (then SIGKILL) on Ctrl-C or SIGTERM. Their output goes to `.run/<name>.log`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+DEMO_MESSAGE = (
+    "Explain in a few sentences why large language model serving splits the prefill phase, which "
+    "processes the whole prompt at once and is bound by compute, from the decode phase, which "
+    "produces one token at a time and is bound by memory bandwidth, and how the key-value cache "
+    "moves between the two kinds of workers."
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model directory (default: make the tiny model under .models/tiny)")
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    p.add_argument("--both", type=int, default=0, help="number of colocated workers (role both)")
+    p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument("--kv-transfer", choices=("nixl", "grpc"), default="nixl")
+    p.add_argument("--disagg-threshold", type=int, default=32)
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)"
+    )
+    p.add_argument("--run-dir", default=".run", help="where logs go")
+    p.add_argument("--demo", action="store_true", help="stream one chat completion once ready, then exit")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for everything to be ready")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies (no orphans, even on SIGKILL)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    name: str
+    cmd: list[str]
+    log_path: Path
+    health_url: str | None = None
+    proc: subprocess.Popen | None = None
+    ready: bool = False
+    env: dict = field(default_factory=dict)
+
+    def start(self) -> None:
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+            env={**os.environ, **self.env},
+        )
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def check_ready(self) -> bool:
+        if self.ready or self.health_url is None:
+            return self.ready
+        try:
+            with urllib.request.urlopen(self.health_url, timeout=1) as r:
+                self.ready = r.status == 200
+        except (urllib.error.URLError, OSError):
+            self.ready = False
+        return self.ready
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Deployment:
+    def __init__(self, args):
+        self.args = args
+        self.run_dir = Path(args.run_dir)
+        self.children: list[Child] = []
+
+    def model_dir(self) -> Path:
+        if self.args.model:
+            path = Path(self.args.model)
+            if not path.is_dir():
+                raise SystemExit(f"disagg up: --model {path}: no such directory")
+            return path
+        path = Path(".models/tiny")
+        if not (path / "config.json").is_file():
+            from disagg.worker.make_model import make_model
+
+            print(f"making the tiny model under {path} ...", flush=True)
+            make_model(path, preset="tiny")
+        return path
+
+    def plan(self) -> None:
+        a = self.args
+        if a.prefill < 0 or a.decode < 0 or a.both < 0:
+            raise SystemExit("disagg up: --prefill, --decode and --both must be >= 0")
+        if a.decode + a.both == 0:
+            raise SystemExit("disagg up: at least one --decode or --both worker is needed")
+        if shutil.which("redis-server") is None:
+            raise SystemExit(
+                "disagg up: redis-server not found. Install Debian's package: sudo apt-get install redis-server"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        model = self.model_dir()
+        self.model = model
+        redis_port = free_port()
+        self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        redis = Child(
+            "redis",
+            [
+                "redis-server",
+                "--port",
+                str(redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            self.run_dir / "redis.log",
+        )
+        self.children.append(redis)
+        n_workers = a.prefill + a.decode + a.both
+        threads = a.threads or max(1, (os.cpu_count() or 1) // n_workers)
+        py = [sys.executable, "-m", "disagg.worker.cli"]
+        for role, count in (("prefill", a.prefill), ("decode", a.decode), ("both", a.both)):
+            for i in range(count):
+                port, mport = free_port(), free_port()
+                name = f"{role}-{i}"
+                cmd = py + [
+                    "worker", "--role", role, "--model", str(model), "--worker-id", name,
+                    "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport),
+                    "--redis-url", self.redis_url, "--deployment", "local", "--kv-transfer", a.kv_transfer,
+                    "--disagg-threshold", str(a.disagg_threshold), "--threads", str(threads), *a.worker_arg,
+                ]  # fmt: skip
+                self.children.append(
+                    Child(name, cmd, self.run_dir / f"{name}.log", f"http://127.0.0.1:{mport}/health")
+                )
+        self.router_url = f"http://127.0.0.1:{a.port}"
+        cmd = py + [
+            "router", "--host", "127.0.0.1", "--port", str(a.port), "--model", str(model),
+            "--redis-url", self.redis_url, "--deployment", "local",
+        ]  # fmt: skip
+        self.children.append(Child("router", cmd, self.run_dir / "router.log", f"{self.router_url}/health"))
+
+    def start(self) -> None:
+        started = time.monotonic()
+        redis = self.children[0]
+        redis.start()
+        _wait_port(int(self.redis_url.rsplit(":", 1)[1].split("/")[0]), 10)
+        redis.ready = True
+        for c in self.children[1:]:
+            c.start()
+        print(
+            f"started redis, {len(self.children) - 2} workers and the router; logs in {self.run_dir}/",
+            flush=True,
+        )
+        deadline = started + self.args.timeout
+        reported: set[str] = set()
+        while True:
+            for c in self.children:
+                if not c.alive():
+                    raise RuntimeError(
+                        f"{c.name} exited (code {c.proc.returncode}); last log lines:\n{c.tail()}"
+                    )
+                if c.name not in reported and c.check_ready():
+                    reported.add(c.name)
+                    print(f"  {c.name:<12} ready after {time.monotonic() - started:5.1f}s", flush=True)
+            if all(c.ready for c in self.children) and self._router_sees_all():
+                return
+            if time.monotonic() > deadline:
+                waiting = ", ".join(c.name for c in self.children if not c.ready)
+                raise RuntimeError(f"not ready after {self.args.timeout:.0f}s: {waiting}")
+            time.sleep(0.1)
+
+    def _router_sees_all(self) -> bool:
+        """The router routes only to workers it has polled: wait until it knows every one."""
+        names = {c.name for c in self.children if c.name not in ("redis", "router")}
+        try:
+            with urllib.request.urlopen(f"{self.router_url}/health", timeout=1) as r:
+                body = json.load(r)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+        return names <= {w["id"] for w in body.get("workers", []) if w.get("ready")}
+
+    def stop(self) -> None:
+        for c in reversed(self.children):  # router first, Redis last
+            if c.alive():
+                c.proc.terminate()
+        deadline = time.monotonic() + 15
+        for c in reversed(self.children):
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+
+def _wait_port(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout:.0f}s")
+
+
+def demo(base_url: str, model: str) -> None:
+    """Stream one chat completion and show who served it and how fast."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": DEMO_MESSAGE}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(
+        f"{base_url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    print(f"\n$ POST {base_url}/v1/chat/completions (stream)\n", flush=True)
+    t0 = time.monotonic()
+    first = None
+    usage = None
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        decode = resp.headers.get("X-Disagg-Decode-Worker", "?")
+        prefill = resp.headers.get("X-Disagg-Prefill-Worker") or "(prefilled on the decode worker)"
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                text = choice.get("delta", {}).get("content") or ""
+                if text and first is None:
+                    first = time.monotonic()
+                sys.stdout.write(text)
+                sys.stdout.flush()
+    end = time.monotonic()
+    n = usage["completion_tokens"] if usage else 0
+    ttft = (first or end) - t0
+    rate = (n - 1) / (end - first) if first and n > 1 and end > first else 0.0
+    print("\n")
+    print(f"prefill worker: {prefill}")
+    print(f"decode worker:  {decode}")
+    if usage:
+        print(f"prompt tokens:  {usage['prompt_tokens']}   completion tokens: {n}")
+    print(f"TTFT: {ttft * 1000:.0f} ms   decode: {rate:.1f} tokens/s", flush=True)
+
+
+def run(args) -> int:
+    dep = Deployment(args)
+    dep.plan()
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        try:
+            dep.start()
+        except RuntimeError as e:
+            print(f"disagg up: {e}", file=sys.stderr)
+            return 1
+        model_name = dep.model.name
+        print(f"\nready: OpenAI-compatible endpoint {dep.router_url}/v1 (model {model_name!r})", flush=True)
+        if args.demo:
+            demo(dep.router_url, model_name)
+            return 0
+        print(
+            f"try:\n  curl -N {dep.router_url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+            f'\'{{"model": "{model_name}", "stream": true, "messages": [{{"role": "user", "content": "Hello"}}]}}\'\n'
+            "Ctrl-C stops everything.",
+            flush=True,
+        )
+        while all(c.alive() for c in dep.children):
+            time.sleep(0.5)
+        dead = [c for c in dep.children if not c.alive()]
+        for c in dead:
+            print(
+                f"disagg up: {c.name} exited (code {c.proc.returncode}); last log lines:\n{c.tail()}",
+                file=sys.stderr,
+            )
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+        return 0
+    finally:
+        dep.stop()

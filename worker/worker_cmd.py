@@ -1,0 +1,126 @@
+"""`disagg worker`: one prefill, decode or colocated worker (flags, or DISAGG_* environment)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+from pathlib import Path
+
+ROLES = ("prefill", "decode", "both")
+
+
+def _env(name: str, default=None):
+    return os.environ.get(f"DISAGG_{name}", default)
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--role", choices=ROLES, default=_env("ROLE", "both"), help="prefill, decode or both (colocated)"
+    )
+    p.add_argument(
+        "--model", default=_env("MODEL"), help="model directory (config.json, safetensors, tokenizer)"
+    )
+    p.add_argument(
+        "--model-name", default=_env("MODEL_NAME"), help="served model name (default: directory name)"
+    )
+    p.add_argument("--worker-id", default=_env("WORKER_ID"), help="unique id (default: role-host-port)")
+    p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="bind address")
+    p.add_argument("--advertise-host", default=_env("ADVERTISE_HOST", os.environ.get("POD_IP", "127.0.0.1")),
+                   help="address peers and the router use to reach this worker")  # fmt: skip
+    p.add_argument("--port", type=int, default=int(_env("PORT", 0)), help="gRPC port (0: any free port)")
+    p.add_argument(
+        "--metrics-port", type=int, default=int(_env("METRICS_PORT", 0)), help="/metrics and /health port"
+    )
+    p.add_argument(
+        "--redis-url", default=_env("REDIS_URL"), help="Redis for registry, transfers, prefix index"
+    )
+    p.add_argument("--deployment", default=_env("DEPLOYMENT", "default"), help="namespace of the Redis keys")
+    p.add_argument("--kv-transfer", choices=("nixl", "grpc"), default=_env("KV_TRANSFER", "nixl"))
+    p.add_argument("--block-size", type=_positive_int, default=int(_env("BLOCK_SIZE", 16)))
+    p.add_argument("--max-num-seqs", type=_positive_int, default=int(_env("MAX_NUM_SEQS", 64)))
+    p.add_argument(
+        "--max-num-batched-tokens", type=_positive_int, default=int(_env("MAX_NUM_BATCHED_TOKENS", 2048))
+    )
+    p.add_argument(
+        "--max-model-len", type=_positive_int, default=_env("MAX_MODEL_LEN") and int(_env("MAX_MODEL_LEN"))
+    )
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=_env("KV_CACHE_MEMORY_GB") and float(_env("KV_CACHE_MEMORY_GB")),
+    )
+    kv.add_argument(
+        "--num-blocks", type=_positive_int, default=_env("NUM_BLOCKS") and int(_env("NUM_BLOCKS"))
+    )
+    p.add_argument("--dtype", default=_env("DTYPE", "float32"), choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--device", default=_env("DEVICE", "cpu"))
+    p.add_argument("--disagg-threshold", type=int, default=int(_env("THRESHOLD", 64)),
+                   help="decode workers prefill locally when fewer prompt tokens than this are uncached")  # fmt: skip
+    p.add_argument("--threads", type=int, default=_env("THREADS") and int(_env("THREADS")),
+                   help="torch intra-op threads (default: torch's choice)")  # fmt: skip
+    p.add_argument("--lease-seconds", type=float, default=float(_env("LEASE_SECONDS", 30)),
+                   help="lease of a KV transfer record; a dead peer's blocks are reclaimed after it")  # fmt: skip
+    p.add_argument("--prefill-timeout", type=float, default=float(_env("PREFILL_TIMEOUT", 120)))
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+
+
+def config_from_args(args):
+    from disagg.worker.server.main import WorkerConfig
+
+    if not args.model:
+        raise SystemExit("disagg worker: --model (or DISAGG_MODEL) is required")
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise SystemExit(f"disagg worker: --model {args.model}: no such directory")
+    worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{args.port or os.getpid()}"
+    return WorkerConfig(
+        model=str(model_dir),
+        role=args.role,
+        worker_id=worker_id,
+        model_name=args.model_name or model_dir.name,
+        host=args.host,
+        advertise_host=args.advertise_host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        redis_url=args.redis_url,
+        deployment=args.deployment,
+        kv_transfer=args.kv_transfer,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_blocks=args.num_blocks,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        device=args.device,
+        disagg_threshold=args.disagg_threshold,
+        enable_prefix_caching=not args.no_prefix_caching,
+        lease_seconds=args.lease_seconds,
+        prefill_timeout=args.prefill_timeout,
+    )
+
+
+def run(args) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    cfg = config_from_args(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from disagg.worker.server.main import WorkerProcess
+
+    return asyncio.run(WorkerProcess(cfg).run())
