@@ -21,5 +21,7 @@ RUN pip install "kopf>=1.37" "aiohttp>=3.9" "redis>=5.0" "pyyaml>=6.0" "promethe
 # Matches the chart's runAsUser; the root filesystem is mounted read-only.
 USER 65532:65532
 WORKDIR /tmp
+# 8080: liveness (--liveness); 9090: the autoscaler's own Prometheus metrics (DISAGG_AUTOSCALER_METRICS_PORT).
+EXPOSE 8080 9090
 ENTRYPOINT ["disagg"]
 CMD ["operator", "--all-namespaces", "--standalone"]

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import kopf
 
-from disagg.operator import cleanup
+from disagg.operator import cleanup, events
 from disagg.operator import constants as c
 from disagg.operator import spec as specs
 from disagg.operator.kube import Kube
@@ -112,14 +112,15 @@ def register(
             idep.spec.redis.url, idep.deployment_id, password=password, logger=logger
         )
         if count is None:
-            kopf.warn(
+            events.post(
                 body,
+                type="Warning",
                 reason="CleanupSkipped",
                 message=f"Redis at {idep.spec.redis.url} unreachable; "
                 f"keys {cleanup.key_pattern(idep.deployment_id)} left",
             )
         else:
-            kopf.event(
+            events.post(
                 body,
                 type="Normal",
                 reason="CleanedUp",

@@ -1,8 +1,9 @@
 """The operator's few Kubernetes calls, over aiohttp, with kopf's connection credentials.
 
 kopf's own API client is internal, so the operator keeps this thin layer: server-side apply,
-get, status merge-patch, delete, and discovery. Credentials come from the same
-`kopf.ConnectionInfo` the login handler hands to kopf.
+get, list, status merge-patch, delete, and discovery. Credentials come from the same
+`kopf.ConnectionInfo` the login handler hands to kopf; the reconciler and the autoscaler share
+one instance (configured by the login handler, see `handlers.register`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ PLURALS = {
     "ServiceAccount": "serviceaccounts",
     "ConfigMap": "configmaps",
     "Secret": "secrets",
+    "Pod": "pods",
     "Service": "services",
     "StatefulSet": "statefulsets",
     "Deployment": "deployments",
@@ -56,6 +58,15 @@ def resource_path(api_version: str, kind: str, namespace: str | None, name: str 
     if name:
         parts.append(name)
     return "/".join(parts)
+
+
+def label_selector(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def matches_labels(obj: dict, labels: dict[str, str]) -> bool:
+    found = (obj.get("metadata") or {}).get("labels") or {}
+    return all(found.get(k) == v for k, v in labels.items())
 
 
 def object_path(obj: dict) -> str:

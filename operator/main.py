@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import logging
+import os
 
 import kopf
 
 from disagg.operator import handlers
-
-AUTOSCALER_HANDLERS = "disagg.operator.autoscaling.handlers"
+from disagg.operator.autoscaling import handlers as autoscaler
+from disagg.operator.reconcile import Reconciler
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,13 +50,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
+def register_all(
+    registry: kopf.OperatorRegistry,
+    *,
+    login=handlers.default_login,
+    resync_seconds: float = 60.0,
+    autoscaler_settings: autoscaler.Settings | None = None,
+    env=os.environ,
+) -> Reconciler:
+    """The operator's handlers, plus the autoscaler's unless DISAGG_AUTOSCALER_DISABLED is set."""
+    reconciler = handlers.register(registry, login=login, resync_seconds=resync_seconds)
+    if env.get("DISAGG_AUTOSCALER_DISABLED", "") not in ("1", "true"):
+        # One process, one API client: the autoscaler uses the one the operator's login configures.
+        autoscaler.register(registry, kube=reconciler.kube, settings=autoscaler_settings)
+    return reconciler
+
+
 def build_registry(resync_seconds: float = 60.0) -> kopf.OperatorRegistry:
-    """The default registry with our handlers, plus the autoscaler's timer when it is installed."""
+    """The default registry with every handler of the process."""
     registry = kopf.get_default_registry()
-    handlers.register(registry, resync_seconds=resync_seconds)
-    if importlib.util.find_spec(AUTOSCALER_HANDLERS) is not None:
-        # Its handlers register themselves on the default registry at import: one process, one watch.
-        importlib.import_module(AUTOSCALER_HANDLERS)
+    register_all(registry, resync_seconds=resync_seconds)
     return registry
 
 

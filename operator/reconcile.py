@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import kopf
 
 from disagg.operator import constants as c
-from disagg.operator import rollout, rules
+from disagg.operator import events, replicas, rollout, rules
 from disagg.operator import spec as specs
 from disagg.operator import status as statuses
 from disagg.operator.builders import build_children, common
@@ -39,6 +40,25 @@ def _key(manifest: dict) -> tuple[str, str]:
     return manifest["kind"], manifest["metadata"]["name"]
 
 
+def autoscaled_statefulsets(idep: specs.InferenceDeployment) -> set[tuple[str, str]]:
+    """The worker StatefulSets whose replicas are not the operator's: autoscaled roles, either mode."""
+    return {
+        ("StatefulSet", common.role_name(idep, role))
+        for role in c.ROLES
+        if idep.spec.role(role).autoscaling is not None
+    }
+
+
+def leave_replicas_to_autoscaler(desired: list[dict], observed: dict, autoscaled: set) -> list[dict]:
+    """Drop `spec.replicas` from autoscaled StatefulSets that exist: only their creation sets it."""
+    out = []
+    for manifest in desired:
+        if _key(manifest) in autoscaled and observed.get(_key(manifest)) is not None:
+            manifest = {**manifest, "spec": {k: v for k, v in manifest["spec"].items() if k != "replicas"}}
+        out.append(manifest)
+    return out
+
+
 def _describe(manifest: dict, was: dict | None, seen_before: bool) -> tuple[str, str]:
     """The Event for one applied child: what happened and, for a replica revert, why."""
     kind, name = _key(manifest)
@@ -49,15 +69,16 @@ def _describe(manifest: dict, was: dict | None, seen_before: bool) -> tuple[str,
         have = (was.get("spec") or {}).get("replicas")
         want = manifest["spec"].get("replicas")
         return "ReplicasReverted", (
-            f"{kind} {name} replicas {have} -> {want}: the InferenceDeployment (or its autoscaler) owns the "
-            f"replica count; change spec or let the autoscaler decide instead of editing the {kind}"
+            f"{kind} {name} replicas {have} -> {want}: the InferenceDeployment's spec owns the replica "
+            f"count; change its replicas instead of editing the {kind}"
         )
     return "Updated", f"updated {kind} {name}"
 
 
 class Reconciler:
-    def __init__(self, kube: Kube):
+    def __init__(self, kube: Kube, post: Callable[..., None] = events.post):
         self.kube = kube
+        self.post = post  # Events on the InferenceDeployment
         self._locks: dict[str, asyncio.Lock] = {}
         self._sm_checked: tuple[float, bool] | None = None
         self._waiting: dict[str, int] = {}  # uid -> runs queued for the lock
@@ -110,7 +131,7 @@ class Reconciler:
         )
         new = {k: v for k, v in new.items() if k in ("observedGeneration", "conditions")}
         if statuses.changed(body.get("status") or {}, new):
-            kopf.event(body, type="Warning", reason="InvalidSpec", message=message)
+            self.post(body, type="Warning", reason="InvalidSpec", message=message)
         await self._write_status(body, new)
 
     async def reconcile(self, body: dict, logger: logging.Logger) -> Outcome:
@@ -153,6 +174,8 @@ class Reconciler:
             raise InvalidSpec(str(exc)) from exc
 
         observed = await self._observe(desired, idep)
+        autoscaled = autoscaled_statefulsets(idep)
+        desired = leave_replicas_to_autoscaler(desired, observed, autoscaled)
         decode_key = ("StatefulSet", common.role_name(idep, "decode"))
         prefill_key = ("StatefulSet", common.role_name(idep, "prefill"))
         plan = rollout.plan(desired, observed, decode_key, prefill_key)
@@ -164,20 +187,24 @@ class Reconciler:
             key = _key(manifest)
             was = observed.get(key)
             try:
+                if key in autoscaled and replicas.needs_handover(was):
+                    await self.kube.apply(
+                        replicas.handover_patch(was), field_manager=replicas.AUTOSCALER_MANAGER
+                    )
                 observed[key] = await self.kube.apply(manifest)
             except KubeError as exc:
                 problem = ("ApplyFailed", f"{key[0]} {key[1]}: {exc}")
-                kopf.event(body, type="Warning", reason="ApplyFailed", message=problem[1])
+                self.post(body, type="Warning", reason="ApplyFailed", message=problem[1])
                 logger.error("applying %s %s failed: %s", *key, exc)
                 break
             applied.append(f"{key[0]}/{key[1]}")
             reason, message = _describe(manifest, was, seen_before)
-            kopf.event(body, type="Normal", reason=reason, message=message)
+            self.post(body, type="Normal", reason=reason, message=message)
 
         held_names = {m["metadata"]["name"] for m in plan.held}
         newly_held = held_names - self._held.get(idep.uid, set())
         for name in sorted(newly_held):
-            kopf.event(
+            self.post(
                 body, type="Normal", reason="RolloutHeld", message=f"{name} waits until decode has rolled out"
             )
         self._held[idep.uid] = held_names

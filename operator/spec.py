@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.operator.autoscaling.spec import AutoscalingSpec, AutoscalingSpecError, parse_autoscaling
 from disagg.operator.constants import ROLES
 
 
@@ -156,25 +157,10 @@ class Router:
 
 
 @dataclass(frozen=True)
-class Autoscaling:
-    min_replicas: int
-    max_replicas: int
-    ttft_ms: int | None
-    itl_ms: int | None
-    percentile: float = 90
-    up_stabilization_s: int = 0
-    up_max_step: int | None = None
-    down_stabilization_s: int = 300
-    down_max_step: int = 1
-    mode: str = "operator"
-    metrics_url: str | None = None
-
-
-@dataclass(frozen=True)
 class Role:
     name: str  # prefill | decode
     replicas: int | None
-    autoscaling: Autoscaling | None
+    autoscaling: AutoscalingSpec | None
     resources: dict = field(default_factory=dict)
     tensor_parallel_size: int = 1
     block_size: int = 16
@@ -250,27 +236,13 @@ def _int(obj: dict, key: str, path: str, default: int | None, minimum: int | Non
     return value
 
 
-def _autoscaling(body: dict, path: str) -> Autoscaling:
-    target = _section(body, "target", path, required=True)
-    up = _section(body, "scaleUp", path)
-    down = _section(body, "scaleDown", path)
-    tpath = f"{path}.target"
-    percentile = _get(target, "percentile", tpath, (int, float), 90)
-    if not 50 <= percentile <= 99.99:
-        raise SpecError(f"{tpath}.percentile", f"must be between 50 and 99.99, got {percentile}")
-    return Autoscaling(
-        min_replicas=_int(body, "minReplicas", path, 1, 1),
-        max_replicas=_int(body, "maxReplicas", path, None, 1) or _missing(path, "maxReplicas"),
-        ttft_ms=_int(target, "ttftMilliseconds", tpath, None, 1),
-        itl_ms=_int(target, "itlMilliseconds", tpath, None, 1),
-        percentile=float(percentile),
-        up_stabilization_s=_int(up, "stabilizationSeconds", f"{path}.scaleUp", 0, 0),
-        up_max_step=_int(up, "maxStep", f"{path}.scaleUp", None, 1),
-        down_stabilization_s=_int(down, "stabilizationSeconds", f"{path}.scaleDown", 300, 0),
-        down_max_step=_int(down, "maxStep", f"{path}.scaleDown", 1, 1),
-        mode=_choice(body, "mode", path, ("operator", "hpa"), "operator"),
-        metrics_url=_get(body, "metricsUrl", path, str),
-    )
+def _autoscaling(role: str, body: dict, path: str) -> AutoscalingSpec:
+    # One parser of the section for the operator and the autoscaler (same defaults, same errors).
+    try:
+        return parse_autoscaling(role, body, path)
+    except AutoscalingSpecError as exc:
+        field, _, problem = str(exc).partition(": ")
+        raise SpecError(field, problem) from None
 
 
 def _role(spec: dict, name: str) -> Role:
@@ -294,7 +266,7 @@ def _role(spec: dict, name: str) -> Role:
     return Role(
         name=name,
         replicas=_int(body, "replicas", path, None, 0),
-        autoscaling=_autoscaling(auto, f"{path}.autoscaling") if auto else None,
+        autoscaling=_autoscaling(name, auto, f"{path}.autoscaling") if auto else None,
         resources=_section(body, "resources", path),
         tensor_parallel_size=tp,
         block_size=block,

@@ -1,15 +1,15 @@
 """The kopf handlers that run the autoscaler.
 
 A timer per InferenceDeployment, each tick, for each role with `autoscaling.mode: operator`:
-read the metrics (PromQL when `metricsUrl` is set, else scrape the pods), restore the
-StatefulSet's replicas if something else changed them, run the control law, write
-`status.<role>.autoscaling`, scale the StatefulSet, post an Event on every change, and export
-the decision. The status is written BEFORE the StatefulSet is scaled: the operator's
-reconcile re-applies `status.<role>.autoscaling.desiredReplicas`, so it must never see a
-scaled StatefulSet with the old number in the status.
+read the metrics (PromQL when `metricsUrl` is set, else scrape the pods), run the control law,
+write `status.<role>.autoscaling`, scale the StatefulSet, post an Event on every change, and
+export the decision. The autoscaler alone owns an autoscaled StatefulSet's replicas (field
+manager `disagg-autoscaler`; the operator's apply leaves them out once the StatefulSet exists).
+A watch on the operator's StatefulSets undoes a change of them by anyone else at once (the
+timer would too, one tick later), through `ownership.ReplicaOwner`, the one place that does so.
+The status is written before the StatefulSet is scaled, under the same lock the revert takes.
 
-A watch on the operator's StatefulSets reverts a hand edit of an autoscaled role's replicas
-at once (the timer would too, one tick later), with an Event on the InferenceDeployment.
+Both use the operator's own API client (`disagg.operator.kube.Kube`), passed to `register`.
 
 Settings (environment): DISAGG_AUTOSCALER_INTERVAL_SECONDS (15), DISAGG_AUTOSCALER_WINDOW_SECONDS
 (60: the metrics window, and the settle time after a change), DISAGG_AUTOSCALER_STALE_SECONDS (90),
@@ -28,16 +28,29 @@ import aiohttp
 import kopf
 import prometheus_client
 
+from disagg.operator import constants as c
+from disagg.operator import events
+from disagg.operator.kube import Kube, label_selector, matches_labels
+
 from . import prometheus
 from .control import Decision, Observation, Tuning, decide
-from .kube import KopfKube
-from .scrape import DEPLOYMENT_LABEL, ROLE_LABEL, PoolScraper, pod_target
+from .ownership import ReplicaOwner, owned_replicas
+from .scrape import PoolScraper, pod_target
 from .spec import METRIC_LABEL, ROLES, AutoscalingSpec, AutoscalingSpecError, autoscaled_roles
 from .state import DeploymentState, role_status, worth_recording
 from .telemetry import metrics
 
-GROUP, VERSION, PLURAL = "disagg.dev", "v1alpha1", "inferencedeployments"
-MANAGED_BY = {"app.kubernetes.io/managed-by": "disagg-operator"}
+MANAGED_BY = {c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
+# What the autoscaler does through the API, for the chart's RBAC (group, resource, verb).
+API_ACCESS = frozenset(
+    {
+        ("", "pods", "list"),
+        *(("apps", "statefulsets", verb) for verb in ("get", "list", "watch", "patch")),
+        ("disagg.dev", "inferencedeployments", "get"),
+        ("disagg.dev", "inferencedeployments/status", "patch"),
+        ("", "events", "create"),
+    }
+)
 # Codes worth a Warning Event the first time they appear (a change always gets an Event).
 WARN_CODES = {"MetricsMissing", "MetricsStale", "AtMaxReplicas"}
 
@@ -73,11 +86,6 @@ class Settings:
         )
 
 
-def post_event(body, type: str, reason: str, message: str) -> None:
-    """An Event on the InferenceDeployment (kopf.event: not filtered by the posting level)."""
-    kopf.event(body, type=type, reason=reason, message=message)
-
-
 @dataclass
 class Tick:
     """What one autoscaler tick works with (the I/O ends are replaceable)."""
@@ -87,10 +95,14 @@ class Tick:
     body: dict
     status: dict
     logger: logging.Logger | logging.LoggerAdapter
-    kube: KopfKube
+    owner: ReplicaOwner
     settings: Settings
     now: float
-    events: Callable[..., None] = post_event
+    events: Callable[..., None] = events.post
+
+    @property
+    def kube(self) -> Kube:
+        return self.owner.kube
 
 
 def _state(memo, window: float) -> DeploymentState:
@@ -113,7 +125,9 @@ async def autoscale(tick: Tick, memo) -> dict[str, Decision]:
     stale = [r for r in ROLES if r not in roles and (tick.status.get(r) or {}).get("autoscaling") is not None]
     if stale:
         # A role no longer autoscaled by the operator: drop its status and series.
-        await tick.kube.patch_status(tick.namespace, tick.name, {r: {"autoscaling": None} for r in stale})
+        await tick.kube.patch_status(
+            c.API_VERSION, c.KIND, tick.namespace, tick.name, {r: {"autoscaling": None} for r in stale}
+        )
         for r in stale:
             metrics().forget(tick.namespace, tick.name, r)
     if not roles:
@@ -122,7 +136,10 @@ async def autoscale(tick: Tick, memo) -> dict[str, Decision]:
     decisions: dict[str, Decision] = {}
     async with aiohttp.ClientSession() as session:
         if any(not s.metrics_url for s in roles.values()):
-            pods = await tick.kube.list_pods(tick.namespace, {DEPLOYMENT_LABEL: tick.name})
+            labels = {c.LABEL_DEPLOYMENT: tick.name}
+            pods = await tick.kube.list("v1", "Pod", tick.namespace, label_selector(labels))
+            # Filter here as well: not every API server (nor every test double) applies selectors.
+            pods = [p for p in pods if matches_labels(p, labels)]
             targets = [t for t in map(pod_target, pods) if t is not None]
             await state.scraper.scrape(targets, tick.now, session)
         for role, aspec in roles.items():
@@ -139,53 +156,44 @@ async def _observe(tick: Tick, spec: AutoscalingSpec, state: DeploymentState, se
     return state.scraper.observe(spec, tick.now)
 
 
-def revert_message(role: str, sts_name: str, found: int, restored: int) -> str:
-    return (
-        f"replicas of StatefulSet {sts_name} were changed to {found} outside the autoscaler; restored "
-        f"{restored}: spec.{role}.autoscaling owns the replica count (edit its minReplicas/maxReplicas, "
-        f"or replace autoscaling with replicas, to size this pool by hand)"
-    )
-
-
 async def _tick_role(
     tick: Tick, role: str, aspec: AutoscalingSpec, state: DeploymentState, session
 ) -> Decision | None:
-    previous = dict((tick.status.get(role) or {}).get("autoscaling") or {})
     sts_name = f"{tick.name}-{role}"
-    sts = await tick.kube.get_statefulset(tick.namespace, sts_name)
-    if sts is None:
-        tick.logger.info(f"autoscaler: StatefulSet {sts_name} not found yet; nothing to scale")
-        return None
-    sts_replicas = (sts.get("spec") or {}).get("replicas")
-    ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
-    owned = previous.get("desiredReplicas")
-    memory = state.memory(role, previous)
-
-    if owned is not None and sts_replicas is not None and sts_replicas != owned:
-        # Someone else changed the count: the autoscaler is its only owner while autoscaling is on.
-        restored = aspec.clamp(int(owned))
-        reason = revert_message(role, sts_name, int(sts_replicas), restored)
-        decision = Decision(
-            restored, int(sts_replicas), "revert", "ReplicasReverted", reason,
-            replace(memory, pressure_since=None, slack_since=None),
-        )  # fmt: skip
-        await _write_status(tick, role, aspec, decision, state, previous, record=True)
-        await tick.kube.scale_statefulset(tick.namespace, sts_name, restored)
-        tick.events(tick.body, "Warning", "ReplicasReverted", reason)
-        return decision
-
-    current = (
-        int(owned)
-        if owned is not None
-        else int(sts_replicas if sts_replicas is not None else aspec.min_replicas)
-    )
     obs = await _observe(tick, aspec, state, session)
-    decision = decide(aspec, current, ready, obs, memory, tick.now, tick.settings.tuning)
-    recorded = worth_recording(decision, list(previous.get("decisions") or []))
-    await _write_status(tick, role, aspec, decision, state, previous)
+    async with tick.owner.lock(tick.namespace, sts_name):
+        # Read afresh under the lock the watch's revert takes: a change is written as status, then
+        # replicas, and neither side may see one without the other.
+        body = await tick.kube.get(c.API_VERSION, c.KIND, tick.namespace, tick.name)
+        sts = await tick.kube.get("apps/v1", "StatefulSet", tick.namespace, sts_name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        if sts is None:
+            tick.logger.info(f"autoscaler: StatefulSet {sts_name} not found yet; nothing to scale")
+            return None
+        reverted = await tick.owner.revert_locked(sts, body, tick.now)
+        if reverted is not None:
+            # Someone else changed the count: restored; judge the pool afresh from the next tick on.
+            state.memories[role] = replace(state.memory(role, {}), pressure_since=None, slack_since=None)
+            return reverted
+        previous = dict(((body.get("status") or {}).get(role) or {}).get("autoscaling") or {})
+        sts_replicas = (sts.get("spec") or {}).get("replicas")
+        ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
+        owned = owned_replicas(body, role)
+        current = (
+            owned
+            if owned is not None
+            else int(sts_replicas if sts_replicas is not None else aspec.min_replicas)
+        )
+        memory = state.memory(role, previous)
+        decision = decide(aspec, current, ready, obs, memory, tick.now, tick.settings.tuning)
+        recorded = worth_recording(decision, list(previous.get("decisions") or []))
+        await _write_status(tick, role, aspec, decision, state, previous)
+        if decision.changed or owned is None:
+            # The first decision also takes the field over from the operator's creation.
+            await tick.owner.scale(sts, decision.replicas)
     label = METRIC_LABEL[role]
     if decision.changed:
-        await tick.kube.scale_statefulset(tick.namespace, sts_name, decision.replicas)
         tick.events(tick.body, "Normal", f"Scaled{role.capitalize()}", f"{role} ({label}): {decision.reason}")
         tick.logger.info(f"autoscaler: {role} {decision.reason}")
     elif decision.code in WARN_CODES and recorded:
@@ -198,59 +206,49 @@ async def _write_status(tick: Tick, role, aspec, decision: Decision, state, prev
     state.memories[role] = decision.memory
     new = role_status(aspec, decision, previous, tick.now, record=record)
     if new != previous:
-        await tick.kube.patch_status(tick.namespace, tick.name, {role: {"autoscaling": new}})
+        await tick.kube.patch_status(
+            c.API_VERSION, c.KIND, tick.namespace, tick.name, {role: {"autoscaling": new}}
+        )
     metrics().record(
         tick.namespace, tick.name, role, desired=decision.replicas, target=aspec.target_seconds,
         metric=decision.metric_seconds, load=decision.load, action=decision.action, code=decision.code,
     )  # fmt: skip
 
 
-async def revert_hand_edit(sts: dict, kube: KopfKube, events: Callable[..., None] = post_event) -> bool:
-    """If `sts` is an autoscaled role's StatefulSet whose replicas differ from the autoscaler's
-    decision, restore them and say why on the InferenceDeployment. True when it did."""
-    meta = sts.get("metadata") or {}
-    labels = meta.get("labels") or {}
-    role, name, namespace = labels.get(ROLE_LABEL), labels.get(DEPLOYMENT_LABEL), meta.get("namespace")
-    replicas = (sts.get("spec") or {}).get("replicas")
-    if role not in ROLES or not name or replicas is None or meta.get("deletionTimestamp"):
-        return False
-    idep = await kube.get_deployment(namespace, name)
-    if idep is None or (idep.get("metadata") or {}).get("deletionTimestamp"):
-        return False
-    try:
-        aspec = autoscaled_roles(idep.get("spec") or {}).get(role)
-    except AutoscalingSpecError:
-        return False  # the timer reports a bad section
-    owned = (((idep.get("status") or {}).get(role) or {}).get("autoscaling") or {}).get("desiredReplicas")
-    if aspec is None or aspec.mode != "operator" or owned is None or int(owned) == int(replicas):
-        return False
-    restored = aspec.clamp(int(owned))
-    await kube.scale_statefulset(namespace, meta["name"], restored)
-    events(idep, "Warning", "ReplicasReverted", revert_message(role, meta["name"], int(replicas), restored))
-    return True
+def register(
+    registry: kopf.OperatorRegistry, *, kube: Kube, settings: Settings | None = None
+) -> ReplicaOwner:
+    """Register the timer, the hand-edit watch and the metrics server on a kopf registry.
 
-
-def register(registry: kopf.OperatorRegistry | None = None, settings: Settings | None = None) -> None:
-    """Register the timer, the hand-edit watch and the metrics server on a kopf registry."""
+    `kube` is the operator's client (configured by its login handler): one set of credentials.
+    """
     settings = settings or Settings.from_env()
-    kwargs = {"registry": registry} if registry is not None else {}
+    owner = ReplicaOwner(kube)
 
+    @kopf.timer(
+        c.GROUP, c.VERSION, c.PLURAL, registry=registry, id="autoscaler", interval=settings.interval_seconds
+    )
     async def autoscale_timer(name, namespace, memo, logger, **_):
-        kube = KopfKube(logger)
         # Read the object fresh: the status must hold this process's last decision, and the
         # copy a timer is handed can lag behind the watch.
-        body = await kube.get_deployment(namespace, name)
+        body = await kube.get(c.API_VERSION, c.KIND, namespace, name)
         if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
             return
         tick = Tick(
-            name, namespace, body, dict(body.get("status") or {}), logger, kube, settings, time.time()
+            name, namespace, body, dict(body.get("status") or {}), logger, owner, settings, time.time()
         )
         await autoscale(tick, memo)
 
-    async def statefulset_changed(body, event, logger, **_):
-        if event.get("type") in ("ADDED", "MODIFIED"):
-            await revert_hand_edit(dict(body), KopfKube(logger))
+    @kopf.on.event(
+        "apps", "v1", "statefulsets", registry=registry, id="autoscaler-replicas", labels=MANAGED_BY
+    )
+    async def statefulset_changed(body, event, **_):
+        # None: listed at start-up (an edit made while the operator was down).
+        role = ((body.get("metadata") or {}).get("labels") or {}).get(c.LABEL_ROLE)
+        if event.get("type") in (None, "ADDED", "MODIFIED") and role in ROLES:
+            await owner.revert_hand_edit(body["metadata"]["namespace"], body["metadata"]["name"])
 
+    @kopf.on.startup(registry=registry, id="autoscaler-metrics")
     async def serve_autoscaler_metrics(logger, **_):
         if settings.metrics_port:
             try:
@@ -258,14 +256,4 @@ def register(registry: kopf.OperatorRegistry | None = None, settings: Settings |
             except OSError as e:
                 logger.warning(f"autoscaler metrics not served on :{settings.metrics_port}: {e}")
 
-    kopf.timer(GROUP, VERSION, PLURAL, id="autoscaler", interval=settings.interval_seconds, **kwargs)(
-        autoscale_timer
-    )
-    kopf.on.event("apps", "v1", "statefulsets", id="autoscaler-replicas", labels=MANAGED_BY, **kwargs)(
-        statefulset_changed
-    )
-    kopf.on.startup(id="autoscaler-metrics", **kwargs)(serve_autoscaler_metrics)
-
-
-if os.environ.get("DISAGG_AUTOSCALER_DISABLED", "") not in ("1", "true"):
-    register()
+    return owner

@@ -1,5 +1,6 @@
 """HPA mode: an `autoscaling/v2` HorizontalPodAutoscaler per role, for clusters that already
-run prometheus-adapter. The HPA then owns the StatefulSet's replicas (the operator omits them).
+run prometheus-adapter. The HPA then owns the StatefulSet's replicas (the operator sets them
+only when it creates the StatefulSet, at minReplicas; see `disagg.operator.replicas`).
 
 The HPA reads a Pods metric named after the latency and the percentile, served by
 prometheus-adapter from the workers' histograms:
@@ -25,7 +26,9 @@ Stabilization windows and step limits map onto the HPA's `behavior`.
 
 from __future__ import annotations
 
-from .scrape import DEPLOYMENT_LABEL, LATENCY_METRIC, ROLE_LABEL
+from disagg.operator import constants as c
+
+from .scrape import LATENCY_METRIC
 from .spec import AutoscalingSpec, parse_autoscaling
 
 
@@ -89,8 +92,8 @@ def build_hpa(idep: dict, role: str) -> dict:
                 "app.kubernetes.io/instance": name,
                 "app.kubernetes.io/component": role,
                 "app.kubernetes.io/managed-by": "disagg-operator",
-                DEPLOYMENT_LABEL: name,
-                ROLE_LABEL: role,
+                c.LABEL_DEPLOYMENT: name,
+                c.LABEL_ROLE: role,
             },
         },
         "spec": {

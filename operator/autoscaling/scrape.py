@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from disagg.operator import constants as c
+
 from .control import Observation
 from .metrics import Exposition, Histogram, merge, parse_exposition, quantile
 from .spec import AutoscalingSpec
@@ -24,10 +26,8 @@ LATENCY_METRIC = {
 }
 WAITING_METRIC = "disagg_num_requests_waiting"
 KV_USAGE_METRIC = "disagg_kv_cache_usage_ratio"
-DEPLOYMENT_LABEL = "disagg.dev/deployment"
-ROLE_LABEL = "disagg.dev/role"
 # Where the operator's pods serve `/metrics`; a `prometheus.io/port` annotation overrides it.
-DEFAULT_METRICS_PORT = {"prefill": 9100, "decode": 9100, "router": 8000}
+DEFAULT_METRICS_PORT = {"prefill": c.WORKER_METRICS_PORT, "decode": c.WORKER_METRICS_PORT, "router": 8000}
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def pod_target(pod: dict) -> PodTarget | None:
     """Where to scrape a pod, or None when it is not a running, ready disagg pod."""
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
-    role = (meta.get("labels") or {}).get(ROLE_LABEL)
+    role = (meta.get("labels") or {}).get(c.LABEL_ROLE)
     ip = status.get("podIP")
     if role not in DEFAULT_METRICS_PORT or not ip or status.get("phase", "Running") != "Running":
         return None

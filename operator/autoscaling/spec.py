@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROLES = ("prefill", "decode")
+from disagg.operator.constants import ROLES
+
 # Which latency each role is responsible for, and the CRD field that names its target.
 TARGET_FIELD = {"prefill": "ttftMilliseconds", "decode": "itlMilliseconds"}
 METRIC_LABEL = {"prefill": "TTFT", "decode": "ITL"}
@@ -32,7 +33,7 @@ class AutoscalingSpec:
     min_replicas: int
     max_replicas: int
     target_seconds: float  # TTFT for prefill, ITL for decode
-    percentile: float  # 0 < p < 100
+    percentile: float  # 50 <= p <= 99.99, as the CRD allows
     scale_up: ScalePolicy
     scale_down: ScalePolicy
     mode: str = "operator"
@@ -110,8 +111,10 @@ def parse_autoscaling(role: str, raw: dict, path: str | None = None) -> Autoscal
     if millis <= 0:
         raise AutoscalingSpecError(f"{path}.target.{field}: must be > 0, got {millis:g}")
     percentile = _number(target, "percentile", f"{path}.target", default=90)
-    if not 0 < percentile < 100:
-        raise AutoscalingSpecError(f"{path}.target.percentile: must be in (0, 100), got {percentile:g}")
+    if not 50 <= percentile <= 99.99:
+        raise AutoscalingSpecError(
+            f"{path}.target.percentile: must be between 50 and 99.99, got {percentile:g}"
+        )
     mode = raw.get("mode", "operator")
     if mode not in MODES:
         raise AutoscalingSpecError(f"{path}.mode: must be one of {MODES}, got {mode!r}")
@@ -138,7 +141,7 @@ def autoscaled_roles(spec: dict) -> dict[str, AutoscalingSpec]:
     found = {}
     for role in ROLES:
         section = (spec.get(role) or {}).get("autoscaling")
-        if section is None or section.get("enabled") is False:
+        if not section:
             continue
         found[role] = parse_autoscaling(role, section)
     return found

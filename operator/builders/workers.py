@@ -16,16 +16,15 @@ CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop"
 
 
 def desired_replicas(idep: InferenceDeployment, role: Role) -> int | None:
-    """The StatefulSet's replica count, or None when an HPA owns it (then the field is left out).
+    """The StatefulSet's replica count: `replicas`, or for an autoscaled role the count it is
+    created with (the autoscaler's last decision in the status, else minReplicas).
 
-    With operator-mode autoscaling the autoscaler's last decision (status) wins, so a reconcile
-    never fights it; before its first decision the pool starts at minReplicas.
+    An autoscaled role's count is applied only when the StatefulSet is created; the reconciler
+    leaves it out afterwards (see `disagg.operator.replicas`), so this never fights the autoscaler.
     """
     auto = role.autoscaling
     if auto is None:
         return role.replicas
-    if auto.mode == "hpa":
-        return None
     desired = idep.autoscaler_desired.get(role.name, auto.min_replicas)
     return max(auto.min_replicas, min(auto.max_replicas, desired))
 

@@ -18,12 +18,14 @@ import aiohttp
 import kmock
 import kopf
 import pytest
-from aiohttp import web
 from kmock._internal import enums
-from prometheus_client import REGISTRY, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import REGISTRY
 
 from disagg.operator.autoscaling import handlers as autoscaler
 from disagg.operator.autoscaling.control import Tuning
+from disagg.operator.kube import Kube
+
+from .router_metrics import RouterMetrics, router_pod, serving_router_metrics
 
 IDEP = "disagg.dev/v1alpha1/inferencedeployments"
 STS = "apps/v1/statefulsets"
@@ -54,36 +56,10 @@ class Emulator(kmock.KubernetesEmulator):
         return await super()._handle(request)
 
 
-class RouterMetrics:
-    """The router's `/metrics`: every scrape adds a batch of requests at the current latency."""
-
-    def __init__(self):
-        self.registry = CollectorRegistry()
-        lab = ("role", "model")
-        self.ttft = Histogram("disagg_time_to_first_token_seconds", "t", lab, registry=self.registry)
-        self.itl = Histogram("disagg_inter_token_latency_seconds", "i", lab, registry=self.registry)
-        self.ttft_seconds = 1.2  # target 0.5 s: far over
-        self.port = 0
-
-    async def handle(self, request):
-        for _ in range(10):
-            self.ttft.labels(role="router", model="tiny").observe(self.ttft_seconds)
-            self.itl.labels(role="router", model="tiny").observe(0.01)  # target 50 ms: well within
-        return web.Response(body=generate_latest(self.registry), content_type="text/plain")
-
-
 @pytest.fixture
 async def router_metrics():
-    metrics = RouterMetrics()
-    app = web.Application()
-    app.router.add_get("/metrics", metrics.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    metrics.port = site._server.sockets[0].getsockname()[1]
-    yield metrics
-    await runner.cleanup()
+    async with serving_router_metrics() as metrics:
+        yield metrics
 
 
 def idep() -> dict:
@@ -119,24 +95,6 @@ def statefulset(role: str) -> dict:
     }
 
 
-def router_pod(port: int) -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": "tiny-router-7d9f-x2x",
-            "namespace": "default",
-            "labels": {"disagg.dev/deployment": "tiny", "disagg.dev/role": "router"},
-            "annotations": {"prometheus.io/port": str(port)},
-        },
-        "status": {
-            "phase": "Running",
-            "podIP": "127.0.0.1",
-            "conditions": [{"type": "Ready", "status": "True"}],
-        },
-    }
-
-
 class World:
     def __init__(self, k8s, url):
         self.k8s, self.url = k8s, url
@@ -166,6 +124,14 @@ class World:
         return value
 
 
+def autoscaler_alone(url: str) -> tuple[kopf.OperatorRegistry, Kube]:
+    """A registry with only a login handler, and the API client the autoscaler is handed."""
+    conn = kopf.ConnectionInfo(server=url, insecure=True)
+    registry = kopf.OperatorRegistry()
+    kopf.on.login(registry=registry, id="login")(lambda **_: conn)
+    return registry, Kube(conn)
+
+
 @contextlib.asynccontextmanager
 async def running_world(router_metrics):
     """kmock plus the operator, started and stopped inside the test's own task: kopf cancels,
@@ -177,16 +143,11 @@ async def running_world(router_metrics):
         for role in ("prefill", "decode"):
             k8s.objects[STS, "default", f"tiny-{role}"] = statefulset(role)
         k8s.objects["v1/pods", "default", "tiny-router-7d9f-x2x"] = router_pod(router_metrics.port)
-        registry = kopf.OperatorRegistry()
-
-        @kopf.on.login(registry=registry, id="login")
-        def login(**_):
-            return kopf.ConnectionInfo(server=str(server.url), insecure=True)
-
+        registry, kube = autoscaler_alone(str(server.url))
         settings = autoscaler.Settings(
             interval_seconds=0.3, tuning=Tuning(window_seconds=1.0), metrics_port=0
         )
-        autoscaler.register(registry, settings)
+        autoscaler.register(registry, kube=kube, settings=settings)
         stop = asyncio.Event()
         task = asyncio.create_task(
             kopf.operator(registry=registry, clusterwide=True, standalone=True, stop_flag=stop)
@@ -196,6 +157,7 @@ async def running_world(router_metrics):
         finally:
             stop.set()
             await asyncio.wait_for(task, 15)
+            await kube.close()
 
 
 def record(world: World, seen: dict[str, list[int]]) -> None:
@@ -304,13 +266,10 @@ async def test_invalid_section_is_reported_not_acted_on(router_metrics):
         bad["spec"]["prefill"]["autoscaling"]["target"] = {"itlMilliseconds": 20}
         k8s.objects[IDEP, "default", "tiny"] = bad
         k8s.objects[STS, "default", "tiny-prefill"] = statefulset("prefill")
-        registry = kopf.OperatorRegistry()
-
-        @kopf.on.login(registry=registry, id="login")
-        def login(**_):
-            return kopf.ConnectionInfo(server=str(server.url), insecure=True)
-
-        autoscaler.register(registry, autoscaler.Settings(interval_seconds=0.2, metrics_port=0))
+        registry, kube = autoscaler_alone(str(server.url))
+        autoscaler.register(
+            registry, kube=kube, settings=autoscaler.Settings(interval_seconds=0.2, metrics_port=0)
+        )
         stop = asyncio.Event()
         task = asyncio.create_task(
             kopf.operator(registry=registry, clusterwide=True, standalone=True, stop_flag=stop)
@@ -325,5 +284,6 @@ async def test_invalid_section_is_reported_not_acted_on(router_metrics):
         finally:
             stop.set()
             await asyncio.wait_for(task, 15)
+            await kube.close()
     assert warned[0]["message"].startswith("spec.prefill.autoscaling.target.itlMilliseconds:")
     assert world.replicas("prefill") == 1

@@ -3,21 +3,32 @@ relies on and the plain emulator lacks, and the real kopf runtime running our ha
 
 - Server-side apply creates a missing object (the emulator answers 404 to a PATCH otherwise).
 - A spec change bumps `metadata.generation`, so a workload's status lags its spec as in a cluster.
+- Field ownership (`metadata.managedFields`, see `field_ownership`): an apply owns the fields it
+  sets, conflicts with other owners unless forced, and REMOVES a field its manager stops applying
+  when nobody else owns it (a StatefulSet then defaults to 1 replica, as in a cluster); a merge
+  patch moves the fields it changes to its manager. An apply naming a stale
+  `metadata.resourceVersion` is refused with 409.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import pathlib
+import threading
 import time
 
 import aiohttp.web
 import kmock
+import kopf
 import yaml
+from field_ownership import Conflict, apply_patch, update_ownership
 from kmock._internal import enums
 
 from disagg.operator.kube import Kube
+from disagg.operator.main import register_all
+from disagg.operator.reconcile import Reconciler
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -48,6 +59,7 @@ RESOURCES = {
     "v1/configmaps": {"kind": "ConfigMap", "namespaced": True, "verbs": ["get", "patch", "create", "delete"]},
     "v1/serviceaccounts": {"kind": "ServiceAccount", "namespaced": True, "verbs": ["get", "patch", "create"]},
     "v1/secrets": {"kind": "Secret", "namespaced": True, "verbs": ["get"]},
+    "v1/pods": {"kind": "Pod", "namespaced": True, "verbs": ["list", "get"]},
     "v1/events": {"kind": "Event", "namespaced": True, "verbs": ["create", "list"]},
     "policy/v1/poddisruptionbudgets": {
         "kind": "PodDisruptionBudget",
@@ -55,6 +67,10 @@ RESOURCES = {
         "verbs": ["get", "patch", "create"],
     },
 }
+
+
+# Defaults the API server fills in when a field is absent (only those the tests look at).
+DEFAULTS = {"statefulsets": {("spec", "replicas"): 1}}
 
 
 class ApiServerEmulator(kmock.KubernetesEmulator):
@@ -105,9 +121,45 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                     continue
             yield event
 
+    def _check_apply_precondition(self, request, live) -> None:
+        wanted = ((request.data or {}).get("metadata") or {}).get("resourceVersion")
+        have = (live.raw.get("metadata") or {}).get("resourceVersion")
+        if wanted is not None and str(wanted) != str(have):
+            raise kmock.KubernetesError(
+                status=409, reason="Conflict", message=f"resourceVersion {wanted} is stale (now {have})"
+            )
+
+    def _track_fields(self, request, live) -> None:
+        """Turn an apply into the patch a real API server would make of it, and keep managedFields."""
+        content_type = request.headers.get("Content-Type", "")
+        manager = (
+            request.params.get("fieldManager") or request.headers.get("User-Agent", "unknown").split("/")[0]
+        )
+        if "apply-patch" in content_type:
+            try:
+                patch = apply_patch(
+                    live.raw,
+                    request.data,
+                    manager,
+                    force=request.params.get("force") == "true",
+                    defaults=DEFAULTS.get(request.resource.plural, {}),
+                )
+            except Conflict as exc:
+                raise kmock.KubernetesError(status=409, reason="Conflict", message=str(exc)) from None
+            request.data.clear()  # the request itself is frozen; its body is not
+            request.data.update(patch)
+        else:
+            update_ownership(live.raw, request.data, manager)
+
     async def _handle(self, request):
         if request.resource is not None and request.action == enums.action.UPDATE and request.name:
             self._check_revision_test(request)
+            key = (request.resource, request.namespace, request.name)
+            live = self._objects[key] if key in self._objects and not self._objects[key].deleted else None
+            if live is not None and isinstance(request.data, dict) and request.subresource is None:
+                if "apply-patch" in request.headers.get("Content-Type", ""):
+                    self._check_apply_precondition(request, live)
+                self._track_fields(request, live)
         if request.resource is not None and request.action in (enums.action.CREATE, enums.action.UPDATE):
             self._stamp_revision(request)
         if request.action == enums.action.CREATE and isinstance(request.data, dict):
@@ -120,7 +172,13 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             async with self._lock:
                 live = self._objects[key] if key in self._objects and not self._objects[key].deleted else None
                 if live is None and "apply-patch" in content_type:
-                    data = copy.deepcopy(request.data)
+                    data = apply_patch(
+                        {},
+                        request.data,
+                        request.params.get("fieldManager") or "unknown",
+                        force=True,
+                        defaults=DEFAULTS.get(request.resource.plural, {}),
+                    )
                     data.setdefault("metadata", {})["generation"] = 1
                     if key not in self._objects:
                         self._objects[key] = data
@@ -161,10 +219,11 @@ def load_example(name: str, *, namespace: str = "default", uid: str = "uid-1") -
 class Cluster:
     """The emulated API plus a client for the test's own calls (as `kubectl` would make them)."""
 
-    def __init__(self, k8s: ApiServerEmulator, api: Kube, reconciler):
+    def __init__(self, k8s: ApiServerEmulator, api: Kube, reconciler, url: str = ""):
         self.k8s = k8s
         self.api = api
         self.reconciler = reconciler
+        self.url = url
 
     def live(self, resource: str, name: str, namespace: str = "default") -> dict | None:
         """The stored object, `resource` written as "group/version/plural" ("v1/plural" for core)."""
@@ -211,3 +270,66 @@ class Cluster:
             "availableReplicas": replicas if ready is None else ready,
         }
         await self.api.patch_status("apps/v1", kind, namespace, name, status)
+
+
+@contextlib.asynccontextmanager
+async def emulated_api():
+    """Just the emulated API server, with the resources the operator uses, and a client of it."""
+    async with ApiServerEmulator() as k8s, kmock.Server(k8s) as server:
+        for key, info in RESOURCES.items():
+            k8s.resources[key] = info
+        api = Kube(kopf.ConnectionInfo(server=str(server.url), insecure=True))
+        try:
+            yield k8s, api
+        finally:
+            await api.close()
+
+
+@contextlib.asynccontextmanager
+async def running_operator(autoscaler_settings=None):
+    """The operator (and, given its settings, the autoscaler sharing the operator's API client)
+    in the real kopf runtime against the emulated API server.
+
+    kmock serves in the test's event loop; kopf runs in its own thread and loop, as in production
+    (kopf cancels every task started after it, which would include the test's own teardown).
+    """
+    async with ApiServerEmulator() as k8s, kmock.Server(k8s) as server:
+        for key, info in RESOURCES.items():
+            k8s.resources[key] = info
+        conn = kopf.ConnectionInfo(server=str(server.url), insecure=True)
+        registry = kopf.OperatorRegistry()
+        # The process's own wiring (`disagg operator`), with the autoscaler only when asked for.
+        disabled = {} if autoscaler_settings is not None else {"DISAGG_AUTOSCALER_DISABLED": "1"}
+        register_all(
+            registry,
+            login=lambda **_: conn,
+            resync_seconds=3600,
+            autoscaler_settings=autoscaler_settings,
+            env=disabled,
+        )
+
+        @kopf.on.startup(registry=registry, id="test-speed")
+        def _fast_exit(settings: kopf.OperatorSettings, **_):
+            # Do not keep a stopping test operator waiting for in-flight work it will never finish.
+            settings.queueing.exit_timeout = 0.2
+            settings.background.instant_exit_timeout = 0.2
+
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=lambda: asyncio.run(
+                kopf.operator(registry=registry, clusterwide=True, standalone=True, stop_flag=stop)
+            ),
+            name="kopf",
+            daemon=True,
+        )
+        thread.start()
+        api = Kube(conn)
+        reconciler = Reconciler(Kube(conn))
+        try:
+            yield Cluster(k8s, api, reconciler, str(server.url))
+        finally:
+            stop.set()
+            await asyncio.to_thread(thread.join, 20)
+            await api.close()
+            await reconciler.kube.close()
+            assert not thread.is_alive(), "the operator did not stop"

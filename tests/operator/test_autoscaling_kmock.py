@@ -1,107 +1,45 @@
 """The autoscaler inside the whole operator: the operator's handlers and the autoscaler's in one
-real kopf runtime, against the emulated API server, with a router `/metrics` served here.
+real kopf runtime, sharing one API client, against the emulated API server (which keeps
+server-side apply's field ownership), with a router `/metrics` served here.
 
-The operator builds the StatefulSets from `status.<role>.autoscaling.desiredReplicas`; the
-autoscaler writes that status before it scales, so the two never fight. TTFT above target:
-prefill goes up to maxReplicas; a hand edit is undone; TTFT below target: prefill
-walks down to minReplicas. Decode, within its ITL target, is never touched. (The Events of
-the autoscaler are checked in tests/autoscaling/test_timer_kmock.py, which runs it alone.)
+The autoscaler alone owns the autoscaled StatefulSets' replicas (field manager
+`disagg-autoscaler`); the operator sets them only when it creates a StatefulSet and leaves them
+out of every later apply. TTFT above target: prefill goes up to maxReplicas; a hand edit is
+undone with a Warning Event that says why; a template change applied meanwhile keeps the count
+(the emulator would reset a field nobody applies to 1); TTFT below target: prefill walks down
+to minReplicas. Decode, within its ITL target, is never touched. No replica count the
+StatefulSet ever shows moves against the autoscaler's decisions.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import aiohttp
-import kmock
-import kopf
 import pytest
-from aiohttp import web
-from kube_emulator import RESOURCES, ApiServerEmulator, Cluster, load_example
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from autoscaling.router_metrics import router_pod, serving_router_metrics
+from kube_emulator import Cluster, load_example, running_operator
 
 from disagg.operator.autoscaling import handlers as autoscaler
 from disagg.operator.autoscaling.control import Tuning
-from disagg.operator.handlers import register
-from disagg.operator.kube import Kube
-from disagg.operator.reconcile import Reconciler
+from disagg.operator.replicas import AUTOSCALER_MANAGER, managers_of
 
 IDEP = "disagg.dev/v1alpha1/inferencedeployments"
 STS = "apps/v1/statefulsets"
 
 
-class RouterMetrics:
-    """The router's `/metrics`: every scrape adds a batch of requests at the current latency."""
-
-    def __init__(self):
-        self.registry = CollectorRegistry()
-        lab = ("role", "model")
-        self.ttft = Histogram("disagg_time_to_first_token_seconds", "t", lab, registry=self.registry)
-        self.itl = Histogram("disagg_inter_token_latency_seconds", "i", lab, registry=self.registry)
-        self.ttft_seconds = 1.2  # target 0.5 s: far over
-        self.port = 0
-
-    async def handle(self, request):
-        for _ in range(10):
-            self.ttft.labels(role="router", model="tiny").observe(self.ttft_seconds)
-            self.itl.labels(role="router", model="tiny").observe(0.01)  # target 50 ms: well within
-        return web.Response(body=generate_latest(self.registry), content_type="text/plain")
-
-
 @pytest.fixture
 async def router_metrics():
-    metrics = RouterMetrics()
-    app = web.Application()
-    app.router.add_get("/metrics", metrics.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    metrics.port = site._server.sockets[0].getsockname()[1]
-    yield metrics
-    await runner.cleanup()
+    async with serving_router_metrics() as metrics:
+        yield metrics
 
 
 @pytest.fixture
 async def cluster():
-    """As the operator suite's fixture, plus the autoscaler (fast ticks, a 1 s window)."""
-    async with ApiServerEmulator() as k8s, kmock.Server(k8s) as server:
-        for key, info in RESOURCES.items():
-            k8s.resources[key] = info
-        k8s.resources["v1/pods"] = {"kind": "Pod", "namespaced": True, "verbs": ["list", "get"]}
-        conn = kopf.ConnectionInfo(server=str(server.url), insecure=True)
-        registry = kopf.OperatorRegistry()
-        register(registry, login=lambda **_: conn, resync_seconds=3600)
-        settings = autoscaler.Settings(
-            interval_seconds=0.3, tuning=Tuning(window_seconds=1.0), metrics_port=0
-        )
-        autoscaler.register(registry, settings)
-
-        @kopf.on.startup(registry=registry, id="test-speed")
-        def _fast_exit(settings: kopf.OperatorSettings, **_):
-            settings.queueing.exit_timeout = 0.2
-            settings.background.instant_exit_timeout = 0.2
-
-        stop = threading.Event()
-        thread = threading.Thread(
-            target=lambda: asyncio.run(
-                kopf.operator(registry=registry, clusterwide=True, standalone=True, stop_flag=stop)
-            ),
-            name="kopf",
-            daemon=True,
-        )
-        thread.start()
-        api = Kube(conn)
-        reconciler = Reconciler(Kube(conn))
-        try:
-            yield Cluster(k8s, api, reconciler), str(server.url)
-        finally:
-            stop.set()
-            await asyncio.to_thread(thread.join, 20)
-            await api.close()
-            await reconciler.kube.close()
-            assert not thread.is_alive(), "the operator did not stop"
+    """The operator's suite fixture plus the autoscaler (fast ticks, a 1 s window)."""
+    settings = autoscaler.Settings(interval_seconds=0.3, tuning=Tuning(window_seconds=1.0), metrics_port=0)
+    async with running_operator(settings) as cluster:
+        yield cluster
 
 
 def autoscaled_example() -> dict:
@@ -115,24 +53,6 @@ def autoscaled_example() -> dict:
             "scaleDown": {"stabilizationSeconds": 1},
         }
     return body
-
-
-def router_pod(port: int) -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": "tiny-router-7d9f-x2x",
-            "namespace": "default",
-            "labels": {"disagg.dev/deployment": "tiny", "disagg.dev/role": "router"},
-            "annotations": {"prometheus.io/port": str(port)},
-        },
-        "status": {
-            "phase": "Running",
-            "podIP": "127.0.0.1",
-            "conditions": [{"type": "Ready", "status": "True"}],
-        },
-    }
 
 
 def replicas(cluster: Cluster, role: str) -> int | None:
@@ -152,23 +72,46 @@ def record(cluster: Cluster, seen: dict[str, list[int]]) -> None:
 
 
 async def play_statefulset_controller(cluster: Cluster, seen: dict[str, list[int]]):
-    """Pods become ready a moment after replicas change; record every replica count seen."""
+    """Pods become ready (and roll out) a moment after the spec changes; record every replica count."""
     while True:
         record(cluster, seen)
         for role in ("prefill", "decode"):
             sts = cluster.live(STS, f"tiny-{role}")
-            if sts is not None and (sts.get("status") or {}).get("readyReplicas") != sts["spec"].get(
-                "replicas"
+            status = (sts or {}).get("status") or {}
+            if sts is not None and (
+                status.get("readyReplicas") != sts["spec"].get("replicas")
+                or status.get("observedGeneration") != sts["metadata"].get("generation")
             ):
                 await asyncio.sleep(0.2)
                 await cluster.mark_ready("StatefulSet", f"tiny-{role}")
         await asyncio.sleep(0.05)
 
 
+def history(cluster: Cluster, name: str) -> list[int]:
+    """Every replica count the StatefulSet has had, write by write (kmock keeps each version)."""
+    for (res, ns, obj_name), obj in cluster.k8s.objects.items():
+        if (res.group, res.plural, ns, obj_name) == ("apps", "statefulsets", "default", name):
+            counts = [(v.raw.get("spec") or {}).get("replicas") for v in obj.history if v is not None]
+            return [n for i, n in enumerate(counts) if i == 0 or n != counts[i - 1]]
+    return []
+
+
+async def hand_edit(url: str, replicas: int) -> None:
+    """`kubectl scale`, as a merge patch by another field manager."""
+    async with aiohttp.ClientSession() as s:
+        async with s.patch(
+            f"{url}/apis/apps/v1/namespaces/default/statefulsets/tiny-prefill",
+            params={"fieldManager": "kubectl-scale"},
+            json={"spec": {"replicas": replicas}},
+            headers={"Content-Type": "application/merge-patch+json"},
+        ) as resp:
+            assert resp.status == 200 and (await resp.json())["spec"]["replicas"] == replicas
+
+
 async def test_operator_and_autoscaler_share_the_replica_count(cluster, router_metrics):
-    cluster, url = cluster
     cluster.k8s.objects["v1/pods", "default", "tiny-router-7d9f-x2x"] = router_pod(router_metrics.port)
-    await cluster.api.apply(autoscaled_example())
+    body = autoscaled_example()
+    await cluster.api.apply(body, field_manager="test-user")
     await cluster.eventually(
         lambda: replicas(cluster, "prefill") == 1, what="prefill StatefulSet at minReplicas"
     )
@@ -180,19 +123,36 @@ async def test_operator_and_autoscaler_share_the_replica_count(cluster, router_m
         )
         status = autoscaling_status(cluster, "prefill")
         assert status["desiredReplicas"] == 3 and "TTFT p90" in status["decisions"][-1]["reason"]
+        # The autoscaler, not the operator, owns the count now.
+        assert managers_of(cluster.live(STS, "tiny-prefill"), "spec", "replicas") == {AUTOSCALER_MANAGER}
 
-        # A hand edit is undone: by the operator's re-apply (it builds replicas from the status)
-        # or by the autoscaler's watch, whichever runs first; the Event is the autoscaler's test.
-        async with aiohttp.ClientSession() as s:
-            async with s.patch(
-                f"{url}/apis/apps/v1/namespaces/default/statefulsets/tiny-prefill",
-                json={"spec": {"replicas": 7}},
-                headers={"Content-Type": "application/merge-patch+json"},
-            ) as resp:
-                assert resp.status == 200 and (await resp.json())["spec"]["replicas"] == 7
+        # A template change: the operator applies without replicas; the count stays (no reset to 1).
+        body["spec"]["image"]["tag"] = "0.2.0-cpu"
+        await cluster.api.apply(body, field_manager="test-user")
+        await cluster.eventually(
+            lambda: (
+                "0.2.0-cpu"
+                in cluster.live(STS, "tiny-prefill")["spec"]["template"]["spec"]["containers"][0]["image"]
+            ),
+            timeout=10,
+            what="prefill template updated",
+        )
+        assert replicas(cluster, "prefill") == 3
+
+        # A hand edit is undone once, by the autoscaler, with a Warning Event saying why.
+        await hand_edit(cluster.url, 7)
         await cluster.eventually(
             lambda: replicas(cluster, "prefill") == 3, timeout=10, what="hand edit undone"
         )
+        reverted = await cluster.eventually(
+            lambda: [e for e in cluster.events() if e.get("reason") == "ReplicasReverted"],
+            what="the revert Event",
+        )
+        assert reverted[0]["type"] == "Warning"
+        assert "changed to 7 outside the autoscaler; restored 3" in reverted[0]["message"]
+        assert "spec.prefill.autoscaling owns the replica count" in reverted[0]["message"]
+        decisions = autoscaling_status(cluster, "prefill")["decisions"]
+        assert [(d["from"], d["to"]) for d in decisions if d["action"] == "revert"] == [(7, 3)]
 
         router_metrics.ttft_seconds = 0.05
         await cluster.eventually(
@@ -202,11 +162,16 @@ async def test_operator_and_autoscaler_share_the_replica_count(cluster, router_m
         assert [(d["from"], d["to"]) for d in downs] == [(3, 2), (2, 1)]
     finally:
         controller.cancel()
+    await asyncio.sleep(0.5)  # a few more ticks and reconciles: nothing may move it again
     record(cluster, seen)
-    assert seen["prefill"][:3] == [1, 2, 3] and seen["prefill"][-3:] == [3, 2, 1]  # (a 7 may show in between)
-    assert set(seen["decode"]) == {1}
+
+    # Every count the prefill StatefulSet ever had, in order: up with the autoscaler, the one hand
+    # edit and its revert, down with the autoscaler. A reconcile that re-applied an old count
+    # ("changed to 1 ... restored 2"), or a reset to 1 by an apply without replicas, would show here.
+    assert history(cluster, "tiny-prefill") == [1, 2, 3, 7, 3, 2, 1]
+    assert len([e for e in cluster.events() if e.get("reason") == "ReplicasReverted"]) == 1
+    assert history(cluster, "tiny-decode") == [1]
     assert autoscaling_status(cluster, "decode")["desiredReplicas"] == 1
-    # The operator's own re-apply agrees with the autoscaler's last word.
     assert (
         cluster.live(STS, "tiny-prefill")["spec"]["replicas"]
         == autoscaling_status(cluster, "prefill")["desiredReplicas"]

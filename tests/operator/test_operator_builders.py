@@ -121,7 +121,7 @@ def test_cpu_example_generates_the_tiny_model():
     assert args[args.index("--redis-url") + 1] == "redis://tiny-redis.default.svc:6379/0"
 
 
-def test_autoscaled_replicas_follow_the_autoscaler_and_hpa_mode_leaves_them_out(monkeypatch):
+def test_autoscaled_pools_are_created_at_the_autoscalers_count_or_min(monkeypatch):
     body = load_example("gpu-llama3-8b.yaml")
     body["status"] = {
         "prefill": {"autoscaling": {"desiredReplicas": 5}},
@@ -132,8 +132,9 @@ def test_autoscaled_replicas_follow_the_autoscaler_and_hpa_mode_leaves_them_out(
     assert kids["StatefulSet", "llama3-8b-decode"]["spec"]["replicas"] == 16  # clamped to maxReplicas
 
     body["spec"]["decode"]["autoscaling"]["mode"] = "hpa"
+    del body["status"]["decode"]  # the autoscaler drops the status of a role it no longer scales
     idep = specs.parse(body)
-    assert "replicas" not in workers.statefulset(idep, "decode")["spec"]
+    assert workers.statefulset(idep, "decode")["spec"]["replicas"] == 4  # minReplicas; then the HPA's
     monkeypatch.setitem(sys.modules, "disagg.operator.autoscaling.hpa", None)  # a build without HPA support
     with pytest.raises(RuntimeError, match=r"spec\.decode\.autoscaling\.mode is hpa"):
         build_children(idep, body)
@@ -297,6 +298,6 @@ def test_hpa_mode_adds_the_autoscalers_hpa_among_the_children():
         "kind": "StatefulSet",
         "name": "llama3-8b-prefill",
     }
-    assert "replicas" not in kids["StatefulSet", "llama3-8b-prefill"]["spec"]
+    assert kids["StatefulSet", "llama3-8b-prefill"]["spec"]["replicas"] == hpa["spec"]["minReplicas"]
     assert ("HorizontalPodAutoscaler", "llama3-8b-decode") not in kids
     kubernetes_validate.validate(rollout.stamp(hpa), KUBE_VERSION, strict=True)

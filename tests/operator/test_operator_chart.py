@@ -11,6 +11,7 @@ import yaml
 from kube_emulator import ROOT, load_example
 
 from disagg.operator import spec as specs
+from disagg.operator.autoscaling.handlers import API_ACCESS as AUTOSCALER_ACCESS
 from disagg.operator.builders import build_children
 from disagg.operator.kube import PLURALS
 
@@ -58,6 +59,13 @@ def test_rendered_objects_validate_strictly(values):
     assert container["resources"]["requests"]
     assert container["args"][0] == "operator" and "--standalone" in container["args"]
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    # The autoscaler's own metrics: a named port, the env that serves it there, matching annotations.
+    (port,) = [p for p in container["ports"] if p["name"] == "metrics"]
+    assert {"name": "DISAGG_AUTOSCALER_METRICS_PORT", "value": str(port["containerPort"])} in container["env"]
+    annotations = deploy["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(port["containerPort"]) == "9090"
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert "ServiceMonitor" not in by_kind(docs)  # off by default
 
 
 def _rules(role: dict) -> set[tuple[str, str, str]]:
@@ -71,7 +79,8 @@ def _rules(role: dict) -> set[tuple[str, str, str]]:
 
 
 def _needed() -> set[tuple[str, str, str]]:
-    """What the operator does to the kinds the builders emit, plus its own resource and events."""
+    """What the operator does to the kinds the builders emit, plus its own resource and events, plus
+    what the autoscaler in the same process does (pods, StatefulSet replicas, status, Events)."""
     body = load_example("gpu-llama3-8b.yaml")
     kinds = {
         (m["apiVersion"], m["kind"])
@@ -89,7 +98,7 @@ def _needed() -> set[tuple[str, str, str]]:
         ("apps", "deployments", "watch"),
         ("", "secrets", "get"),
     }
-    return needed
+    return needed | AUTOSCALER_ACCESS
 
 
 def test_cluster_wide_install_uses_a_cluster_role_covering_what_the_operator_does():
@@ -114,6 +123,32 @@ def test_namespaced_install_grants_workload_rights_only_in_the_watched_namespace
     assert cluster_wide == {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces")}
     args = docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--all-namespaces" not in args
+
+
+def test_service_monitor_scrapes_the_operators_metrics_port():
+    values = {
+        "metrics": {
+            "port": 9191,
+            "podAnnotations": False,
+            "serviceMonitor": {"enabled": True, "labels": {"release": "kps"}},
+        }
+    }
+    docs = by_kind(render(values))
+    (monitor,) = docs["ServiceMonitor"]
+    (service,) = [s for s in docs["Service"] if s["metadata"]["name"].endswith("-metrics")]
+    kubernetes_validate.validate(service, KUBE_VERSION, strict=True)
+    (deploy,) = docs["Deployment"]
+    pod = deploy["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert {"name": "metrics", "containerPort": 9191, "protocol": "TCP"} in container["ports"]
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": 9191, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    assert "annotations" not in pod["metadata"]  # annotations off: the ServiceMonitor is the one scraper
 
 
 def test_grafana_dashboard_has_ttft_and_itl_panels():
@@ -146,6 +181,7 @@ def test_crd_ships_in_the_chart_and_notes_say_what_to_do_next():
         ({"logFormat": "yaml"}, "logFormat"),
         ({"watchNamespace": "Team_A"}, "watchNamespace"),
         ({"unknownKey": True}, "unknownKey"),
+        ({"metrics": {"port": 0}}, "port"),
     ],
 )
 def test_values_schema_rejects_bad_values_naming_the_key(values, key):
