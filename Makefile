@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
 
-.PHONY: install redis proto test test-fast lint bench demo serve clean
+.PHONY: install redis proto test lint bench bench-transfer bench-serve bench-autoscale bench-kernels demo serve clean
 
 install: $(STAMP) redis proto
 
@@ -40,8 +40,21 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Benchmarks print figures and ratios against a baseline run in the same command.
 bench: install
 	$(PY) bench/engine.py
+
+bench-transfer: install
+	$(PY) bench/kv_transfer.py
+
+bench-serve: install
+	$(PY) bench/serve.py
+
+bench-autoscale: install
+	$(PY) bench/autoscale_sim.py
+
+bench-kernels: install
+	$(PY) bench/kernels.py
 
 demo: install
 	$(VENV)/bin/disagg up --demo

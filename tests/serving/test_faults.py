@@ -209,21 +209,40 @@ def test_redis_restart_under_load(cluster, redis_server, reference_llm):
     _idle_everywhere(cluster, redis_server.url)
 
 
-def test_sigterm_drains_in_flight_requests_then_deregisters(cluster, redis_server):
+def test_prestop_drain_then_sigterm_finishes_in_flight_and_deregisters(cluster, redis_server):
+    """The pod's preStop hook (GET /drain) stops admission and answers only once the in-flight
+    stream has ended; the SIGTERM that follows exits cleanly and leaves the registry."""
+    import threading
+
     from disagg.worker.kv_state import KVState
 
-    (last,) = [n for n in cluster.live_workers() if n.startswith("decode")]
     body = {"model": cluster.model_name, "prompt": _prompt(20, seed=8), "max_tokens": 150, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
-    events = []
+    events: list[str] = []
+    answer: dict = {}
+    worker = None
+
+    def pre_stop():
+        answer["body"] = httpx.get(worker.health.replace("/health", "/drain"), timeout=60).json()
+        answer["events_seen"] = len(events)
+
+    drainer = threading.Thread(target=pre_stop)
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as r:
+        last = r.headers["X-Disagg-Decode-Worker"]
+        worker = cluster.workers[last]
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])
                 if len(events) == 2:
-                    cluster.workers[last].popen.terminate()  # SIGTERM: drain
+                    drainer.start()
+    drainer.join(60)
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
-    assert cluster.workers[last].popen.wait(30) == 0
+    assert answer["body"] == {"drained": True, "streams": 0}
+    assert answer["events_seen"] == len(events)  # answered after the stream finished, not before
+    health = httpx.get(worker.health, timeout=5)
+    assert health.status_code == 503 and health.json()["draining"] is True
+    worker.popen.terminate()  # SIGTERM after preStop
+    assert worker.popen.wait(30) == 0
     state = KVState(redis_server.url, cluster.deployment, "test-observer")
     assert last not in {w.id for w in state.workers()}

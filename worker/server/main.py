@@ -129,8 +129,19 @@ class WorkerProcess:
                     "draining": bool(s and s.draining), "load": s.core.load if s else {}}  # fmt: skip
             return web.json_response(body, status=200 if ready else 503)
 
+        async def drain(_r):
+            # Kubernetes' preStop hook: stop admitting and answer once in-flight streams are done,
+            # so the SIGTERM that follows finds nothing to cut off.
+            s = self.service
+            if s is None:
+                return web.json_response({"drained": True, "streams": 0})
+            s.draining = True
+            remaining = await self._wait_for_streams(s)
+            return web.json_response({"drained": remaining == 0, "streams": remaining})
+
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/health", health)
+        app.router.add_get("/drain", drain)
         self.http = web.AppRunner(app, access_log=None)
         await self.http.setup()
         site = web.TCPSite(self.http, self.cfg.host, self.cfg.metrics_port)
@@ -210,9 +221,7 @@ class WorkerProcess:
         s = self.service
         log.info("draining worker %s", self.cfg.worker_id)
         s.draining = True
-        deadline = asyncio.get_running_loop().time() + self.cfg.drain_timeout
-        while s.streams > 0 and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
+        await self._wait_for_streams(s)
         await self.state.deregister()
         await self.state.stop()
         await s.close()
@@ -222,6 +231,13 @@ class WorkerProcess:
             await asyncio.wrap_future(self.loop.call(transport.close))
         self.loop.stop()
         log.info("worker %s stopped", self.cfg.worker_id)
+
+    async def _wait_for_streams(self, s) -> int:
+        """Wait (bounded by drain_timeout) for in-flight streams to finish; returns how many remain."""
+        deadline = asyncio.get_running_loop().time() + self.cfg.drain_timeout
+        while s.streams > 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        return s.streams
 
     async def _shutdown_servers(self) -> None:
         if self.server is not None:
