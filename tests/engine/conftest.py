@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from disagg.worker.forward_batch import ForwardBatch
 from disagg.worker.make_model import write_tokenizer
 

@@ -7,10 +7,11 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from disagg.worker.config import ModelConfig, parse_rope
 from disagg.worker.loader import load_model
 from disagg.worker.model import rope_inv_freq
-from safetensors.torch import load_file, save_file
 
 BLOCK = 16
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
 from disagg.worker.cli import main as cli_main
 from disagg.worker.config import ModelConfig
 from disagg.worker.make_model import PRESETS, count_parameters, make_model, model_config
 from disagg.worker.model import load_model
 from disagg.worker.tokenizer import Tokenizer
-from safetensors.torch import load_file
 
 BLOCK = 16
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from disagg.worker.model import load_model, rope_inv_freq
 
 BLOCK_SIZE = 16

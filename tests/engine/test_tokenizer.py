@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from disagg.worker.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from disagg.worker.tokenizer import ChatTemplateError, Tokenizer
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from disagg.worker.cuda_graphs import (
     CudaGraphRunner,
     DecodeInputBuffers,

@@ -6,6 +6,8 @@ import itertools
 
 import pytest
 import torch
+from triton_cases import TOLERANCE, case_id, paged_cache
+
 from disagg.kernels import torch_ops
 from disagg.kernels.triton_decode_attention import (
     MIN_PARTITION_TOKENS,
@@ -13,7 +15,6 @@ from disagg.kernels.triton_decode_attention import (
     decode_attention,
     paged_decode_attention,
 )
-from triton_cases import TOLERANCE, case_id, paged_cache
 
 KV_HEADS = 2
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

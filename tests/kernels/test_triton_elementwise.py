@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
+from triton_cases import TOLERANCE, case_id
+
 from disagg.kernels import torch_ops
 from disagg.kernels.triton_activation import silu_and_mul
 from disagg.kernels.triton_norm import rms_norm
 from disagg.kernels.triton_rotary import rotary_embedding
-from triton_cases import TOLERANCE, case_id
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

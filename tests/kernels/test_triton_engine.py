@@ -4,6 +4,7 @@ the same greedy tokens as the torch path, through prefill (incl. a chunked promp
 from __future__ import annotations
 
 import torch
+
 from disagg.worker import LLM, SamplingParams
 
 NEW_TOKENS = 8

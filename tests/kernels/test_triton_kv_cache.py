@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_cases import case_id, paged_cache, slots_for
+
 from disagg.kernels import torch_ops
 from disagg.kernels.triton_kv_cache import write_kv_cache
-from triton_cases import case_id, paged_cache, slots_for
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+
 from disagg.kernels import OP_NAMES, get_ops, torch_ops, triton_ops
 
 

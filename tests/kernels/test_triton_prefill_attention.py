@@ -6,9 +6,10 @@ import itertools
 
 import pytest
 import torch
+from triton_cases import TOLERANCE, case_id, prefill_case
+
 from disagg.kernels import torch_ops
 from disagg.kernels.triton_prefill_attention import prefill_attention, varlen_prefill_attention
-from triton_cases import TOLERANCE, case_id, prefill_case
 
 KV_HEADS = 2
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -1,0 +1,213 @@
+"""Engine throughput against transformers, and batch-1 decode against the memory-bandwidth floor.
+
+    python bench/engine.py                      # 64 prompts of 32-512 tokens, 16-256 new tokens each
+    python bench/engine.py --num-prompts 16 --max-prompt 256 --max-output 64   # a quicker run
+
+Both sides run the same checkpoint (the `small` preset, made into .models/small when missing),
+float32, greedy, the same prompts and the same number of new tokens per prompt. transformers
+runs `generate` in batches of prompts sorted by output length (least padding and least wasted
+decoding: its best fair setting), left-padded, every row decoding until its batch's longest
+output; only each prompt's own tokens are counted. The engine gets all prompts at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def ensure_model(path: Path, preset: str) -> Path:
+    from disagg.worker.make_model import make_model
+
+    if not (path / "config.json").is_file():
+        log(f"making the {preset} model in {path} (once)")
+    return make_model(path, preset=preset, seed=0, progress=log)
+
+
+def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
+    g = torch.Generator().manual_seed(args.seed)
+    out = []
+    for _ in range(args.num_prompts):
+        n = int(torch.randint(args.min_prompt, args.max_prompt + 1, (1,), generator=g))
+        m = int(torch.randint(args.min_output, args.max_output + 1, (1,), generator=g))
+        # ids above the special tokens at the bottom of the vocabulary
+        out.append((torch.randint(10, vocab_size, (n,), generator=g).tolist(), m))
+    return out
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Memory traffic of a large tensor copy (bytes read + written per second), best of a few."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def weight_bytes_per_decode_step(model) -> int:
+    """Bytes of weights one decode step must read: every layer, the final norm and the LM head
+    (the embedding table is only indexed, unless it is the tied LM head)."""
+    w = model.weights
+    total = sum(
+        t.numel() * t.element_size() for layer in w.layers for t in vars(layer).values() if t is not None
+    )
+    return total + w.norm.numel() * w.norm.element_size() + w.lm_head.numel() * w.lm_head.element_size()
+
+
+def run_engine(args, model_dir: Path, work) -> tuple[float, int, object]:
+    from disagg.worker import LLM, SamplingParams
+
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    prompts = [p for p, _ in work]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, min_tokens=m) for _, m in work]
+    llm.generate(prompts[:2], params[:2])  # warm-up
+    log(f"engine: {len(prompts)} prompts")
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, progress=True)
+    elapsed = time.perf_counter() - t
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert tokens == sum(m for _, m in work)
+    return elapsed, tokens, llm
+
+
+def run_transformers(args, model_dir: Path, work) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    order = sorted(range(len(work)), key=lambda i: (work[i][1], len(work[i][0])))
+    batches = [order[i : i + args.hf_batch_size] for i in range(0, len(order), args.hf_batch_size)]
+    tokens = 0
+    t = time.perf_counter()
+    for k, batch in enumerate(batches):
+        width = max(len(work[i][0]) for i in batch)
+        new = max(work[i][1] for i in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, i in enumerate(batch):
+            p = work[i][0]
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        with torch.no_grad():
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=0,
+            )
+        tokens += sum(work[i][1] for i in batch)
+        rate = tokens / (time.perf_counter() - t)
+        log(f"transformers: batch {k + 1}/{len(batches)} done, {tokens} tokens, {rate:.1f} tok/s")
+    return time.perf_counter() - t, tokens
+
+
+def decode_step_time(llm, steps: int = 48) -> float:
+    """Median time of an engine step decoding one sequence (prompt of 128 tokens)."""
+    from disagg.worker import SamplingParams
+
+    engine = llm.engine
+    engine.add_request(
+        "decode-bench",
+        list(range(10, 138)),
+        SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True),
+    )
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        if not engine.scheduled.is_prefill:
+            times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--model", type=Path, default=ROOT / ".models" / "small", help="model dir (made if missing)"
+    )
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--min-prompt", type=int, default=32)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--min-output", type=int, default=16)
+    ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model_dir = ensure_model(args.model, args.preset)
+    from disagg.worker.config import ModelConfig
+
+    config = ModelConfig.from_pretrained(model_dir)
+    work = workload(args, config.vocab_size)
+    total_prompt = sum(len(p) for p, _ in work)
+    total_out = sum(m for _, m in work)
+    log(
+        f"workload: {len(work)} prompts, {total_prompt} prompt tokens, {total_out} output tokens; "
+        f"model {config.num_parameters / 1e6:.0f}M parameters, float32, {torch.get_num_threads()} threads"
+    )
+
+    eng_s, eng_tok, llm = run_engine(args, model_dir, work)
+    log(f"engine: {eng_tok} tokens in {eng_s:.1f}s")
+    log("decode step at batch 1")
+    step_s = decode_step_time(llm)
+    weights = weight_bytes_per_decode_step(llm.engine.model)
+    log("copy bandwidth")
+    bw = copy_bandwidth()
+    floor_s = weights / bw
+    if not args.skip_transformers:
+        hf_s, hf_tok = run_transformers(args, model_dir, work)
+
+    rows = [("engine output tokens/s", f"{eng_tok / eng_s:.1f}", f"{eng_tok} tokens in {eng_s:.1f} s")]
+    if not args.skip_transformers:
+        rows.append(
+            ("transformers output tokens/s", f"{hf_tok / hf_s:.1f}", f"{hf_tok} tokens in {hf_s:.1f} s")
+        )
+        rows.append(
+            ("ratio engine / transformers", f"{(eng_tok / eng_s) / (hf_tok / hf_s):.2f}x", "target >= 2x")
+        )
+    rows += [
+        ("decode step, batch 1", f"{step_s * 1e3:.1f} ms", "median engine.step()"),
+        ("weights read per step", f"{weights / 2**20:.0f} MiB", "layers + final norm + LM head"),
+        ("copy bandwidth", f"{bw / 1e9:.1f} GB/s", "bytes read + written, 1 GiB tensor copy"),
+        ("bandwidth floor", f"{floor_s * 1e3:.1f} ms", "weights / copy bandwidth"),
+        ("decode step / floor", f"{step_s / floor_s:.2f}x", "target <= 1.5x"),
+    ]
+    print(f"\nengine benchmark: {len(work)} prompts ({args.min_prompt}-{args.max_prompt} tokens), "
+          f"{args.min_output}-{args.max_output} new tokens each, {config.num_parameters / 1e6:.0f}M float32, "
+          f"{torch.get_num_threads()} threads")  # fmt: skip
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    for name, value, note in rows:
+        print(f"  {name:<{w0}}  {value:>{w1}}  {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

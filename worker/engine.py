@@ -1,0 +1,376 @@
+"""LLMEngine: the request-at-a-time interface that `LLM` and the worker servers drive.
+
+    engine.add_request("r1", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.new_text, end="")
+
+Single-threaded by design: one loop thread owns the engine and calls every method.
+
+For disaggregated serving:
+  * prefill side: `add_request(..., prefill_only=True)` runs the prompt and samples the first
+    token; the request finishes with reason "prefilled" and its blocks stay pinned (readable
+    through `block_ids`) until `release(request_id)`.
+  * decode side: `reserve(request_id, prompt_ids, params)` allocates blocks for K/V that
+    another worker writes into `kv_cache`; `commit_remote_prefill(request_id, first_token)`
+    then starts decoding as if the prompt had been prefilled here; `abort` frees them.
+  * `step(layer_hook=...)` passes a per-layer callback to prefill steps so a transfer can
+    start on layer i while later layers still compute; `scheduled` tells it which blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from disagg.worker.block_manager import BlockManager
+from disagg.worker.model_runner import ModelRunner, plan_num_blocks
+from disagg.worker.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from disagg.worker.request import Request, RequestStatus
+from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        num_gpu_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        seed: int = 0,
+        load_tokenizer: bool = True,
+        cuda_graphs: bool | None = None,
+    ):
+        from disagg.worker.model import load_model
+
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.model, self.config = load_model(model, dtype=dtype, device=device)
+        self.model_path = str(model)
+        self.tokenizer = None
+        if load_tokenizer:
+            from disagg.worker.tokenizer import Tokenizer
+
+            self.tokenizer = Tokenizer.from_pretrained(model)
+        self.eos_token_ids = frozenset(self._eos_ids())
+
+        model_len = self.model.max_model_len
+        if max_model_len is not None:
+            if max_model_len < 2 or max_model_len > model_len:
+                raise ValueError(
+                    f"max_model_len must be in [2, {model_len}] for this model, got {max_model_len}"
+                )
+            model_len = max_model_len
+        self.block_size = block_size
+        self.device = torch.device(device)
+        num_blocks = plan_num_blocks(
+            self.model.kv_cache_block_bytes(block_size),
+            self.device,
+            num_gpu_blocks=num_gpu_blocks,
+            kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
+            useful_blocks=max_num_seqs * -(-model_len // block_size),
+        )
+        # a lone request must always fit in the cache, or preemption could never make progress
+        self.max_model_len = min(model_len, num_blocks * block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(
+            self.model,
+            block_size,
+            num_blocks,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.max_model_len,
+            cuda_graphs=cuda_graphs,
+        )
+        self.requests: dict[str, Request] = {}
+        self._seeds = random.Random(seed)
+        # what the current (or last) step computes; read by layer hooks
+        self.scheduled: SchedulerOutput | None = None
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.config.eos_token_ids or ())
+        if self.tokenizer is not None:
+            ids |= set(self.tokenizer.eos_token_ids)
+        return ids
+
+    # ---- accessors --------------------------------------------------------------------
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The whole model's cache [layers, blocks, 2, block_size, Hkv, D] (registered by KV transfer)."""
+        return self.runner.kv_cache
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        s = self.scheduler
+        return s.prefix_hit_tokens / s.prefix_query_tokens if s.prefix_query_tokens else 0.0
+
+    def has_unfinished(self) -> bool:
+        """Whether `step()` has work: waiting or running requests (not reserved or pinned ones)."""
+        return self.scheduler.has_work()
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The KV blocks of a running, reserved or prefilled (pinned) request, in sequence order."""
+        pinned = self.block_manager.pinned(request_id)
+        if pinned is not None:
+            return list(pinned)
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        return list(req.block_ids)
+
+    # ---- requests ---------------------------------------------------------------------
+    def _make_request(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None, prefill_only: bool
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompt is text but the engine was built without a tokenizer; pass token ids"
+                )
+            text = prompt
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                f"the prompt and at least one generated token must fit in the context"
+            )
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            prompt=text,
+            prefill_only=prefill_only,
+            eos_token_ids=self.eos_token_ids,
+            generator=generator,
+        )
+        if self.tokenizer is not None:
+            from disagg.worker.detokenizer import IncrementalDetokenizer
+
+            req.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens
+            )
+        return req
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        prefill_only: bool = False,
+    ) -> None:
+        """Queue a request; its tokens come out of later `step()` calls."""
+        req = self._make_request(request_id, prompt, params, prefill_only)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request in any state and free its blocks; False if it is unknown or done."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.status == RequestStatus.FINISHED_PREFILLED:
+            return self.block_manager.unpin(request_id)
+        if req.is_finished:
+            return False
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """Free a prefilled request's pinned blocks once their K/V has been sent."""
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.FINISHED_PREFILLED:
+            return False
+        del self.requests[request_id]
+        return self.block_manager.unpin(request_id)
+
+    def reserve(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> list[int]:
+        """Allocate blocks for a prompt whose K/V another worker will write; returns their ids
+        (raises NoFreeBlocksError when the cache is full)."""
+        req = self._make_request(request_id, prompt_ids, params, prefill_only=False)
+        block_ids = self.scheduler.reserve(req)
+        self.requests[request_id] = req
+        return block_ids
+
+    def commit_remote_prefill(
+        self, request_id: str, first_token: int, first_logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
+        """The reserved request's prompt K/V is in place: decode from `first_token` on.
+        Returns the output for the first token (already finished if it ends the request)."""
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.RESERVED:
+            raise KeyError(f"no reserved request {request_id!r}")
+        if not 0 <= first_token < self.config.vocab_size:
+            raise ValueError(
+                f"first_token {first_token} is outside the vocabulary [0, {self.config.vocab_size})"
+            )
+        self.scheduler.commit_reserved(req)
+        if req.generator is not None:
+            # the prefill side drew the first token from this seed: skip that draw so a seeded
+            # request continues exactly as it would have on one worker
+            torch.multinomial(
+                torch.ones(self.config.vocab_size, device=self.device), 1, generator=req.generator
+            )
+        return self._append_token(req, first_token, first_logprob)
+
+    # ---- stepping ---------------------------------------------------------------------
+    def step(self, layer_hook: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        """Run one forward pass; returns an output for every request that produced a token."""
+        out = self.scheduler.schedule()
+        self.scheduled = out
+        if out is None:
+            return []
+        reqs, sampled = self.runner.execute(out, layer_hook if out.is_prefill else None)
+        self.scheduler.advance(out)
+        if sampled is None:
+            return []
+        return [
+            self._append_token(req, tok, lp)
+            for req, tok, lp in zip(reqs, sampled.token_ids, sampled.logprobs, strict=True)
+        ]
+
+    def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        req.output_token_ids.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        text_before = len(req.text)
+        if req.detokenizer is not None:
+            req.text += req.detokenizer.add(token)
+        # a prefill-only request always ends here with its blocks pinned: the decode side
+        # applies the stop conditions to the first token when it commits it
+        status = (
+            RequestStatus.FINISHED_PREFILLED
+            if req.prefill_only
+            else self._check_stop(req, token, text_before)
+        )
+        if (
+            status is not None
+            and status != RequestStatus.FINISHED_PREFILLED
+            and req.detokenizer is not None
+            and not isinstance(req.stop_reason, str)
+        ):
+            # the end: emit a held-back incomplete character as a full decode would show it
+            req.text += req.detokenizer.flush()
+        if status is not None:
+            self.scheduler.finish(req, status)
+            if status != RequestStatus.FINISHED_PREFILLED:
+                del self.requests[req.request_id]
+        return self._output(req)
+
+    def _check_stop(self, req: Request, token: int, text_before: int) -> RequestStatus | None:
+        p = req.params
+        n = req.num_output_tokens
+        if n >= p.min_tokens:
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if p.stop_strings and self._find_stop_string(req, text_before):
+                return RequestStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and n >= p.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _find_stop_string(req: Request, text_before: int) -> bool:
+        """Cut the text at the earliest stop string that the new text completes."""
+        p = req.params
+        # a match must end inside the new text, so it starts at most max_stop_len - 1 before it
+        search_from = max(0, text_before - p.max_stop_len + 1)
+        best = None
+        for s in p.stop_strings:
+            i = req.text.find(s, search_from)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        req.text = req.text[: i + len(s)] if p.include_stop_str_in_output else req.text[:i]
+        req.stop_reason = s
+        return True
+
+    def _output(self, req: Request) -> RequestOutput:
+        done = req.is_finished
+        # while running, hold back a tail that could still grow into a stop string
+        hold = 0 if done or req.params.include_stop_str_in_output else max(req.params.max_stop_len - 1, 0)
+        upto = max(len(req.text) - hold, req.num_sent_chars)
+        new_text = req.text[req.num_sent_chars : upto]
+        req.num_sent_chars = upto
+        new_ids = req.output_token_ids[req.num_sent_tokens :]
+        want_lp = req.params.logprobs is not None
+        new_lp = req.logprobs[req.num_sent_tokens :] if want_lp else None
+        req.num_sent_tokens = req.num_output_tokens
+        completion = CompletionOutput(
+            index=0,
+            text=req.text[:upto],
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=list(req.logprobs) if want_lp else None,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=done,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            new_logprobs=new_lp,
+            num_cached_tokens=req.num_cached_tokens,
+        )

@@ -1,0 +1,253 @@
+"""Which tokens of which requests the next forward pass computes.
+
+Two queues: `waiting` (FIFO; preempted requests go back to its front) and `running`
+(admitted, holding blocks, ordered oldest first). Every step is either
+
+  * a prefill step: chunks of uncomputed tokens, at most `max_num_batched_tokens` in all:
+    first the running requests still in prefill, then newly admitted waiting requests; or
+  * a decode step: one token for every running request that has exactly one left.
+
+When both kinds of work exist the steps alternate, so a stream of long prompts never
+starves decoding and decoding never starves admission. Admission takes the longest cached
+prefix of full blocks (always leaving at least the last token to compute, whose logits
+are needed). When a running request needs a block and none is free, the newest running
+request is preempted: its blocks are freed and it recomputes everything later.
+
+Pure logic over `BlockManager` and `Request`: no tensors, no model.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from disagg.worker.block_manager import BlockManager
+from disagg.worker.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # first position computed this step (= num_computed_tokens when scheduled)
+    num_tokens: int
+    # whether this chunk reaches the end of the sequence, so a token is sampled after it
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.end == self.request.num_tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    is_prefill: bool
+    chunks: list[ScheduledChunk]
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        watermark: float = 0.01,
+    ):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.bm = block_manager
+        self.block_size = block_manager.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # blocks kept free when admitting next to running requests, so that admission does
+        # not immediately force a preemption on the next decode step
+        self.watermark_blocks = max(1, int(watermark * block_manager.num_blocks))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.reserved: dict[str, Request] = {}
+        self._last_was_prefill = False
+        self._arrivals = 0
+        # statistics
+        self.num_preemptions = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # ---- queues -----------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self._arrivals += 1
+        req.arrival = self._arrivals
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Take `req` out of the queues and release its blocks (prefilled: pin them)."""
+        assert status.finished
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        elif req.status == RequestStatus.RESERVED:
+            del self.reserved[req.request_id]
+        req.status = status
+        if status == RequestStatus.FINISHED_PREFILLED:
+            self.bm.pin(req.request_id, req.block_ids)
+        elif req.block_ids:
+            self.bm.free(req.block_ids)
+        req.block_ids = []
+
+    # ---- remote prefill (decode side of disaggregation) ------------------------------
+    def reserve(self, req: Request) -> list[int]:
+        """Allocate blocks for `req`'s prompt, whose K/V another worker will write."""
+        req.block_ids = self.bm.allocate(self.bm.blocks_for(req.num_prompt_tokens))
+        self._arrivals += 1
+        req.arrival = self._arrivals
+        req.status = RequestStatus.RESERVED
+        self.reserved[req.request_id] = req
+        return list(req.block_ids)
+
+    def commit_reserved(self, req: Request) -> None:
+        """The prompt's K/V has arrived: the request runs from here as if it prefilled locally."""
+        assert req.status == RequestStatus.RESERVED
+        del self.reserved[req.request_id]
+        req.num_computed_tokens = req.num_prompt_tokens
+        self._register_computed_blocks(req)
+        req.status = RequestStatus.RUNNING
+        self._insert_running(req)
+
+    # ---- scheduling -------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput | None:
+        has_decode = any(r.num_uncomputed == 1 for r in self.running)
+        if has_decode and self._last_was_prefill:
+            out = self._schedule_decode()
+        else:
+            out = self._schedule_prefill()
+            if not out.chunks and has_decode:
+                out = self._schedule_decode()
+        if not out.chunks:
+            return None
+        self._last_was_prefill = out.is_prefill
+        return out
+
+    def _schedule_prefill(self) -> SchedulerOutput:
+        out = SchedulerOutput(is_prefill=True, chunks=[])
+        budget = self.max_num_batched_tokens
+        # 1. running requests part-way through their prompt (or a recomputation)
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING or req.num_uncomputed <= 1:
+                continue
+            n = self._fit(req, min(req.num_uncomputed, budget), out)
+            if n:
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                budget -= n
+        # 2. admit waiting requests while budget, sequence slots and blocks last
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = self._admit(req, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self._insert_running(req)
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+        return out
+
+    def _schedule_decode(self) -> SchedulerOutput:
+        out = SchedulerOutput(is_prefill=False, chunks=[])
+        for req in list(self.running):
+            if req.status != RequestStatus.RUNNING or req.num_uncomputed != 1:
+                continue
+            if self._fit(req, 1, out):
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1))
+        return out
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Give a waiting request its cached prefix and blocks for its first chunk; returns the
+        chunk length, or 0 (nothing taken) when its blocks do not fit now."""
+        bs = self.block_size
+        hashes = req.update_block_hashes(bs)
+        # the last token is always computed: its logits give the next token
+        max_hit = (req.num_tokens - 1) // bs
+        hits = self.bm.lookup(hashes[:max_hit])
+        self.bm.acquire(hits)
+        num_cached = len(hits) * bs
+        n = min(req.num_tokens - num_cached, budget)
+        spare = self.bm.num_free_blocks - (self.watermark_blocks if self.running else 0)
+        n = min(n, (len(hits) + spare) * bs - num_cached)
+        if n <= 0:
+            self.bm.free(hits)
+            return 0
+        req.block_ids = hits + self.bm.allocate(self.bm.blocks_for(num_cached + n) - len(hits))
+        req.num_computed_tokens = num_cached
+        req.num_registered_blocks = len(hits)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_cached
+        self.prefix_query_tokens += req.num_tokens
+        self.prefix_hit_tokens += num_cached
+        return n
+
+    def _fit(self, req: Request, want: int, out: SchedulerOutput) -> int:
+        """Make room for `want` more tokens of running `req`, shrinking the chunk to the free
+        blocks or, when not even one token fits, preempting the newest running requests
+        (possibly `req` itself). Returns the number of tokens that fit (0 if `req` was preempted)."""
+        while True:
+            capacity = (len(req.block_ids) + self.bm.num_free_blocks) * self.block_size
+            n = min(want, capacity - req.num_computed_tokens)
+            if n > 0:
+                need = self.bm.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+                if need > 0:
+                    req.block_ids += self.bm.allocate(need)
+                return n
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return 0
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.bm.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_registered_blocks = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        out.preempted.append(req)
+
+    def _insert_running(self, req: Request) -> None:
+        keys = [r.arrival for r in self.running]
+        self.running.insert(bisect.bisect(keys, req.arrival), req)
+
+    # ---- after the forward pass -------------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> None:
+        """Mark the scheduled tokens computed and offer newly full blocks to the prefix cache."""
+        for chunk in out.chunks:
+            req = chunk.request
+            assert req.num_computed_tokens == chunk.start, "request changed between schedule and advance"
+            req.num_computed_tokens = chunk.end
+            self._register_computed_blocks(req)
+
+    def _register_computed_blocks(self, req: Request) -> None:
+        n_full = req.num_computed_tokens // self.block_size
+        if n_full <= req.num_registered_blocks:
+            return
+        hashes = req.update_block_hashes(self.block_size)
+        for i in range(req.num_registered_blocks, n_full):
+            self.bm.register(req.block_ids[i], hashes[i])
+        req.num_registered_blocks = n_full
