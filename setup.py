@@ -8,7 +8,12 @@ import os
 
 from setuptools import setup
 
-FOLDERS = {"worker": "disagg.worker", "kernels": "disagg.kernels", "proto": "disagg.proto", "operator": "disagg.operator"}
+FOLDERS = {
+    "worker": "disagg.worker",
+    "kernels": "disagg.kernels",
+    "proto": "disagg.proto",
+    "operator": "disagg.operator",
+}
 
 
 def _packages():

@@ -2,8 +2,10 @@
 
 Children are garbage-collected by Kubernetes through their owner references, and a managed
 Redis goes with them. An external Redis outlives the deployment, so its keys (worker registry,
-transfer leases, prefix index; all under `disagg:<deployment>:`) are removed here. Best effort:
-an unreachable Redis is logged and does not block deletion.
+transfer leases, prefix index) are removed here. Best effort: an unreachable Redis is logged
+and does not block deletion.
+
+The key names come from the workers' own `Keys` (one source of truth; it imports no torch).
 """
 
 from __future__ import annotations
@@ -12,9 +14,14 @@ import logging
 
 import redis.asyncio as aioredis
 
+from disagg.worker.kv_state.keys import Keys
+
 
 def key_pattern(deployment_id: str) -> str:
-    return f"disagg:{deployment_id}:*"
+    """SCAN pattern of every key of the deployment: the workers' key prefix (with its Redis Cluster
+    hash tag `{<deployment>}`, literal in a glob) and anything after it."""
+    prefix = Keys(deployment_id).prefix
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in prefix) + "*"
 
 
 async def delete_keys(

@@ -33,8 +33,14 @@ def build(force: bool = False) -> list[str]:
         for s in sources:
             shutil.copy(s, stage / s.name)
         include = str(Path(protoc.__file__).parent / "_proto")
-        args = ["protoc", f"-I{tmp}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}"] + [f"disagg/proto/{s.name}" for s in todo]
+        args = [
+            "protoc",
+            f"-I{tmp}",
+            f"-I{include}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+        ] + [f"disagg/proto/{s.name}" for s in todo]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed for {[s.name for s in todo]}")
         for f in stage.glob("*_pb2*"):

@@ -80,8 +80,9 @@ def build_router(args):
     source = lookup = None
     if args.redis_url:
         from disagg.worker.kv_state import KVState
+        from disagg.worker.worker_cmd import redis_url_with_password
 
-        state = KVState(args.redis_url, args.deployment, f"router-{os.getpid()}")
+        state = KVState(redis_url_with_password(args.redis_url), args.deployment, f"router-{os.getpid()}")
 
         def source():
             return [(w.id, w.role, w.address) for w in state.workers()]

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import socket
+import urllib.parse
 from pathlib import Path
 
 ROLES = ("prefill", "decode", "both")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _env(name: str, default=None):
@@ -21,6 +24,39 @@ def _positive_int(s: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
+
+
+def _fraction(s: str) -> float:
+    v = float(s)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {v}")
+    return v
+
+
+def redis_url_with_password(url: str | None) -> str | None:
+    """`url` with the password from DISAGG_REDIS_PASSWORD (set from a Secret) when it has none.
+
+    The password travels apart from the URL and is quoted here, so any character in it is safe.
+    """
+    password = os.environ.get("DISAGG_REDIS_PASSWORD")
+    if not url or not password:
+        return url
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is not None:
+        return url
+    user = urllib.parse.quote(parts.username or "", safe="")
+    netloc = f"{user}:{urllib.parse.quote(password, safe='')}@{parts.netloc.rpartition('@')[2]}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def resolve_dtype(dtype: str, model_dir: Path) -> str:
+    """`auto` means the checkpoint's own dtype (config.json), float32 when it names none we run."""
+    if dtype != "auto":
+        return dtype
+    config = model_dir / "config.json"
+    raw = json.loads(config.read_text()) if config.is_file() else {}
+    name = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").removeprefix("torch.")
+    return name if name in DTYPES else "float32"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,7 +99,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     kv.add_argument(
         "--num-blocks", type=_positive_int, default=_env("NUM_BLOCKS") and int(_env("NUM_BLOCKS"))
     )
-    p.add_argument("--dtype", default=_env("DTYPE", "float32"), choices=("float32", "bfloat16", "float16"))
+    kv.add_argument("--kv-cache-memory-fraction", type=_fraction,
+                    default=_env("KV_CACHE_MEMORY_FRACTION") and float(_env("KV_CACHE_MEMORY_FRACTION")),
+                    help="share of the accelerator's free memory (after the weights) for the KV cache; "
+                    "default 0.9 (on CPU the cache is sized from host memory)")  # fmt: skip
+    p.add_argument("--dtype", default=_env("DTYPE", "float32"), choices=("auto", *DTYPES),
+                   help="auto: the checkpoint's own dtype")  # fmt: skip
     p.add_argument("--device", default=_env("DEVICE", "cpu"))
     p.add_argument("--disagg-threshold", type=int, default=int(_env("THRESHOLD", 64)),
                    help="decode workers prefill locally when fewer prompt tokens than this are uncached")  # fmt: skip
@@ -72,6 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-seconds", type=float, default=float(_env("LEASE_SECONDS", 30)),
                    help="lease of a KV transfer record; a dead peer's blocks are reclaimed after it")  # fmt: skip
     p.add_argument("--prefill-timeout", type=float, default=float(_env("PREFILL_TIMEOUT", 120)))
+    p.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT", 30)),
+                   help="longest wait for in-flight streams when draining (/drain, then SIGTERM share it)")  # fmt: skip
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
 
@@ -94,7 +137,7 @@ def config_from_args(args):
         advertise_host=args.advertise_host,
         port=args.port,
         metrics_port=args.metrics_port,
-        redis_url=args.redis_url,
+        redis_url=redis_url_with_password(args.redis_url),
         deployment=args.deployment,
         kv_transfer=args.kv_transfer,
         block_size=args.block_size,
@@ -102,13 +145,15 @@ def config_from_args(args):
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_blocks=args.num_blocks,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction or 0.9,
         max_model_len=args.max_model_len,
-        dtype=args.dtype,
+        dtype=resolve_dtype(args.dtype, model_dir),
         device=args.device,
         disagg_threshold=args.disagg_threshold,
         enable_prefix_caching=not args.no_prefix_caching,
         lease_seconds=args.lease_seconds,
         prefill_timeout=args.prefill_timeout,
+        drain_timeout=args.drain_timeout,
     )
 
 

@@ -42,17 +42,16 @@ def endpoint(idep: InferenceDeployment) -> str:
 
 
 def redis_url(idep: InferenceDeployment) -> str:
-    """The URL workers and the router get; a password comes from the environment ($(VAR) expansion)."""
+    """The URL workers and the router get, without a password (see `redis_password_env`)."""
     redis = idep.spec.redis
     if redis.managed:
         return f"redis://{redis_name(idep)}.{idep.namespace}.svc:{c.REDIS_PORT}/0"
-    if redis.password is None:
-        return redis.url
-    scheme, rest = redis.url.split("://", 1)
-    return f"{scheme}://:$(DISAGG_REDIS_PASSWORD)@{rest}"
+    return redis.url
 
 
 def redis_password_env(idep: InferenceDeployment) -> list[dict]:
+    """The external Redis password, from its Secret. The CLIs quote it into the URL themselves:
+    spliced in here it would break the URL on any '/', '@' or '%' it contains."""
     ref = idep.spec.redis.password
     if ref is None or idep.spec.redis.managed:
         return []

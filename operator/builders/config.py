@@ -9,14 +9,9 @@ CONFIG_HASH_ANNOTATION = "disagg.dev/config-hash"
 
 
 def data(idep: InferenceDeployment) -> dict[str, str]:
-    spec = idep.spec
-    return {
-        "DISAGG_MODEL_NAME": spec.model.name,
-        "DISAGG_KV_TRANSFER": spec.kv_transfer.backend,
-        "DISAGG_PREFILL_SERVICE": f"{common.role_name(idep, 'prefill')}.{idep.namespace}.svc",
-        "DISAGG_DECODE_SERVICE": f"{common.role_name(idep, 'decode')}.{idep.namespace}.svc",
-        "DISAGG_ENDPOINT": common.endpoint(idep),
-    }
+    """Only variables both `disagg worker` and `disagg router` read, with the same meaning in each
+    (a test parses every container with the real CLIs); per-role settings are flags."""
+    return {"DISAGG_MODEL_NAME": idep.spec.model.name}
 
 
 def configmap(idep: InferenceDeployment) -> dict:

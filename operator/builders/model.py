@@ -1,4 +1,9 @@
-"""Where a worker finds its checkpoint: the model volume, its mount, and the init container that fills it."""
+"""Where a pod finds its checkpoint: the model volume, its mount, and the init container that fills it.
+
+Workers get the whole checkpoint. The router needs only the tokenizer, chat template and
+config.json: it mounts the same PVC or host path, or downloads just those files; a generated
+model is made in full (it is small, and the tokenizer comes from the same seeded recipe).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,18 @@ from disagg.operator.constants import MODEL_MOUNT
 from disagg.operator.spec import InferenceDeployment
 
 VOLUME = "model"
+# `make-model` is deterministic for a preset and seed: every pod writes byte-identical files.
+GENERATE_SEED = 0
+# What the router reads from a Hugging Face checkpoint (the tokenizer module and context length).
+TOKENIZER_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+TOKENIZER_SIZE_LIMIT = "1Gi"
 
 
 def model_dir(idep: InferenceDeployment) -> str:
@@ -21,24 +38,39 @@ def model_dir(idep: InferenceDeployment) -> str:
     return f"{MODEL_MOUNT}/model"  # downloaded or generated into a pod-local volume
 
 
-def volume(idep: InferenceDeployment) -> dict:
+def volume(idep: InferenceDeployment, tokenizer_only: bool = False) -> dict:
     src = idep.spec.model.source
     if src.kind == "pvc":
         return {"name": VOLUME, "persistentVolumeClaim": {"claimName": src.claim_name, "readOnly": True}}
     if src.kind == "hostPath":
         return {"name": VOLUME, "hostPath": {"path": src.path, "type": "Directory"}}
     if src.kind == "huggingFace":
-        return {"name": VOLUME, "emptyDir": {"sizeLimit": src.size_limit}}
+        return {
+            "name": VOLUME,
+            "emptyDir": {"sizeLimit": TOKENIZER_SIZE_LIMIT if tokenizer_only else src.size_limit},
+        }
     return {"name": VOLUME, "emptyDir": {}}
 
 
-def mount(idep: InferenceDeployment) -> dict:
-    read_only = idep.spec.model.source.kind in ("pvc", "hostPath")
+def mount(idep: InferenceDeployment, read_only: bool | None = None) -> dict:
+    """The serving container's mount; read-only for shared sources (and wherever the caller asks)."""
+    if read_only is None:
+        read_only = idep.spec.model.source.kind in ("pvc", "hostPath")
     return {"name": VOLUME, "mountPath": MODEL_MOUNT, "readOnly": read_only}
 
 
-def init_containers(idep: InferenceDeployment, security_context: dict) -> list[dict]:
-    """The container that puts the checkpoint in place before the worker starts (none for pvc/hostPath)."""
+def make_model_args(idep: InferenceDeployment) -> list[str]:
+    src = idep.spec.model.source
+    return ["make-model", model_dir(idep), "--preset", src.preset, "--seed", str(GENERATE_SEED)]
+
+
+def init_containers(
+    idep: InferenceDeployment, security_context: dict, tokenizer_only: bool = False
+) -> list[dict]:
+    """The container that puts the checkpoint in place before the pod starts (none for pvc/hostPath).
+
+    With `tokenizer_only` a Hugging Face download fetches just the router's files.
+    """
     spec = idep.spec
     src = spec.model.source
     if src.kind in ("pvc", "hostPath"):
@@ -55,7 +87,7 @@ def init_containers(idep: InferenceDeployment, security_context: dict) -> list[d
                 **base,
                 "name": "make-model",
                 "command": ["disagg"],
-                "args": ["make-model", model_dir(idep), "--preset", src.preset],
+                "args": make_model_args(idep),
             }
         ]
     env = [{"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.hf"}]
@@ -66,23 +98,10 @@ def init_containers(idep: InferenceDeployment, security_context: dict) -> list[d
                 "valueFrom": {"secretKeyRef": {"name": src.token.name, "key": src.token.key}},
             }
         )
-    return [
-        {
-            **base,
-            "name": "download-model",
-            "env": env,
-            "command": ["hf"],
-            "args": [
-                "download",
-                src.repo,
-                "--revision",
-                src.revision,
-                "--local-dir",
-                model_dir(idep),
-                "--exclude",
-                "*.pth",
-                "--exclude",
-                "original/*",
-            ],
-        }
-    ]
+    args = ["download", src.repo, "--revision", src.revision, "--local-dir", model_dir(idep)]
+    if tokenizer_only:
+        for name in TOKENIZER_FILES:
+            args += ["--include", name]
+    else:
+        args += ["--exclude", "*.pth", "--exclude", "original/*"]
+    return [{**base, "name": "download-model", "env": env, "command": ["hf"], "args": args}]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from disagg.operator.builders import common, config
+from disagg.operator.builders import common, config, model, workers
 from disagg.operator.spec import InferenceDeployment
 
 API_KEYS_DIR = "/etc/disagg/api-keys"
+HEALTH_PATH = "/health"  # 200 once a decode worker is known, else 503: readiness only
+LIVE_PATH = "/metrics"  # answers whenever the server runs, whether or not workers are up yet
 SECURITY = {
     "allowPrivilegeEscalation": False,
     "readOnlyRootFilesystem": True,
@@ -23,9 +25,16 @@ def _args(idep: InferenceDeployment) -> list[str]:
         common.redis_url(idep),
         "--deployment",
         idep.deployment_id,
+        "--model",
+        model.model_dir(idep),
         "--model-name",
         idep.spec.model.name,
+        # The router hashes prompts into blocks for the prefix index: the workers' block size.
+        "--block-size",
+        str(idep.spec.decode.block_size),
     ]
+    if idep.spec.model.max_model_length is not None:
+        args += ["--max-model-len", str(idep.spec.model.max_model_length)]
     if router.api_key is not None:
         args += ["--api-key-file", f"{API_KEYS_DIR}/{router.api_key.key}"]
     return args
@@ -34,7 +43,7 @@ def _args(idep: InferenceDeployment) -> list[str]:
 def deployment(idep: InferenceDeployment) -> dict:
     spec = idep.spec
     router = spec.router
-    health = {"path": "/health", "port": "http"}
+    health = {"path": HEALTH_PATH, "port": "http"}
     container = {
         "name": "router",
         "image": spec.image.ref,
@@ -45,25 +54,32 @@ def deployment(idep: InferenceDeployment) -> dict:
         "envFrom": [{"configMapRef": {"name": common.config_name(idep)}}],
         "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": health, "periodSeconds": 5, "failureThreshold": 2},
-        "livenessProbe": {"httpGet": health, "periodSeconds": 10, "failureThreshold": 6},
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "livenessProbe": {
+            "httpGet": {"path": LIVE_PATH, "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, model.mount(idep, read_only=True)],
         "securityContext": SECURITY,
     }
     if not container["env"]:
         del container["env"]
     if router.resources:
         container["resources"] = router.resources
-    volumes = [{"name": "tmp", "emptyDir": {}}]
+    volumes = [{"name": "tmp", "emptyDir": {}}, model.volume(idep, tokenizer_only=True)]
     if router.api_key is not None:
         container["volumeMounts"].append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
         volumes.append({"name": "api-keys", "secret": {"secretName": router.api_key.name}})
     pod_spec = {
         "serviceAccountName": common.service_account_name(idep),
         "automountServiceAccountToken": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
+        "initContainers": model.init_containers(idep, workers.CONTAINER_SECURITY, tokenizer_only=True),
         "containers": [container],
         "volumes": volumes,
     }
+    if not pod_spec["initContainers"]:
+        del pod_spec["initContainers"]
     if spec.image.pull_secrets:
         pod_spec["imagePullSecrets"] = common.pull_secrets(idep)
     return {

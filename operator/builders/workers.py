@@ -13,6 +13,44 @@ from disagg.operator.spec import InferenceDeployment, Role, SpecError
 GPU = "nvidia.com/gpu"
 SHM_VOLUME = "dshm"
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+# Of a pod's termination grace period, what the worker keeps for deregistering and stopping after
+# its in-flight streams have drained (at most this, at most a third of the period).
+STOP_MARGIN_SECONDS = 10
+# The worker's probe and preStop endpoints, all on the port named "metrics".
+HEALTH_PATH = "/health"  # 200 once loaded and registered, 503 while loading or draining
+LIVE_PATH = "/live"  # 200 while the process and its engine loop run, draining included
+DRAIN_PATH = "/drain"  # stops admitting; answers once in-flight streams are done
+
+
+def drain_timeout(grace_seconds: int) -> float:
+    """The worker's `--drain-timeout`: the grace period less a margin to stop after draining."""
+    return grace_seconds - min(STOP_MARGIN_SECONDS, grace_seconds / 3)
+
+
+def device(role: Role) -> str:
+    """`cuda` when the role asks for NVIDIA GPUs, else `cpu`."""
+    for section in ("limits", "requests"):
+        count = (role.resources.get(section) or {}).get(GPU)
+        if count is not None and str(count) != "0":
+            return "cuda"
+    return "cpu"
+
+
+def check_supported(idep: InferenceDeployment, role: Role) -> None:
+    """Settings the CRD admits but this worker cannot run: refused with the field named."""
+    if role.tensor_parallel_size > 1:
+        raise SpecError(
+            f"spec.{role.name}.tensorParallelSize",
+            f"is {role.tensor_parallel_size}, but the worker does not shard models yet; set 1",
+        )
+    prefill, decode = idep.spec.prefill.block_size, idep.spec.decode.block_size
+    if prefill != decode:
+        # KV blocks move from prefill to decode workers as they are, and the router hashes prompts
+        # into blocks of this size for the prefix index: one size for the whole deployment.
+        raise SpecError(
+            "spec.prefill.kvCache.blockSize",
+            f"must equal spec.decode.kvCache.blockSize ({prefill} != {decode})",
+        )
 
 
 def desired_replicas(idep: InferenceDeployment, role: Role) -> int | None:
@@ -59,6 +97,13 @@ def _args(idep: InferenceDeployment, role: Role) -> list[str]:
         role.name,
         "--model",
         model.model_dir(idep),
+        "--model-name",
+        spec.model.name,
+        # $(VAR) is expanded by the kubelet from the container's env (the downward API values).
+        "--worker-id",
+        "$(POD_NAME)",
+        "--advertise-host",
+        "$(POD_IP)",
         "--port",
         str(c.WORKER_GRPC_PORT),
         "--metrics-port",
@@ -73,11 +118,13 @@ def _args(idep: InferenceDeployment, role: Role) -> list[str]:
         str(role.block_size),
         "--kv-cache-memory-fraction",
         str(role.memory_fraction),
-        "--tensor-parallel-size",
-        str(role.tensor_parallel_size),
+        "--device",
+        device(role),
+        "--dtype",
+        spec.model.dtype,
+        "--drain-timeout",
+        f"{drain_timeout(role.termination_grace_seconds):g}",
     ]
-    if spec.model.dtype != "auto":
-        args += ["--dtype", spec.model.dtype]
     if spec.model.max_model_length is not None:
         args += ["--max-model-len", str(spec.model.max_model_length)]
     return args
@@ -106,7 +153,9 @@ def _container(idep: InferenceDeployment, role: Role) -> dict:
     if spec.kv_transfer.rdma_count > 0:
         # RDMA registers (pins) memory, which needs IPC_LOCK.
         security["capabilities"] = {"drop": ["ALL"], "add": ["IPC_LOCK"]}
-    http_health = {"path": "/health", "port": "metrics"}
+    resources = _resources(idep, role)
+    http_health = {"path": HEALTH_PATH, "port": "metrics"}
+    http_live = {"path": LIVE_PATH, "port": "metrics"}
     container = {
         "name": "worker",
         "image": spec.image.ref,
@@ -122,14 +171,13 @@ def _container(idep: InferenceDeployment, role: Role) -> dict:
         # Loading weights can take minutes; the startup probe covers it so liveness can stay strict.
         "startupProbe": {"httpGet": http_health, "periodSeconds": 10, "failureThreshold": 180},
         "readinessProbe": {"httpGet": http_health, "periodSeconds": 5, "failureThreshold": 2},
-        "livenessProbe": {"httpGet": http_health, "periodSeconds": 10, "failureThreshold": 6},
-        # Drain: stop admitting work and return once in-flight requests have finished; the kubelet
-        # waits for this hook up to terminationGracePeriodSeconds before sending SIGTERM.
-        "lifecycle": {"preStop": {"httpGet": {"path": "/drain", "port": "metrics"}}},
+        "livenessProbe": {"httpGet": http_live, "periodSeconds": 10, "failureThreshold": 6},
+        # Drain: stop admitting work and return once in-flight requests have finished (bounded by
+        # --drain-timeout, which is shorter than the grace period); SIGTERM follows the hook.
+        "lifecycle": {"preStop": {"httpGet": {"path": DRAIN_PATH, "port": "metrics"}}},
         "volumeMounts": [model.mount(idep), {"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
         "securityContext": security,
     }
-    resources = _resources(idep, role)
     if resources:
         container["resources"] = resources
     return container
@@ -139,13 +187,15 @@ def statefulset(idep: InferenceDeployment, role_name: str) -> dict:
     role = idep.spec.role(role_name)
     spec = idep.spec
     name = common.role_name(idep, role_name)
+    container = _container(idep, role)
+    check_supported(idep, role)
     pod_spec = {
         "serviceAccountName": common.service_account_name(idep),
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": role.termination_grace_seconds,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
         "initContainers": model.init_containers(idep, CONTAINER_SECURITY),
-        "containers": [_container(idep, role)],
+        "containers": [container],
         "volumes": [
             model.volume(idep),
             # NCCL and UCX shared-memory transports need more than the container runtime's 64 MiB /dev/shm.

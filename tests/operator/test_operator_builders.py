@@ -114,7 +114,7 @@ def test_cpu_example_generates_the_tiny_model():
     kids = children(load_example("cpu-tiny.yaml"))
     pod = kids["StatefulSet", "tiny-prefill"]["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
-    assert init["args"] == ["make-model", "/models/model", "--preset", "tiny"]
+    assert init["args"] == ["make-model", "/models/model", "--preset", "tiny", "--seed", "0"]
     args = pod["containers"][0]["args"]
     assert args[args.index("--model") + 1] == "/models/model"
     assert args[args.index("--dtype") + 1] == "float32"
@@ -167,7 +167,7 @@ def test_external_redis_password_comes_from_a_secret():
     assert ("StatefulSet", "tiny-redis") not in kids
     main = worker(kids, "tiny", "decode")
     args = main["args"]
-    assert args[args.index("--redis-url") + 1] == "redis://:$(DISAGG_REDIS_PASSWORD)@cache.infra.svc:6379/2"
+    assert args[args.index("--redis-url") + 1] == "redis://cache.infra.svc:6379/2"
     assert {
         "name": "DISAGG_REDIS_PASSWORD",
         "valueFrom": {"secretKeyRef": {"name": "redis-auth", "key": "password"}},

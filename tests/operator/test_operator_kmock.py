@@ -180,9 +180,9 @@ async def test_delete_runs_finalizer_and_cleans_external_redis(cluster, redis_ur
     url = redis_url if reachable else "redis://127.0.0.1:1/0"
     body["spec"]["redis"] = {"external": {"url": url}}
     client = redis.Redis.from_url(redis_url)
-    client.set("disagg:default.tiny:worker:a", "1")
-    client.set("disagg:default.tiny:lease:b", "1")
-    client.set("disagg:default.other:worker:a", "1")
+    client.set("disagg:{default.tiny}:worker:a", "1")
+    client.set("disagg:{default.tiny}:leases", "1")
+    client.set("disagg:{default.other}:worker:a", "1")
     await create(cluster, body)
     await cluster.eventually(
         lambda: c.FINALIZER in (cluster.live(IDEP, "tiny") or {}).get("metadata", {}).get("finalizers", []),
@@ -194,7 +194,7 @@ async def test_delete_runs_finalizer_and_cleans_external_redis(cluster, redis_ur
     await cluster.eventually(lambda: cluster.live(IDEP, "tiny") is None, what="deletion finished")
     remaining = sorted(k.decode() for k in client.keys("disagg:*"))
     if reachable:
-        assert remaining == ["disagg:default.other:worker:a"]
+        assert remaining == ["disagg:{default.other}:worker:a"]
         await cluster.eventually(
             lambda: "CleanedUp" in {e.get("reason") for e in cluster.events()}, what="CleanedUp event"
         )

@@ -40,6 +40,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     num_blocks: int | None = None
     kv_cache_memory_gb: float | None = None
+    kv_cache_memory_fraction: float = 0.9
     max_model_len: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
@@ -65,6 +66,7 @@ def _build_engine(cfg: WorkerConfig):
         max_model_len=cfg.max_model_len,
         num_gpu_blocks=cfg.num_blocks,
         kv_cache_memory=kv_bytes,
+        gpu_memory_utilization=cfg.kv_cache_memory_fraction,
     )
 
 
@@ -101,6 +103,7 @@ class WorkerProcess:
         self.port = cfg.port
         self.metrics_port = cfg.metrics_port
         self._stop = asyncio.Event()
+        self._drain_deadline: float | None = None
 
     @property
     def address(self) -> str:
@@ -129,6 +132,12 @@ class WorkerProcess:
                     "draining": bool(s and s.draining), "load": s.core.load if s else {}}  # fmt: skip
             return web.json_response(body, status=200 if ready else 503)
 
+        async def live(_r):
+            # Liveness: the server answers and the engine loop, once started, still runs. Loading
+            # and draining workers are alive; readiness (/health) is what takes them out of rotation.
+            alive = self.service is None or self.loop.alive
+            return web.json_response({"alive": alive}, status=200 if alive else 503)
+
         async def drain(_r):
             # Kubernetes' preStop hook: stop admitting and answer once in-flight streams are done,
             # so the SIGTERM that follows finds nothing to cut off.
@@ -141,6 +150,7 @@ class WorkerProcess:
 
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/health", health)
+        app.router.add_get("/live", live)
         app.router.add_get("/drain", drain)
         self.http = web.AppRunner(app, access_log=None)
         await self.http.setup()
@@ -233,8 +243,15 @@ class WorkerProcess:
         log.info("worker %s stopped", self.cfg.worker_id)
 
     async def _wait_for_streams(self, s) -> int:
-        """Wait (bounded by drain_timeout) for in-flight streams to finish; returns how many remain."""
-        deadline = asyncio.get_running_loop().time() + self.cfg.drain_timeout
+        """Wait for in-flight streams to finish; returns how many remain.
+
+        One deadline, drain_timeout after draining first began, bounds the preStop /drain and the
+        SIGTERM drain together, so both fit in the pod's termination grace period.
+        """
+        now = asyncio.get_running_loop().time()
+        if self._drain_deadline is None:
+            self._drain_deadline = now + self.cfg.drain_timeout
+        deadline = self._drain_deadline
         while s.streams > 0 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         return s.streams
