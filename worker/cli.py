@@ -30,6 +30,17 @@ def _available() -> dict[str, tuple[str, str]]:
     return found
 
 
+def parse(argv: list[str]) -> tuple[object, argparse.Namespace]:
+    """The sub-command module and its parsed arguments for `disagg ARGV...`, exactly as the
+    command line does it (also used by tests that check what pods are told to run)."""
+    name = argv[0]
+    module = importlib.import_module(_available()[name][0])
+    cmd_parser = argparse.ArgumentParser(prog=f"disagg {name}", description=COMMANDS[name][1])
+    module.add_arguments(cmd_parser)
+    # intermixed: options may follow positionals (`disagg generate MODEL --chat "Hi"`)
+    return module, cmd_parser.parse_intermixed_args(argv[1:])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = _available()
@@ -42,11 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
-    name = argv[0]
-    module = importlib.import_module(commands[name][0])
-    cmd_parser = argparse.ArgumentParser(prog=f"disagg {name}", description=commands[name][1])
-    module.add_arguments(cmd_parser)
-    args = cmd_parser.parse_args(argv[1:])
+    module, args = parse(argv)
     return int(module.run(args) or 0)
 
 

@@ -43,8 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
-    # options may sit between the prompts (`MODEL --chat "Hi"`), which plain parse_args rejects
-    parser.parse_args = parser.parse_intermixed_args
 
 
 def run(args: argparse.Namespace) -> int:

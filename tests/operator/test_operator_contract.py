@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import re
@@ -158,22 +157,15 @@ def container_environ(env: dict[str, str]):
         os.environ = saved  # noqa: B003
 
 
-def cli_module(argv: list[str]):
-    assert argv[0] in cli.COMMANDS, f"`disagg {argv[0]}` is not a command of the CLI"
-    return importlib.import_module(cli.COMMANDS[argv[0]][0])
-
-
 def parse_container(container: dict, kids: dict) -> tuple[argparse.Namespace, dict, RecordingEnviron]:
     """The container's command line as `disagg` parses it in the pod (the CLI's own dispatch)."""
     assert container["command"] == ["disagg"]
     env = container_env(container, kids)
     argv = [_expand(a, env) for a in container["args"]]
     assert not any("$(" in a for a in argv), f"unresolved variable in {argv}"
-    module = cli_module(argv)
-    parser = argparse.ArgumentParser(prog=f"disagg {argv[0]}")
+    assert argv[0] in cli.COMMANDS, f"`disagg {argv[0]}` is not a command of the CLI"
     with container_environ(env) as recording:
-        module.add_arguments(parser)
-        args = parser.parse_args(argv[1:])
+        _module, args = cli.parse(argv)
     return args, env, recording
 
 
@@ -393,9 +385,7 @@ def test_every_pod_generates_the_same_model():
         assert init["command"] == first["command"] == ["disagg"]
         assert init["args"] == first["args"] == model.make_model_args(idep)
         assert init["image"] == idep.spec.image.ref
-    parser = argparse.ArgumentParser()
-    cli_module(first["args"]).add_arguments(parser)
-    parsed = parser.parse_args(first["args"][1:])
+    _module, parsed = cli.parse(first["args"])
     assert (parsed.dir, parsed.preset, parsed.seed) == (model.model_dir(idep), "tiny", 0)
     assert not parsed.force  # a restarted pod finds the same recipe on its volume and keeps it
 
