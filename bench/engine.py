@@ -13,6 +13,7 @@ output; only each prompt's own tokens are counted. The engine gets all prompts a
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -156,10 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: torch's, one per core)"
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
 
     model_dir = ensure_model(args.model, args.preset)
     from disagg.worker.config import ModelConfig
@@ -195,13 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     rows += [
         ("decode step, batch 1", f"{step_s * 1e3:.1f} ms", "median engine.step()"),
         ("weights read per step", f"{weights / 2**20:.0f} MiB", "layers + final norm + LM head"),
-        ("copy bandwidth", f"{bw / 1e9:.1f} GB/s", "bytes read + written, 1 GiB tensor copy"),
+        ("copy bandwidth", f"{bw / 1e9:.1f} GB/s", "bytes read + written (STREAM), 1 GiB tensor copy"),
+        ("  same, bytes copied", f"{bw / 2e9:.1f} GB/s", "the other convention; not used for the floor"),
         ("bandwidth floor", f"{floor_s * 1e3:.1f} ms", "weights / copy bandwidth"),
         ("decode step / floor", f"{step_s / floor_s:.2f}x", "target <= 1.5x"),
     ]
     print(f"\nengine benchmark: {len(work)} prompts ({args.min_prompt}-{args.max_prompt} tokens), "
           f"{args.min_output}-{args.max_output} new tokens each, {config.num_parameters / 1e6:.0f}M float32, "
-          f"{torch.get_num_threads()} threads")  # fmt: skip
+          f"{torch.get_num_threads()} threads; 1-min load average {load_before:.2f} at start, "
+          f"{os.getloadavg()[0]:.2f} at end")  # fmt: skip
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     for name, value, note in rows:

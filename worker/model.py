@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from disagg.kernels import get_ops
+
+from disagg.kernels import get_ops, torch_ops
 from disagg.worker.config import ModelConfig, RopeConfig
 from disagg.worker.forward_batch import ForwardBatch
 
@@ -120,6 +121,16 @@ class LlamaForCausalLM:
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = self._q_size, self._q_size + self._kv_size
 
+        # The plain-torch path does once per step what every layer would otherwise redo: the
+        # cos/sin rows of the positions, the cache rows of the K/V writes, the decode gather plan.
+        planned = self.ops.backend == "torch" and kv_caches.is_contiguous()
+        if planned:
+            block_size = kv_caches.shape[3]
+            cos, sin = torch_ops.rotary_cos_sin(batch.positions, self.cos_sin_cache)
+            keep, k_rows = torch_ops.kv_write_rows(batch.slot_mapping, block_size)
+            if not batch.is_prefill:
+                decode_plan = torch_ops.plan_decode(batch.block_tables, batch.seq_lens, block_size, hkv)
+
         hidden = F.embedding(batch.input_ids, w.embed)
         residual = None
         for i, layer in enumerate(w.layers):
@@ -132,15 +143,21 @@ class LlamaForCausalLM:
             q = qkv[:, :q_end].view(num_tokens, hq, d)
             k = qkv[:, q_end:k_end].view(num_tokens, hkv, d)
             v = qkv[:, k_end:].view(num_tokens, hkv, d)
-            ops.rotary_embedding(batch.positions, q, k, self.cos_sin_cache)
             kv_cache = kv_caches[i]
-            ops.write_kv_cache(k, v, kv_cache, batch.slot_mapping)
+            if planned:
+                torch_ops.rotate_heads(qkv[:, :k_end].view(num_tokens, hq + hkv, d), cos, sin)
+                torch_ops.write_kv_rows(k, v, kv_cache, keep, k_rows)
+            else:
+                ops.rotary_embedding(batch.positions, q, k, self.cos_sin_cache)
+                ops.write_kv_cache(k, v, kv_cache, batch.slot_mapping)
             if layer_hook is not None:
                 layer_hook(i)
             if batch.is_prefill:
                 attn = ops.prefill_attention(
                     q, k, v, kv_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, self.scale
                 )
+            elif planned:
+                attn = torch_ops.decode_attention_planned(q, kv_cache, decode_plan, self.scale)
             else:
                 attn = ops.decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, self.scale)
             hidden = F.linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
