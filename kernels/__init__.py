@@ -12,6 +12,7 @@ import os
 from types import SimpleNamespace
 
 import torch
+
 from disagg.kernels import torch_ops
 
 OP_NAMES = (

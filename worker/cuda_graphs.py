@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable
 
 import torch
+
 from disagg.worker.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)

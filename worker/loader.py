@@ -12,9 +12,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
 from disagg.worker.config import ModelConfig, resolve_dtype
 from disagg.worker.model import LayerWeights, LlamaForCausalLM, ModelWeights
-from safetensors import safe_open
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
