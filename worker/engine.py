@@ -11,8 +11,9 @@ For disaggregated serving:
   * prefill side: `add_request(..., prefill_only=True)` runs the prompt and samples the first
     token; the request finishes with reason "prefilled" and its blocks stay pinned (readable
     through `block_ids`) until `release(request_id)`.
-  * decode side: `reserve(request_id, prompt_ids, params)` allocates blocks for K/V that
-    another worker writes into `kv_cache`; `commit_remote_prefill(request_id, first_token)`
+  * decode side: `reserve(request_id, prompt_ids, params)` holds blocks for K/V that
+    another worker writes into `kv_cache` (sharing the leading blocks its own prefix cache
+    holds, which the writer skips); `commit_remote_prefill(request_id, first_token)`
     then starts decoding as if the prompt had been prefilled here; `abort` frees them.
   * `step(layer_hook=...)` passes a per-layer callback to prefill steps so a transfer can
     start on layer i while later layers still compute; `scheduled` tells it which blocks.
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from disagg.worker.block_manager import BlockManager
+from disagg.worker.block_manager import BlockManager, NoFreeBlocksError
 from disagg.worker.model_runner import ModelRunner, plan_num_blocks
 from disagg.worker.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from disagg.worker.request import Request, RequestStatus
@@ -35,6 +36,22 @@ from disagg.worker.sampling_params import SamplingParams
 from disagg.worker.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+
+class Reservation(list):
+    """The block ids reserved for a remotely prefilled prompt, in sequence order (a plain list to
+    callers that only want the ids), and how many leading ones the prefix cache already holds."""
+
+    def __init__(self, block_ids: Sequence[int], num_cached_blocks: int):
+        super().__init__(block_ids)
+        if not 0 <= num_cached_blocks < max(len(self), 1):
+            raise ValueError(f"num_cached_blocks must be in [0, {len(self)}), got {num_cached_blocks}")
+        self.num_cached_blocks = num_cached_blocks
+
+    @property
+    def fresh_block_ids(self) -> list[int]:
+        """The blocks the remote prefill must write."""
+        return list(self[self.num_cached_blocks :])
 
 
 class LLMEngine:
@@ -236,13 +253,44 @@ class LLMEngine:
 
     def reserve(
         self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None
-    ) -> list[int]:
-        """Allocate blocks for a prompt whose K/V another worker will write; returns their ids
-        (raises NoFreeBlocksError when the cache is full)."""
+    ) -> Reservation:
+        """Hold blocks for a prompt whose K/V another worker will write; returns their ids in order
+        (raises NoFreeBlocksError when the cache is full).
+
+        Leading full blocks this engine's prefix cache already holds are shared, not allocated:
+        their K/V is in place, so the sender skips `num_cached_blocks` of them. The block holding
+        the last prompt token is always fresh, since the prefill side computes that token to
+        sample the first output token.
+        """
         req = self._make_request(request_id, prompt_ids, params, prefill_only=False)
-        block_ids = self.scheduler.reserve(req)
+        bm = self.block_manager
+        bs = self.block_size
+        hashes = req.update_block_hashes(bs)
+        hits = bm.lookup(hashes[: (req.num_prompt_tokens - 1) // bs])
+        bm.acquire(hits)  # first, so that allocating the rest cannot evict them
+        try:
+            fresh = bm.allocate(bm.blocks_for(req.num_prompt_tokens) - len(hits))
+        except NoFreeBlocksError:
+            bm.free(hits)
+            raise
+        req.block_ids = hits + fresh
+        req.num_registered_blocks = len(hits)  # commit offers only the written blocks to the cache
+        req.num_cached_tokens = len(hits) * bs
+        self._enter_reserved(req)
+        s = self.scheduler
+        s.prefix_query_tokens += req.num_prompt_tokens
+        s.prefix_hit_tokens += req.num_cached_tokens
         self.requests[request_id] = req
-        return block_ids
+        return Reservation(req.block_ids, len(hits))
+
+    def _enter_reserved(self, req: Request) -> None:
+        """Queue `req` (its blocks already held) among the scheduler's reservations, in arrival
+        order with the requests it admits, as `Scheduler.reserve` does for blocks it allocates."""
+        s = self.scheduler
+        s._arrivals += 1
+        req.arrival = s._arrivals
+        req.status = RequestStatus.RESERVED
+        s.reserved[req.request_id] = req
 
     def commit_remote_prefill(
         self, request_id: str, first_token: int, first_logprob: TokenLogprob | None = None

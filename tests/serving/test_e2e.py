@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from disagg.proto import worker_pb2 as pb
 from disagg.worker.sampling_params import SamplingParams
 
 from .cluster import Cluster
@@ -87,6 +88,47 @@ def test_greedy_ragged_batch_matches_colocated_engine(cluster, reference_llm):
     n_remote = sum(n >= THRESHOLD for n in LENGTHS)
     layers = reference_llm.engine.config.num_hidden_layers
     assert cluster.metric("prefill-0", "disagg_kv_transfer_seconds_count") - sends_before == n_remote * layers
+
+
+def test_second_request_with_a_cached_prefix_skips_those_blocks(cluster, reference_llm):
+    """D decoded the first request, so the shared prefix is in D's cache: the second request's
+    prefill still runs on P, but only the blocks D lacks cross the wire."""
+    rng = random.Random(4)
+    vocab = reference_llm.engine.config.vocab_size
+    prefix = [rng.randrange(5, vocab) for _ in range(48)]  # three full blocks
+    prompts = [prefix + [rng.randrange(5, vocab) for _ in range(n)] for n in (20, 30)]  # 5 blocks each
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = [o.outputs[0].text for o in reference_llm.generate(prompts, params)]
+    sent, hits = [], []
+    for prompt, want in zip(prompts, expected, strict=True):
+        bytes_before = cluster.metric("prefill-0", "disagg_kv_transfer_bytes_total")
+        hits_before = cluster.metric("decode-0", "disagg_prefix_cache_hits_total")
+        body = {
+            "model": cluster.model_name,
+            "prompt": prompt,
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        r = _complete(cluster.url, body)
+        assert r.status_code == 200, r.text
+        assert r.headers.get("X-Disagg-Prefill-Worker") == "prefill-0"
+        assert r.json()["choices"][0]["text"] == want
+        cluster.wait_idle()
+        sent.append(cluster.metric("prefill-0", "disagg_kv_transfer_bytes_total") - bytes_before)
+        hits.append(cluster.metric("decode-0", "disagg_prefix_cache_hits_total") - hits_before)
+    assert sent[0] > 0 and sent[1] * 5 == sent[0] * 2  # 5 blocks, then 2 of 5
+    assert hits == [0, 3]
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+
+
+def test_prefill_refuses_to_skip_the_block_of_the_last_prompt_token(cluster):
+    req = pb.PrefillRequest(
+        request_id="skip-all", prompt_token_ids=[7] * 20, decode_worker_id="decode-0",
+        dst_block_ids=[0, 1], skip_leading_blocks=2, transfer_id="skip-all:0:0",
+    )  # fmt: skip
+    resp = cluster.stub("prefill-0").Prefill(req, timeout=10)
+    assert resp.error.code == "invalid_request" and "skip_leading_blocks" in resp.error.message
 
 
 def test_logprobs_and_stop_through_the_disaggregated_path(cluster, reference_llm):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from disagg.proto import worker_pb2 as pb
 from disagg.worker.block_hash import block_hashes
+from disagg.worker.engine import Reservation
 from disagg.worker.metrics import ServingMetrics
 from disagg.worker.outputs import RequestOutput, TokenLogprob
 
@@ -140,11 +141,12 @@ class WorkerCore:
         return [h for h in hashes if not lookup([h])]
 
     # ---- D: reserve, await KV, commit ---------------------------------------------------------------
-    def on_loop_reserve(self, request_id: str, prompt_ids: list[int], params, sink: Sink) -> list[int]:
+    def on_loop_reserve(self, request_id: str, prompt_ids: list[int], params, sink: Sink) -> Reservation:
+        """Blocks for a remote prefill; the leading `num_cached_blocks` come from the prefix cache."""
         blocks = self.engine.reserve(request_id, prompt_ids, params)
         self.reserved.add(request_id)
         self.sinks[request_id] = sink
-        return list(blocks)
+        return blocks
 
     def on_loop_expect_kv(
         self, transfer_id: str, request_id: str, done: Callable[[str | None], None]

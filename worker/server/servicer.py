@@ -217,7 +217,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         for attempt, target in enumerate(targets[:2]):
             if attempt:
                 self.metrics.prefill_retries.inc()
-            gen = await self.state.begin_transfer(rid, target.worker_id, dst, self.opts.lease_seconds, gen)
+            gen = await self.state.begin_transfer(
+                rid, target.worker_id, dst.fresh_block_ids, self.opts.lease_seconds, gen
+            )
             transfer_id = f"{rid}:{gen}:{attempt}"
             try:
                 await self._prefill_once(rid, prompt, request, target, dst, gen, transfer_id)
@@ -267,9 +269,10 @@ class WorkerService(pb_grpc.WorkerServicer):
             prompt_token_ids=prompt,
             params=request.params,
             decode_worker_id=self.opts.worker_id,
-            dst_block_ids=dst,
+            dst_block_ids=dst,  # the whole prompt's blocks: P skips the leading cached ones itself
             transfer_generation=gen,
             transfer_id=transfer_id,
+            skip_leading_blocks=dst.num_cached_blocks,
         )
         renew = asyncio.create_task(self._renew_lease(rid, gen))
         try:
@@ -324,6 +327,14 @@ class WorkerService(pb_grpc.WorkerServicer):
             params = sampling_params(request.params, prefill_only=True)
         except ValueError as e:
             return pb.PrefillResponse(error=error("invalid_request", str(e)))
+        if not 0 <= request.skip_leading_blocks < max(len(request.dst_block_ids), 1):
+            return pb.PrefillResponse(
+                error=error(
+                    "invalid_request",
+                    f"skip_leading_blocks must be in [0, {len(request.dst_block_ids)}) "
+                    f"(the block of the last prompt token is always sent), got {request.skip_leading_blocks}",
+                )
+            )
         if not await self.state.generation_current(request.request_id, request.transfer_generation):
             return pb.PrefillResponse(error=error("prefill_failed", "transfer generation moved on"))
         aio = asyncio.get_running_loop()
