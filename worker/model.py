@@ -68,6 +68,47 @@ def rope_cos_sin_cache(rope: RopeConfig, head_dim: int, max_positions: int) -> t
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
+def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Float32 `rms_norm(x, weight, eps, residual)` with the sum accumulated into `residual` in
+    place: the same additions (float addition commutes exactly) without a new tensor per layer."""
+    residual.add_(x)
+    return F.rms_norm(residual, weight.shape, weight, eps)
+
+
+def rotary_full_width(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From `rotary_cos_sin`'s half-width [T, 1, D/2] angles: cos repeated over both halves and
+    sin as (-sin, sin), so that rotating is x * cos + swap_halves(x) * sin (once per step)."""
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def rotate_heads_full_width(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> None:
+    """`torch_ops.rotate_heads` of float32 x [T, H, D] in five ops instead of a dozen; each output
+    is the same two products and one addition (x2 * -sin equals -(x2 * sin) exactly)."""
+    t, h, d = x.shape
+    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)
+    x.copy_(x * cos_full + swapped * sin_signed)
+
+
+def single_decode_group(plan: list[torch_ops.DecodeGroup]) -> torch_ops.DecodeGroup | None:
+    """The plan's only group when it covers the whole batch with no padding (always so for one
+    sequence), else None."""
+    if len(plan) == 1 and plan[0].index is None and plan[0].mask is None:
+        return plan[0]
+    return None
+
+
+def decode_attention_one_group(
+    q: torch.Tensor, kv_cache: torch.Tensor, group: torch_ops.DecodeGroup, scale: float
+) -> torch.Tensor:
+    """`torch_ops.decode_attention_planned` for float32 q [B, Hq, D] and a plan of one unpadded
+    group: the same gather and SDPA call, without the output buffer and the copies into it."""
+    b, _, d = q.shape
+    flat = kv_cache.view(-1, d)
+    kv = flat.index_select(0, group.rows).view(2, b, kv_cache.shape[3], group.length, d)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], scale=scale, enable_gqa=True)
+    return o.squeeze(2)
+
+
 class LlamaForCausalLM:
     """Forward passes over packed batches; see `forward`."""
 
@@ -132,11 +173,20 @@ class LlamaForCausalLM:
                 decode_plan = torch_ops.plan_decode(batch.block_tables, batch.seq_lens, block_size, hkv)
 
         hidden = F.embedding(batch.input_ids, w.embed)
+        # float32 on the torch path: the residual sum is accumulated in place (no new tensor per
+        # add), rotary and single-group decode attention take their short forms below.
+        fast = planned and w.norm.dtype == torch.float32 and hidden.dtype == torch.float32
+        if fast:
+            cos_full, sin_signed = rotary_full_width(cos, sin)
+            v_rows = k_rows + block_size
+            single = None if batch.is_prefill else single_decode_group(decode_plan)
         residual = None
         for i, layer in enumerate(w.layers):
             if residual is None:
                 residual = hidden
                 hidden = ops.rms_norm(hidden, layer.input_norm, eps)
+            elif fast:
+                hidden = add_rms_norm_(residual, hidden, layer.input_norm, eps)
             else:
                 hidden, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
             qkv = F.linear(hidden, layer.qkv, layer.qkv_bias)
@@ -144,7 +194,15 @@ class LlamaForCausalLM:
             k = qkv[:, q_end:k_end].view(num_tokens, hkv, d)
             v = qkv[:, k_end:].view(num_tokens, hkv, d)
             kv_cache = kv_caches[i]
-            if planned:
+            if fast:
+                rotate_heads_full_width(qkv[:, :k_end].view(num_tokens, hq + hkv, d), cos_full, sin_signed)
+                if keep is None:  # `torch_ops.write_kv_rows` with the V rows computed once per step
+                    flat_kv = kv_cache.view(-1, hkv, d)
+                    flat_kv.index_copy_(0, k_rows, k)
+                    flat_kv.index_copy_(0, v_rows, v)
+                else:
+                    torch_ops.write_kv_rows(k, v, kv_cache, keep, k_rows)
+            elif planned:
                 torch_ops.rotate_heads(qkv[:, :k_end].view(num_tokens, hq + hkv, d), cos, sin)
                 torch_ops.write_kv_rows(k, v, kv_cache, keep, k_rows)
             else:
@@ -156,18 +214,26 @@ class LlamaForCausalLM:
                 attn = ops.prefill_attention(
                     q, k, v, kv_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, self.scale
                 )
+            elif fast and single is not None:
+                attn = decode_attention_one_group(q, kv_cache, single, self.scale)
             elif planned:
                 attn = torch_ops.decode_attention_planned(q, kv_cache, decode_plan, self.scale)
             else:
                 attn = ops.decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, self.scale)
             hidden = F.linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
-            hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
+            if fast:
+                hidden = add_rms_norm_(residual, hidden, layer.post_norm, eps)
+            else:
+                hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
             gate_up = F.linear(hidden, layer.gate_up, layer.gate_up_bias)
             hidden = F.linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
 
         # Only the wanted rows go through the final norm and the (large) vocabulary projection.
         idx = batch.logits_indices
-        last = hidden.index_select(0, idx) + residual.index_select(0, idx)
+        if idx.shape[0] == num_tokens and not batch.is_prefill:  # decode: every row samples
+            last = hidden + residual
+        else:
+            last = hidden.index_select(0, idx) + residual.index_select(0, idx)
         last = ops.rms_norm(last, w.norm, eps)
         return F.linear(last, w.lm_head).float()
 

@@ -146,6 +146,32 @@ class ModelRunner:
         )
 
     def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
+        one_each = not out.is_prefill and all(c.num_tokens == 1 for c in out.chunks)
+        batch = self._build_decode(out) if one_each else self._build_packed(out)
+        return batch if self.device.type == "cpu" else batch.to(self.device)
+
+    def _build_decode(self, out: SchedulerOutput) -> ForwardBatch:
+        """One token per sequence: positions, slots and lengths come straight from the chunk
+        starts in Python, each tensor made by one call (a decode step is latency-bound)."""
+        bs = self.block_size
+        chunks = out.chunks
+        starts = [c.start for c in chunks]
+        tables = [c.request.block_ids for c in chunks]
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) if len(t) < width else t for t in tables]
+        return ForwardBatch(
+            input_ids=torch.tensor([c.request.token_at(c.start) for c in chunks], dtype=torch.int64),
+            positions=torch.tensor(starts, dtype=torch.int64),
+            slot_mapping=torch.tensor(
+                [t[s // bs] * bs + s % bs for t, s in zip(tables, starts, strict=True)], dtype=torch.int64
+            ),
+            seq_lens=torch.tensor([s + 1 for s in starts], dtype=torch.int32),
+            block_tables=torch.tensor(padded, dtype=torch.int32),
+            logits_indices=torch.tensor([b for b, c in enumerate(chunks) if c.samples], dtype=torch.int64),
+            is_prefill=False,
+        )
+
+    def _build_packed(self, out: SchedulerOutput) -> ForwardBatch:
         bs = self.block_size
         chunks = out.chunks
         ids: list[int] = []
@@ -179,7 +205,7 @@ class ModelRunner:
         positions = torch.arange(cu[-1], dtype=torch.int64) - cu_t[:-1][seq_index] + starts_t[seq_index]
         blocks = table[seq_index, positions // bs].to(torch.int64)
         slots = blocks * bs + positions % bs
-        batch = ForwardBatch(
+        return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=positions,
             slot_mapping=slots,
@@ -189,7 +215,6 @@ class ModelRunner:
             is_prefill=out.is_prefill,
             cu_seqlens_q=cu_t.to(torch.int32) if out.is_prefill else None,
         )
-        return batch if self.device.type == "cpu" else batch.to(self.device)
 
     def execute(
         self, out: SchedulerOutput, layer_hook: Callable[[int], None] | None = None

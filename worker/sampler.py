@@ -110,6 +110,9 @@ class Sampler:
             mask_until_min_tokens(logits, reqs)
 
         n = len(reqs)
+        if not needs_edit and all(r.params.greedy and r.params.logprobs is None for r in reqs):
+            # pure greedy without logprobs: one argmax, nothing else to compute
+            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * n)
         tokens: list[int] = [0] * n
         final = logits  # the distribution logprobs are reported from, row by row
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
