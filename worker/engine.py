@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from disagg.worker.block_manager import BlockManager, NoFreeBlocksError
+from disagg.worker.block_manager import BlockManager
 from disagg.worker.model_runner import ModelRunner, plan_num_blocks
 from disagg.worker.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from disagg.worker.request import Request, RequestStatus
@@ -263,34 +263,9 @@ class LLMEngine:
         sample the first output token.
         """
         req = self._make_request(request_id, prompt_ids, params, prefill_only=False)
-        bm = self.block_manager
-        bs = self.block_size
-        hashes = req.update_block_hashes(bs)
-        hits = bm.lookup(hashes[: (req.num_prompt_tokens - 1) // bs])
-        bm.acquire(hits)  # first, so that allocating the rest cannot evict them
-        try:
-            fresh = bm.allocate(bm.blocks_for(req.num_prompt_tokens) - len(hits))
-        except NoFreeBlocksError:
-            bm.free(hits)
-            raise
-        req.block_ids = hits + fresh
-        req.num_registered_blocks = len(hits)  # commit offers only the written blocks to the cache
-        req.num_cached_tokens = len(hits) * bs
-        self._enter_reserved(req)
-        s = self.scheduler
-        s.prefix_query_tokens += req.num_prompt_tokens
-        s.prefix_hit_tokens += req.num_cached_tokens
+        blocks = self.scheduler.reserve(req)
         self.requests[request_id] = req
-        return Reservation(req.block_ids, len(hits))
-
-    def _enter_reserved(self, req: Request) -> None:
-        """Queue `req` (its blocks already held) among the scheduler's reservations, in arrival
-        order with the requests it admits, as `Scheduler.reserve` does for blocks it allocates."""
-        s = self.scheduler
-        s._arrivals += 1
-        req.arrival = s._arrivals
-        req.status = RequestStatus.RESERVED
-        s.reserved[req.request_id] = req
+        return Reservation(blocks, req.num_cached_tokens // self.block_size)
 
     def commit_remote_prefill(
         self, request_id: str, first_token: int, first_logprob: TokenLogprob | None = None

@@ -22,7 +22,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from disagg.worker.block_manager import BlockManager
+from disagg.worker.block_manager import BlockManager, NoFreeBlocksError
 from disagg.worker.request import Request, RequestStatus
 
 
@@ -110,8 +110,28 @@ class Scheduler:
 
     # ---- remote prefill (decode side of disaggregation) ------------------------------
     def reserve(self, req: Request) -> list[int]:
-        """Allocate blocks for `req`'s prompt, whose K/V another worker will write."""
-        req.block_ids = self.bm.allocate(self.bm.blocks_for(req.num_prompt_tokens))
+        """Hold blocks for `req`'s prompt, whose K/V another worker will write; returns their ids
+        in order (raises NoFreeBlocksError, holding nothing, when the cache is full).
+
+        Leading full blocks already in the prefix cache are shared, not allocated: their K/V is
+        in place, so the sender skips `req.num_cached_tokens // block_size` of them. The block of
+        the last prompt token is always fresh: the prefill side computes that token to sample the
+        first output token.
+        """
+        bs = self.block_size
+        hashes = req.update_block_hashes(bs)
+        hits = self.bm.lookup(hashes[: (req.num_prompt_tokens - 1) // bs])
+        self.bm.acquire(hits)  # first, so that allocating the rest cannot evict them
+        try:
+            fresh = self.bm.allocate(self.bm.blocks_for(req.num_prompt_tokens) - len(hits))
+        except NoFreeBlocksError:
+            self.bm.free(hits)
+            raise
+        req.block_ids = hits + fresh
+        req.num_registered_blocks = len(hits)  # commit offers only the written blocks to the cache
+        req.num_cached_tokens = len(hits) * bs
+        self.prefix_query_tokens += req.num_prompt_tokens
+        self.prefix_hit_tokens += req.num_cached_tokens
         self._arrivals += 1
         req.arrival = self._arrivals
         req.status = RequestStatus.RESERVED
