@@ -27,7 +27,8 @@ from pathlib import Path
 
 import aiohttp
 
-from disagg.worker.up_cmd import Deployment, free_port
+from disagg.worker.ports import free_port
+from disagg.worker.up_cmd import Deployment
 
 
 @dataclass

@@ -17,11 +17,7 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from disagg.worker.ports import free_port  # noqa: E402
 
 
 class RedisServer:

@@ -22,6 +22,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from disagg.worker.ports import free_port
+
 _PR_SET_PDEATHSIG = 1
 
 DEMO_MESSAGE = (
@@ -47,12 +49,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="stream one chat completion once ready, then exit")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for everything to be ready")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

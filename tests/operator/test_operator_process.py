@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from kube_emulator import RESOURCES, ApiServerEmulator, load_example
 
 from disagg.operator import main
 from disagg.operator.kube import Kube
+from disagg.worker.ports import free_port
 
 
 def test_flags_parse():
@@ -37,12 +37,6 @@ def test_flags_parse():
         False,
     )
     assert parser.parse_args(["--all-namespaces"]).all_namespaces
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kubeconfig(path, server: str) -> str:

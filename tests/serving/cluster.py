@@ -16,15 +16,7 @@ import grpc
 
 from disagg.proto import worker_pb2 as pb
 from disagg.proto import worker_pb2_grpc as pb_grpc
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from disagg.worker.ports import free_port
 
 STARTUP_TIMEOUT = 120.0
 
