@@ -66,24 +66,25 @@ def _wait_running(cluster: Cluster, name: str, timeout: float = 30.0) -> None:
         time.sleep(0.002)
 
 
-def test_prefill_killed_mid_transfer_is_retried_on_another(cluster, reference_llm, redis_server):
-    prompt = _prompt(1200, seed=3)
-    want = reference_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
-    retries_before = cluster.metric("decode-0", "disagg_prefill_retries_total")
-    result = {}
+def _complete_in_background(cluster, prompt: str) -> tuple[threading.Thread, dict]:
+    """Start a greedy 8-token completion on a thread; its response lands in result["r"]."""
+    result: dict = {}
+    body = {"model": cluster.model_name, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
 
     def request():
-        body = {
-            "model": cluster.model_name,
-            "prompt": prompt,
-            "max_tokens": 8,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
         result["r"] = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
 
     t = threading.Thread(target=request)
     t.start()
+    return t, result
+
+
+def test_prefill_killed_mid_transfer_is_retried_on_another(cluster, reference_llm, redis_server):
+    prompt = _prompt(1200, seed=3)
+    want = reference_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    retries_before = cluster.metric("decode-0", "disagg_prefill_retries_total")
+    t, result = _complete_in_background(cluster, prompt)
     _wait_running(cluster, "prefill-0")  # both prefill workers idle: the router ranks prefill-0 first
     cluster.workers["prefill-0"].kill()
     t.join(120)
@@ -100,20 +101,7 @@ def test_decode_killed_mid_transfer_prefill_blocks_come_back_within_the_lease(
 ):
     prompt = _prompt(1200, seed=7)
     want = reference_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
-    result = {}
-
-    def request():
-        body = {
-            "model": cluster.model_name,
-            "prompt": prompt,
-            "max_tokens": 8,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        result["r"] = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
-
-    t = threading.Thread(target=request)
-    t.start()
+    t, result = _complete_in_background(cluster, prompt)
     _wait_running(cluster, "prefill-1")
     victim = next(
         n for n in cluster.live_workers() if n.startswith("decode") and cluster.load(n).reserved_blocks
