@@ -13,6 +13,23 @@ def _env(name: str, default=None):
     return os.environ.get(f"DISAGG_{name}", default)
 
 
+DEFAULT_MAX_CHOICES = 64
+
+
+def max_choices(args) -> int:
+    """--max-choices, checked against --max-queue: a request larger than the queue would get 429
+    forever, so the default shrinks to the queue and an explicit larger value is refused."""
+    if args.max_choices is None:
+        return max(1, min(DEFAULT_MAX_CHOICES, args.max_queue))
+    if args.max_choices < 1:
+        raise SystemExit(f"disagg router: --max-choices must be >= 1, got {args.max_choices}")
+    if args.max_choices > args.max_queue:
+        raise SystemExit(
+            f"disagg router: --max-choices ({args.max_choices}) must not exceed --max-queue ({args.max_queue})"
+        )
+    return args.max_choices
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=_env("HOST", "0.0.0.0"))
     p.add_argument("--port", type=int, default=int(_env("PORT", 8000)))
@@ -31,7 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
     p.add_argument("--api-key-file", default=_env("API_KEY_FILE"), help="file with one API key per line")
     p.add_argument("--max-queue", type=int, default=int(_env("MAX_QUEUE", 256)),
-                   help="requests in flight before answering 429")  # fmt: skip
+                   help="generations in flight before answering 429 (a request with n=4 counts 4)")  # fmt: skip
+    p.add_argument("--max-choices", type=int, default=_env("MAX_CHOICES") and int(_env("MAX_CHOICES")),
+                   help="most generations one request may ask for (n x number of prompts; more is a 400); "
+                        f"default {DEFAULT_MAX_CHOICES}, at most --max-queue")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN") and int(_env("MAX_MODEL_LEN")))
     p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", 16)))
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
@@ -75,6 +95,7 @@ def build_router(args):
     if not model_dir.is_dir():
         raise SystemExit(f"disagg router: --model {args.model}: no such directory")
     model_name = args.model_name or model_dir.name
+    choices = max_choices(args)
     max_len = args.max_model_len or context_length(model_dir)
     tokenizer = Tokenizer.from_pretrained(model_dir)
     source = lookup = None
@@ -98,6 +119,7 @@ def build_router(args):
         block_size=args.block_size,
         api_keys=api_keys(args),
         max_queue=args.max_queue,
+        max_choices=choices,
     )
     return Router(config, tokenizer, pool, lookup)
 

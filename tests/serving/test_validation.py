@@ -17,7 +17,7 @@ def _err(fn, body) -> APIError:
 
 def test_completion_defaults_and_fields():
     spec = parse_completion({"model": "m", "prompt": "hi"})
-    assert spec.kind == "completion" and spec.prompt_text == "hi"
+    assert spec.kind == "completion" and spec.prompts == ["hi"] and spec.n == 1
     assert (
         spec.sampling.max_tokens == 16 and spec.sampling.temperature == 1.0 and spec.sampling.logprobs is None
     )
@@ -25,7 +25,7 @@ def test_completion_defaults_and_fields():
         {"model": "m", "prompt": [[1, 2, 3]], "max_tokens": 5, "temperature": 0, "stop": "x", "logprobs": 2,
          "stream": True, "stream_options": {"include_usage": True}, "seed": 7, "top_k": 4}
     )  # fmt: skip
-    assert spec.prompt_token_ids == [1, 2, 3] and spec.sampling.stop == ["x"] and spec.sampling.logprobs == 2
+    assert spec.prompts == [[1, 2, 3]] and spec.sampling.stop == ["x"] and spec.sampling.logprobs == 2
     assert spec.include_usage and spec.stream and spec.sampling.seed == 7 and spec.sampling.top_k == 4
 
 
@@ -35,7 +35,8 @@ def test_completion_defaults_and_fields():
         ({"prompt": "x"}, "model"),
         ({"model": "m"}, "prompt"),
         ({"model": "m", "prompt": ""}, "prompt"),
-        ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "m", "prompt": []}, "prompt"),
+        ({"model": "m", "prompt": ["a", 2]}, "prompt"),
         ({"model": "m", "prompt": [1, -2]}, "prompt"),
         ({"model": "m", "prompt": "x", "max_tokens": -1}, "max_tokens"),
         ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -45,7 +46,8 @@ def test_completion_defaults_and_fields():
         ({"model": "m", "prompt": "x", "temperature": True}, "temperature"),
         ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
         ({"model": "m", "prompt": "x", "top_k": 0}, "top_k"),
-        ({"model": "m", "prompt": "x", "n": 2}, "n"),
+        ({"model": "m", "prompt": "x", "n": 0}, "n"),
+        ({"model": "m", "prompt": "x", "n": 2, "best_of": 3}, "best_of"),
         ({"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"model": "m", "prompt": "x", "stop": [1]}, "stop"),
         ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),

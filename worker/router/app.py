@@ -1,10 +1,11 @@
 """The router's aiohttp application: OpenAI endpoints in front of the worker pool.
 
 Per request: authenticate, validate, tokenize (chat template), compute the prompt's block
-hashes, look them up in the Redis prefix index (skipped, and counted, when Redis is down),
-pick a decode worker and ranked prefill candidates, then relay the worker's `Generate`
-stream as SSE or as one JSON body. A client that goes away cancels the stream, which aborts
-the request on the worker.
+hashes, look them up in the Redis prefix index (skipped, and counted, when Redis is down).
+A request fans out to one generation per (prompt, sample) — batched prompts, `n` > 1 — and
+each gets its own decode worker and ranked prefill candidates. Their `Generate` streams run
+concurrently and are relayed as interleaved SSE chunks or merged into one JSON body. A client
+that goes away, or one generation that fails, cancels the rest, which aborts them on the workers.
 """
 
 from __future__ import annotations
@@ -24,9 +25,16 @@ from disagg.proto import worker_pb2
 from disagg.worker.block_hash import block_hashes
 from disagg.worker.metrics import CONTENT_TYPE, ServingMetrics
 from disagg.worker.router.errors import APIError, invalid
-from disagg.worker.router.openai_format import SSE_DONE, Logprob, ResponseBuilder, sse, usage_body
-from disagg.worker.router.policy import choose_decode, rank_prefill
-from disagg.worker.router.validation import GenerationSpec, fit_to_context, parse_chat, parse_completion
+from disagg.worker.router.fanout import ChoiceState, plan_choices, total_usage
+from disagg.worker.router.openai_format import SSE_DONE, ResponseBuilder, sse
+from disagg.worker.router.policy import WorkerView, choose_decode, rank_prefill
+from disagg.worker.router.validation import (
+    GenerationSpec,
+    check_choice_count,
+    fit_to_context,
+    parse_chat,
+    parse_completion,
+)
 from disagg.worker.router.workers import WorkerPool
 
 log = logging.getLogger("disagg.router")
@@ -38,9 +46,22 @@ class RouterConfig:
     max_model_len: int
     block_size: int = 16
     api_keys: frozenset[str] = field(default_factory=frozenset)
-    max_queue: int = 256  # requests in flight in this router before 429
+    max_queue: int = 256  # generations in flight in this router before 429
+    max_choices: int = 64  # generations one request may fan out to (n x prompts)
     prefill_candidates: int = 2  # the first is tried, the next one on failure
     request_timeout: float = 600.0
+
+
+@dataclass
+class _Choice:
+    """One generation of a request: its worker request and where it runs."""
+
+    state: ChoiceState
+    req: worker_pb2.GenerateRequest
+    decode: WorkerView
+    used: list[WorkerView]  # decode workers counted in flight for it (a retry adds one)
+    prompt_blocks: int
+    match: dict[str, int]
 
 
 class Router:
@@ -146,20 +167,21 @@ class Router:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise invalid(None, f"the request body is not valid JSON: {e}", code="invalid_json") from e
 
-    def _tokenize(self, spec: GenerationSpec) -> list[int]:
+    def _tokenize(self, spec: GenerationSpec, prompt_index: int) -> list[int]:
         if spec.kind == "chat":
             try:
                 text = self.tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True)
             except Exception as e:  # template errors (raise_exception in the template) are the caller's
                 raise invalid("messages", f"the chat template rejected the messages: {e}") from e
             return self.tokenizer.encode(text, add_special_tokens=False)
-        if spec.prompt_token_ids is not None:
+        prompt = spec.prompts[prompt_index]
+        if isinstance(prompt, list):
             vocab = self.tokenizer.vocab_size
-            bad = next((t for t in spec.prompt_token_ids if t >= vocab), None)
+            bad = next((t for t in prompt if t >= vocab), None)
             if bad is not None:
                 raise invalid("prompt", f"token id {bad} is out of the vocabulary (size {vocab})")
-            return list(spec.prompt_token_ids)
-        return self.tokenizer.encode(spec.prompt_text)
+            return list(prompt)
+        return self.tokenizer.encode(prompt)
 
     async def _prefix_match(self, hashes: list[int]) -> dict[str, int]:
         if not hashes or self.prefix_lookup is None:
@@ -179,7 +201,7 @@ class Router:
         self.metrics.prefix_lookup(len(hashes), best)
         return match
 
-    def _params(self, spec: GenerationSpec, max_tokens: int) -> worker_pb2.SamplingParams:
+    def _params(self, spec: GenerationSpec, max_tokens: int, seed: int | None) -> worker_pb2.SamplingParams:
         s = spec.sampling
         p = worker_pb2.SamplingParams(
             temperature=s.temperature,
@@ -196,8 +218,8 @@ class Router:
             ignore_eos=s.ignore_eos,
             skip_special_tokens=s.skip_special_tokens,
         )
-        if s.seed is not None:
-            p.seed = s.seed
+        if seed is not None:
+            p.seed = seed
         if s.logprobs is not None:
             p.logprobs = s.logprobs
         return p
@@ -217,39 +239,56 @@ class Router:
             raise APIError(
                 404, f"The model '{spec.model}' does not exist.", param="model", code="model_not_found"
             )
-        if self.inflight >= self.config.max_queue:
+        check_choice_count(spec, self.config.max_choices)
+        plans = plan_choices(spec.num_prompts, spec.n, spec.sampling.seed)
+        # admission counts generations, not HTTP requests: n=8 weighs as much as 8 requests
+        if self.inflight + len(plans) > self.config.max_queue:
             raise APIError(429, "The server is at capacity; retry shortly.", code="queue_full", retry_after=1)
-        prompt_ids = self._tokenize(spec)
-        max_tokens = fit_to_context(spec.sampling, len(prompt_ids), self.config.max_model_len, spec.kind)
-        hashes = block_hashes(prompt_ids, self.config.block_size)
-        match = await self._prefix_match(hashes)
-        views = self.pool.views()
-        decode = choose_decode(views, match, len(hashes))
-        if decode is None:
-            raise APIError(503, "No decode worker is ready; retry shortly.", code="no_workers", retry_after=2)
-        targets = [
-            worker_pb2.PrefillTarget(worker_id=p.worker_id, address=p.address)
-            for p in rank_prefill(views, match, self.config.prefill_candidates)
-        ]
-        req = worker_pb2.GenerateRequest(
-            request_id=request.headers.get("X-Request-Id") or uuid.uuid4().hex,
-            prompt_token_ids=prompt_ids,
-            params=self._params(spec, max_tokens),
-            prefill_targets=targets,
-        )
+        prompts = [self._tokenize(spec, i) for i in range(spec.num_prompts)]
+        max_tokens = [self._fit(spec, i, len(ids)) for i, ids in enumerate(prompts)]
+        hashes = [block_hashes(ids, self.config.block_size) for ids in prompts]
+        matches = await asyncio.gather(*(self._prefix_match(h) for h in hashes))
+        base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         builder = ResponseBuilder(spec.kind, spec.model, self.token_text, spec.sampling.logprobs is not None)
-        self.inflight += 1
-        used = [decode]
-        self.pool.begin(decode.worker_id)
+        choices: list[_Choice] = []
+        self.inflight += len(plans)
         try:
-            decode, call, first_msg = await self._start(req, decode, match, len(hashes), used)
+            for plan in plans:
+                p = plan.prompt_index
+                # one routing decision per generation; each `begin` below weighs on the next choice
+                views = self.pool.views()
+                decode = choose_decode(views, matches[p], len(hashes[p]))
+                if decode is None:
+                    raise APIError(503, "No decode worker is ready; retry shortly.", code="no_workers",
+                                   retry_after=2)  # fmt: skip
+                targets = [
+                    worker_pb2.PrefillTarget(worker_id=w.worker_id, address=w.address)
+                    for w in rank_prefill(views, matches[p], self.config.prefill_candidates)
+                ]
+                req = worker_pb2.GenerateRequest(
+                    request_id=base_id if len(plans) == 1 else f"{base_id}-{plan.index}",
+                    prompt_token_ids=prompts[p],
+                    params=self._params(spec, max_tokens[p], plan.seed),
+                    prefill_targets=targets,
+                )
+                self.pool.begin(decode.worker_id)
+                choices.append(_Choice(ChoiceState(plan), req, decode, [decode], len(hashes[p]), matches[p]))
             if spec.stream:
-                return await self._stream(request, spec, req, decode, call, first_msg, builder, arrival)
-            return await self._unary(req, decode, call, first_msg, builder, arrival)
+                return await self._stream(request, spec, choices, builder, arrival)
+            return await self._unary(choices, builder, [len(ids) for ids in prompts], arrival)
         finally:
-            self.inflight -= 1
-            for d in used:
-                self.pool.end(d.worker_id)
+            self.inflight -= len(plans)
+            for c in choices:
+                for d in c.used:
+                    self.pool.end(d.worker_id)
+
+    def _fit(self, spec: GenerationSpec, prompt_index: int, prompt_tokens: int) -> int:
+        try:
+            return fit_to_context(spec.sampling, prompt_tokens, self.config.max_model_len, spec.kind)
+        except APIError as e:
+            if spec.num_prompts > 1:
+                e.message = f"prompt[{prompt_index}]: {e.message}"
+            raise
 
     async def _start(self, req, decode, match, prompt_blocks: int, used: list):
         """Open the worker's stream and wait for its first message. A decode worker that turns out
@@ -307,124 +346,153 @@ class Router:
         )
         return APIError(status, msg.error.message, code=code, retry_after=1 if status == 503 else None)
 
-    def _record(self, arrival: float, first: float | None, last: float, n: int, finish: str) -> None:
+    # ---- the generations of one request, run concurrently ----------------------------------------
+    async def _run_choice(self, c: _Choice, events: asyncio.Queue) -> None:
+        """Relay one generation's worker stream onto `events` as (choice, message); then
+        (choice, None) when the stream ended, or (choice, APIError) when it failed."""
+        call = None
+        try:
+            c.decode, call, msg = await self._start(c.req, c.decode, c.match, c.prompt_blocks, c.used)
+            it = call.__aiter__()
+            while msg is not None:
+                events.put_nowait((c, msg))
+                if msg.HasField("error"):
+                    return
+                msg = await anext(it, None)
+            events.put_nowait((c, None))
+        except APIError as e:
+            events.put_nowait((c, e))
+        except grpc.aio.AioRpcError as e:
+            events.put_nowait((c, self._worker_error(c.decode, e)))
+        except asyncio.CancelledError:
+            # a sibling failed or the client left: the worker frees this generation's blocks
+            if call is not None:
+                call.cancel()
+                asyncio.ensure_future(self._abort(c.decode, c.req.request_id))
+            raise
+
+    async def _stop_choices(self, tasks: list[asyncio.Task]) -> None:
+        """Cancel the generations still running (each aborts on its worker) and count them."""
+        live = [t for t in tasks if not t.done()]
+        for t in live:
+            t.cancel()
+        await asyncio.gather(*live, return_exceptions=True)
+        for _ in live:
+            self.metrics.request_finished("abort")
+
+    @staticmethod
+    def _failure(item) -> APIError | None:
+        if isinstance(item, APIError):
+            return item
+        if item is not None and item.HasField("error"):
+            return Router._msg_error(item)
+        return None
+
+    def _record(self, arrival: float, state: ChoiceState, finish: str) -> None:
+        first, n = state.first_token_at, state.num_tokens
         if first is not None:
             self.metrics.ttft.observe(first - arrival)
             if n > 1:
-                self.metrics.itl.observe((last - first) / (n - 1))
-        self.metrics.e2e.observe(last - arrival)
+                self.metrics.itl.observe((state.last_at - first) / (n - 1))
+        self.metrics.e2e.observe((state.last_at or time.monotonic()) - arrival)
         self.metrics.request_finished(finish)
 
     async def _unary(
-        self, req, decode, call, first_msg, builder: ResponseBuilder, arrival: float
+        self, choices: list[_Choice], builder: ResponseBuilder, prompt_lengths: list[int], arrival: float
     ) -> web.Response:
-        text, lps, finish, usage, served = [], [], "", None, None
-        first = None
-        ntok = 0
-        it = call.__aiter__()
-        msg = first_msg
+        events: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._run_choice(c, events)) for c in choices]
         try:
-            while msg is not None:
-                if msg.HasField("error"):
-                    raise self._msg_error(msg)
-                if msg.HasField("served_by"):
-                    served = msg.served_by
-                if msg.token_ids and first is None:
-                    first = time.monotonic()
-                ntok += len(msg.token_ids)
-                text.append(msg.text)
-                lps.extend(
-                    Logprob(x.token_id, x.logprob, [(t.token_id, t.logprob) for t in x.top])
-                    for x in msg.logprobs
-                )
-                if msg.finish_reason:
-                    finish = msg.finish_reason
-                if msg.HasField("usage"):
-                    usage = msg.usage
-                msg = await anext(it, None)
-        except grpc.aio.AioRpcError as e:
-            raise self._worker_error(decode, e) from e
-        except asyncio.CancelledError:
-            call.cancel()
-            asyncio.ensure_future(self._abort(decode, req.request_id))
-            raise
-        self._record(arrival, first, time.monotonic(), ntok, finish)
-        u = usage_body(usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) if usage else usage_body(
-            len(req.prompt_token_ids), ntok)  # fmt: skip
-        body = builder.full("".join(text), lps, finish or "stop", u)
-        return web.json_response(body, headers=self._served_headers(served, decode))
+            pending = len(choices)
+            while pending:
+                c, item = await events.get()
+                err = self._failure(item)
+                if err is not None:
+                    raise err
+                if item is None:
+                    pending -= 1
+                    self._record(arrival, c.state, c.state.finish_reason or "stop")
+                else:
+                    c.state.add(item, time.monotonic())
+        finally:
+            await self._stop_choices(tasks)
+        states = [c.state for c in choices]
+        body = builder.response(
+            [
+                builder.choice(s.plan.index, "".join(s.text), s.logprobs, s.finish_reason or "stop")
+                for s in states
+            ],
+            total_usage(states, prompt_lengths),
+        )
+        return web.json_response(body, headers=self._served_headers(choices))
 
     @staticmethod
-    def _served_headers(served, decode) -> dict[str, str]:
-        h = {"X-Disagg-Decode-Worker": decode.worker_id}
-        if served is not None and served.prefill_worker:
-            h["X-Disagg-Prefill-Worker"] = served.prefill_worker
+    def _served_headers(choices: list[_Choice]) -> dict[str, str]:
+        """The workers that served the request (comma-separated, in choice order, when several)."""
+        decode = dict.fromkeys(c.decode.worker_id for c in choices)
+        prefill = dict.fromkeys(c.state.prefill_worker for c in choices if c.state.prefill_worker)
+        h = {"X-Disagg-Decode-Worker": ",".join(decode)}
+        if prefill:
+            h["X-Disagg-Prefill-Worker"] = ",".join(prefill)
         return h
 
-    async def _stream(
-        self, request, spec, req, decode, call, first_msg, builder: ResponseBuilder, arrival: float
-    ):
-        # The first message came before answering, so that errors found before any token (bad
-        # parameters on the worker, no prefill worker) still get a proper HTTP status.
-        it = call.__aiter__()
-        if first_msg.HasField("error"):
-            raise self._msg_error(first_msg)
-        served = first_msg.served_by if first_msg.HasField("served_by") else None
-        resp = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                **self._served_headers(served, decode),
-            }  # fmt: skip
-        )
-        await resp.prepare(request)
-        first = None
-        ntok = 0
-        finish = ""
-        usage = None
-        msg = first_msg
+    async def _stream(self, request, spec, choices: list[_Choice], builder: ResponseBuilder, arrival: float):
+        events: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._run_choice(c, events)) for c in choices]
         try:
-            while True:
-                if msg.HasField("error"):
-                    err = self._msg_error(msg)
-                    await resp.write(sse(err.body()))
-                    finish = "error"
+            # Answer once every generation sent its first message, so that errors found before any
+            # token (bad parameters on the worker, no prefill worker) still get a proper HTTP status.
+            held: list = []
+            started: set[int] = set()
+            while len(started) < len(choices):
+                c, item = await events.get()
+                err = self._failure(item)
+                if err is not None:
+                    raise err
+                started.add(c.state.plan.index)
+                held.append((c, item))
+            for c, item in held:
+                if item is not None and item.HasField("served_by"):
+                    c.state.prefill_worker = item.served_by.prefill_worker
+            resp = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream",
+                    "Cache-Control": "no-cache",
+                    **self._served_headers(choices),
+                }  # fmt: skip
+            )
+            await resp.prepare(request)
+            pending = len(choices)
+            error = None
+            while pending:
+                c, item = held.pop(0) if held else await events.get()
+                error = self._failure(item)
+                if error is not None:
+                    self._record(arrival, c.state, "error")
                     break
-                if msg.token_ids and first is None:
-                    first = time.monotonic()
-                ntok += len(msg.token_ids)
-                if msg.HasField("usage"):
-                    usage = msg.usage
-                lps = [
-                    Logprob(x.token_id, x.logprob, [(t.token_id, t.logprob) for t in x.top])
-                    for x in msg.logprobs
-                ]
+                if item is None:
+                    pending -= 1
+                    self._record(arrival, c.state, c.state.finish_reason or "stop")
+                    continue
+                lps = c.state.add(item, time.monotonic())
                 # tokens whose text is held back (an incomplete UTF-8 character, a possible stop
                 # string) produce no chunk unless their logprobs were asked for
-                if msg.text or msg.finish_reason or (lps and builder.want_logprobs):
-                    chunk = builder.chunk(msg.text, lps, msg.finish_reason or None, spec.include_usage)
+                if item.text or item.finish_reason or (lps and builder.want_logprobs):
+                    chunk = builder.chunk(
+                        item.text, lps, item.finish_reason or None, spec.include_usage, c.state.plan.index
+                    )
                     await resp.write(sse(chunk))
-                if msg.finish_reason:
-                    finish = msg.finish_reason
-                try:
-                    msg = await it.__anext__()
-                except StopAsyncIteration:
-                    break
-        except grpc.aio.AioRpcError as e:
-            err = self._worker_error(decode, e)
-            await resp.write(sse(err.body()))
-            finish = "error"
-        except (asyncio.CancelledError, ConnectionResetError):
-            call.cancel()
-            asyncio.ensure_future(self._abort(decode, req.request_id))
-            self.metrics.request_finished("abort")
-            raise
-        self._record(arrival, first, time.monotonic(), ntok, finish)
-        if finish != "error":
-            if spec.include_usage:
-                u = usage or worker_pb2.Usage(prompt_tokens=len(req.prompt_token_ids), completion_tokens=ntok)
-                await resp.write(sse(builder.usage_chunk(usage_body(u.prompt_tokens, u.completion_tokens,
-                                                                    u.cached_tokens))))  # fmt: skip
-            await resp.write(SSE_DONE)
-        await resp.write_eof()
-        return resp
+            if error is not None:
+                await resp.write(sse(error.body()))
+            else:
+                if spec.include_usage:
+                    lengths = [0] * spec.num_prompts
+                    for c in choices:
+                        lengths[c.state.plan.prompt_index] = len(c.req.prompt_token_ids)
+                    usage = total_usage([c.state for c in choices], lengths)
+                    await resp.write(sse(builder.usage_chunk(usage)))
+                await resp.write(SSE_DONE)
+            await resp.write_eof()
+            return resp
+        finally:
+            await self._stop_choices(tasks)

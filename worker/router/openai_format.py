@@ -57,7 +57,7 @@ def chat_logprobs(items: list[Logprob], token_text: Callable[[int], str]) -> dic
 
 
 class ResponseBuilder:
-    """Builds the JSON objects of one request, streamed or not."""
+    """Builds the JSON objects of one request, streamed or not, for any number of choices."""
 
     def __init__(self, kind: str, model: str, token_text: Callable[[int], str], want_logprobs: bool):
         self.kind = kind
@@ -66,16 +66,15 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.token_text = token_text
         self.want_logprobs = want_logprobs
-        self._text_offset = 0
-        self._sent_role = False
+        self._text_offset: dict[int, int] = {}  # per choice: where its next streamed text starts
+        self._sent_role: set[int] = set()  # chat choices whose first chunk (with the role) went out
 
-    def _logprobs(self, items: list[Logprob]) -> dict | None:
+    def _logprobs(self, items: list[Logprob], text_offset: int) -> dict | None:
         if not self.want_logprobs:
             return None
         if self.kind == "chat":
             return chat_logprobs(items, self.token_text)
-        out = completion_logprobs(items, self.token_text, self._text_offset)
-        return out
+        return completion_logprobs(items, self.token_text, text_offset)
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {
@@ -88,20 +87,26 @@ class ResponseBuilder:
 
     # ---- streaming --------------------------------------------------------------------
     def chunk(
-        self, text: str, logprobs: list[Logprob], finish_reason: str | None, include_usage: bool
+        self,
+        text: str,
+        logprobs: list[Logprob],
+        finish_reason: str | None,
+        include_usage: bool,
+        index: int = 0,
     ) -> dict:
-        lp = self._logprobs(logprobs)
+        offset = self._text_offset.get(index, 0)
+        lp = self._logprobs(logprobs, offset)
         if self.kind == "chat":
             delta: dict = {"content": text}
-            if not self._sent_role:
+            if index not in self._sent_role:
                 delta = {"role": "assistant", "content": text}
-                self._sent_role = True
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+                self._sent_role.add(index)
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             body = self._envelope("chat.completion.chunk", [choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
             body = self._envelope("text_completion", [choice])
-        self._text_offset += len(text)
+        self._text_offset[index] = offset + len(text)
         if include_usage:
             body["usage"] = None
         return body
@@ -113,21 +118,27 @@ class ResponseBuilder:
         return body
 
     # ---- whole response ---------------------------------------------------------------
-    def full(self, text: str, logprobs: list[Logprob], finish_reason: str, usage: dict) -> dict:
-        lp = self._logprobs(logprobs)
+    def choice(self, index: int, text: str, logprobs: list[Logprob], finish_reason: str) -> dict:
+        lp = self._logprobs(logprobs, 0)
         if self.kind == "chat":
-            choice = {
-                "index": 0,
+            return {
+                "index": index,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": lp,
                 "finish_reason": finish_reason,
             }
-            body = self._envelope("chat.completion", [choice])
-        else:
-            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}
-            body = self._envelope("text_completion", [choice])
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+
+    def response(self, choices: list[dict], usage: dict) -> dict:
+        """The whole response; `choices` from `choice()`, put in index order here."""
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        body = self._envelope(obj, sorted(choices, key=lambda c: c["index"]))
         body["usage"] = usage
         return body
+
+    def full(self, text: str, logprobs: list[Logprob], finish_reason: str, usage: dict) -> dict:
+        """The whole response of a single-choice request."""
+        return self.response([self.choice(0, text, logprobs, finish_reason)], usage)
 
 
 def sse(obj: dict | str) -> bytes:

@@ -1,6 +1,8 @@
 """Parse and validate OpenAI request bodies into a `GenerationSpec` (pure: no I/O, no tokenizer).
 
-Every refusal is an `APIError(400)` naming the field, the way OpenAI's API does. Sampling
+Every refusal is an `APIError(400)` naming the field, the way OpenAI's API does. A request may
+ask for several choices: `n` samples of each of its prompts (completions take a batch of
+prompts). Sampling
 fields outside OpenAI's spec that vLLM users send (top_k, min_p, repetition_penalty,
 ignore_eos, min_tokens, stop_token_ids, skip_special_tokens) are accepted too.
 """
@@ -15,6 +17,7 @@ from disagg.worker.router.errors import APIError, invalid
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the range of the seed on the wire
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -44,11 +47,20 @@ class GenerationSpec:
     sampling: SamplingSpec
     stream: bool = False
     include_usage: bool = False
-    prompt_text: str | None = None  # completion with a text prompt
-    prompt_token_ids: list[int] | None = None  # completion with token ids
+    n: int = 1  # samples per prompt
+    prompts: list[str | list[int]] = field(default_factory=list)  # completion: texts or token ids
     messages: list[dict] | None = None  # chat, content flattened to text
     echo: bool = False
     user: str | None = None
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts) if self.kind == "completion" else 1
+
+    @property
+    def num_choices(self) -> int:
+        """Internal generations the request fans out to: one per (prompt, sample)."""
+        return self.num_prompts * self.n
 
 
 def _is_int(v: Any) -> bool:
@@ -111,16 +123,26 @@ def _token_id_list(body: dict, name: str) -> list[int]:
     return v
 
 
-def _common(body: dict, kind: str) -> tuple[str, SamplingSpec, bool, bool]:
+def _samples(body: dict) -> int:
+    n = _integer(body, "n", 1, 1)
+    best_of = _integer(body, "best_of", None, 1)
+    if best_of is not None and best_of < n:
+        raise invalid("best_of", f"'best_of' ({best_of}) must be greater than or equal to n ({n})")
+    if best_of is not None and best_of > n:
+        # best_of > n means generating extra candidates and returning the n most likely ones
+        raise invalid(
+            "best_of",
+            f"'best_of' greater than n is not supported (got best_of={best_of}, n={n}): "
+            "ask for n samples instead",
+        )
+    return n
+
+
+def _common(body: dict, kind: str) -> tuple[str, SamplingSpec, bool, bool, int]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model", "'model' is required and must be a non-empty string")
-    n = _integer(body, "n", 1, 1)
-    if n != 1:
-        raise invalid("n", f"only n=1 is supported, got {n}")
-    best_of = _integer(body, "best_of", 1, 1)
-    if best_of != 1:
-        raise invalid("best_of", f"only best_of=1 is supported, got {best_of}")
+    n = _samples(body)
     if body.get("logit_bias"):
         raise invalid("logit_bias", "'logit_bias' is not supported")
     if kind == "chat":
@@ -132,6 +154,8 @@ def _common(body: dict, kind: str) -> tuple[str, SamplingSpec, bool, bool]:
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise invalid("seed", f"'seed' must be an integer, got {seed!r}")
+    if seed is not None and not INT64_MIN <= seed <= INT64_MAX:
+        raise invalid("seed", f"'seed' must fit in a signed 64-bit integer, got {seed}")
     stream = _boolean(body, "stream", False)
     options = body.get("stream_options")
     include_usage = False
@@ -163,32 +187,51 @@ def _common(body: dict, kind: str) -> tuple[str, SamplingSpec, bool, bool]:
         raise invalid(
             "min_tokens", f"'min_tokens' ({sampling.min_tokens}) must not exceed max_tokens ({max_tokens})"
         )
-    return model, sampling, stream, include_usage
+    return model, sampling, stream, include_usage, n
 
 
-def _completion_prompt(body: dict) -> tuple[str | None, list[int] | None]:
+def _token_ids(where: str, ids: list) -> list[int]:
+    if not ids:
+        raise invalid("prompt", f"{where} must not be an empty list of token ids")
+    if not all(_is_int(t) for t in ids):
+        raise invalid("prompt", f"{where} must hold integers only (token ids), not a mix of types")
+    if any(t < 0 for t in ids):
+        raise invalid("prompt", f"token ids in {where} must be non-negative")
+    return ids
+
+
+def _completion_prompts(body: dict) -> list[str | list[int]]:
+    """The prompts of a completion: a string, a list of token ids, or a batch of either kind."""
     p = body.get("prompt")
-    # A batch of exactly one prompt is the same request; larger batches would need n streams.
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-        p = p[0]
     if isinstance(p, str):
         if not p:
             raise invalid("prompt", "'prompt' must not be empty")
-        return p, None
-    if isinstance(p, list) and p and all(_is_int(t) for t in p):
-        if any(t < 0 for t in p):
-            raise invalid("prompt", "token ids in 'prompt' must be non-negative")
-        return None, p
-    if isinstance(p, list) and len(p) > 1:
-        raise invalid("prompt", "batched prompts are not supported: send one prompt per request")
-    raise invalid("prompt", "'prompt' is required: a string or a list of token ids")
+        return [p]
+    if not isinstance(p, list):
+        raise invalid("prompt", "'prompt' is required: a string, a list of token ids, or a list of either")
+    if not p:
+        raise invalid("prompt", "'prompt' must not be an empty list")
+    if all(_is_int(t) for t in p):
+        return [_token_ids("'prompt'", p)]
+    if all(isinstance(x, str) for x in p):
+        empty = next((i for i, x in enumerate(p) if not x), None)
+        if empty is not None:
+            raise invalid("prompt", f"'prompt[{empty}]' must not be empty")
+        return list(p)
+    if all(isinstance(x, list) for x in p):
+        return [_token_ids(f"'prompt[{i}]'", x) for i, x in enumerate(p)]
+    raise invalid(
+        "prompt",
+        "'prompt' must be a string, a list of token ids, a list of strings or a list of token-id lists; "
+        "a list mixing these is not accepted",
+    )
 
 
 def parse_completion(body: Any) -> GenerationSpec:
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
-    model, sampling, stream, include_usage = _common(body, "completion")
-    text, ids = _completion_prompt(body)
+    model, sampling, stream, include_usage, n = _common(body, "completion")
+    prompts = _completion_prompts(body)
     logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
     sampling.logprobs = logprobs
     if body.get("suffix"):
@@ -199,8 +242,8 @@ def parse_completion(body: Any) -> GenerationSpec:
         sampling=sampling,
         stream=stream,
         include_usage=include_usage,
-        prompt_text=text,
-        prompt_token_ids=ids,
+        n=n,
+        prompts=prompts,
         echo=_boolean(body, "echo", False),
         user=body.get("user") if isinstance(body.get("user"), str) else None,
     )
@@ -226,7 +269,7 @@ def _message_text(i: int, content: Any) -> str:
 def parse_chat(body: Any) -> GenerationSpec:
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
-    model, sampling, stream, include_usage = _common(body, "chat")
+    model, sampling, stream, include_usage, n = _common(body, "chat")
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise invalid("messages", "'messages' is required and must be a non-empty list")
@@ -254,6 +297,7 @@ def parse_chat(body: Any) -> GenerationSpec:
         sampling=sampling,
         stream=stream,
         include_usage=include_usage,
+        n=n,
         messages=messages,
         user=body.get("user") if isinstance(body.get("user"), str) else None,
     )
@@ -282,3 +326,17 @@ def fit_to_context(sampling: SamplingSpec, prompt_tokens: int, max_model_len: in
             code="context_length_exceeded",
         )
     return sampling.max_tokens
+
+
+def check_choice_count(spec: GenerationSpec, max_choices: int) -> None:
+    """A 400 when the request fans out to more generations than the router allows at once."""
+    count = spec.num_choices
+    if count <= max_choices:
+        return
+    if spec.n == 1 or spec.num_prompts > max_choices:
+        raise invalid(
+            "prompt",
+            f"{spec.num_prompts} prompts exceed this server's limit of {max_choices} choices per request",
+        )
+    what = f"n={spec.n}" if spec.num_prompts == 1 else f"n={spec.n} x {spec.num_prompts} prompts = {count}"
+    raise invalid("n", f"{what} exceeds this server's limit of {max_choices} choices per request")

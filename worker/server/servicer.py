@@ -206,6 +206,20 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self.loop.call(self.core.on_loop_abort, rid)
                 self.metrics.request_finished("abort")
 
+    async def _begin_transfer(self, rid: str, prefill_owner: str, blocks: list[int], previous: int) -> int:
+        """`state.begin_transfer`, settled even when the request is cancelled meanwhile: the Redis
+        write finishes in its thread regardless, and a record nobody finishes would hold the
+        transfer's blocks in the index until its lease ran out."""
+        begin = asyncio.ensure_future(
+            self.state.begin_transfer(rid, prefill_owner, blocks, self.opts.lease_seconds, previous)
+        )
+        try:
+            return await asyncio.shield(begin)
+        except asyncio.CancelledError:
+            gen = await begin
+            await self.state.finish_transfer(rid, gen)
+            raise
+
     async def _remote_prefill(self, rid, prompt, request, params, sink, targets) -> str:
         """Reserve blocks, have a prefill worker fill them (retrying once elsewhere), commit.
 
@@ -217,9 +231,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         for attempt, target in enumerate(targets[:2]):
             if attempt:
                 self.metrics.prefill_retries.inc()
-            gen = await self.state.begin_transfer(
-                rid, target.worker_id, dst.fresh_block_ids, self.opts.lease_seconds, gen
-            )
+            gen = await self._begin_transfer(rid, target.worker_id, dst.fresh_block_ids, gen)
             transfer_id = f"{rid}:{gen}:{attempt}"
             try:
                 await self._prefill_once(rid, prompt, request, target, dst, gen, transfer_id)
