@@ -10,9 +10,9 @@ TORCH := torch==2.13.0
 # from the repository root; safe-path mode keeps the working directory off sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install redis proto test lint bench bench-transfer bench-serve bench-autoscale bench-kernels demo serve clean
+.PHONY: install redis compiler kernels proto test lint bench bench-transfer bench-serve bench-autoscale bench-kernels demo serve clean
 
-install: $(STAMP) redis proto
+install: $(STAMP) redis compiler proto kernels
 
 # torch goes first and pinned: an unpinned resolve pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml setup.py
@@ -31,6 +31,21 @@ redis:
 	    echo "redis-server is missing: install Debian's redis-server package (sudo apt-get install redis-server)"; exit 1; \
 	  fi; \
 	fi
+
+# The CPU path's native kernels are C compiled on first use; without a compiler the engine
+# falls back to plain torch (same results, slower), so a missing one is only a warning.
+compiler:
+	@if ! command -v cc >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing gcc (Debian package) for the native CPU kernels"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc >/dev/null; \
+	  else \
+	    echo "warning: no C compiler (sudo apt-get install gcc): the CPU path will run without native kernels"; \
+	  fi; \
+	fi
+
+kernels: $(STAMP) compiler
+	@$(PY) -c "from disagg.kernels import cpu_native; print('native CPU kernels:', 'ready' if cpu_native.available() else 'unavailable')"
 
 # gRPC modules are generated from proto/*.proto, never edited by hand.
 proto: $(STAMP)

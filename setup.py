@@ -30,4 +30,4 @@ def _packages():
 
 
 packages, package_dir = _packages()
-setup(packages=packages, package_dir=package_dir, package_data={"disagg.proto": ["*.proto"]})
+setup(packages=packages, package_dir=package_dir, package_data={"disagg.proto": ["*.proto"], "disagg.kernels": ["*.c"]})

@@ -11,9 +11,10 @@ ENV DEBIAN_FRONTEND=noninteractive \
     HOME=/home/disagg
 
 # UCX/NIXL need the RDMA user-space libraries (libibverbs, librdmacm) to use InfiniBand/RoCE.
+# gcc builds the CPU path's native kernels on first use (CPU-only workers; GPUs use Triton).
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3.12 python3.12-venv ca-certificates \
-      libibverbs1 librdmacm1 ibverbs-providers \
+      libibverbs1 librdmacm1 ibverbs-providers gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/* \
  && python3.12 -m venv $VIRTUAL_ENV
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from disagg.kernels import get_ops, torch_ops
+from disagg.kernels import cpu_native, get_ops, torch_ops
 from disagg.worker.config import ModelConfig, RopeConfig
 from disagg.worker.forward_batch import ForwardBatch
 
@@ -157,6 +157,8 @@ class LlamaForCausalLM:
         """
         if batch.is_prefill and batch.cu_seqlens_q is None:
             raise ValueError("a prefill ForwardBatch needs cu_seqlens_q")
+        if self._native_ok(kv_caches):
+            return self._forward_native(batch, kv_caches, layer_hook)
         ops, w, eps = self.ops, self.weights, self.config.rms_norm_eps
         num_tokens = batch.input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -238,6 +240,69 @@ class LlamaForCausalLM:
         return F.linear(last, w.lm_head).float()
 
     __call__ = forward
+
+    def _native_ok(self, kv_caches: torch.Tensor) -> bool:
+        """float32 on CPU with the plain-torch op table: the native kernels can take the step."""
+        return (
+            self.ops.backend == "torch"
+            and self.dtype == torch.float32
+            and kv_caches.dtype == torch.float32
+            and kv_caches.device.type == "cpu"
+            and kv_caches.is_contiguous()
+            and cpu_native.available()
+        )
+
+    def _forward_native(
+        self, batch: ForwardBatch, kv_caches: torch.Tensor, layer_hook: Callable[[int], None] | None
+    ) -> torch.Tensor:
+        """`forward` with the small per-layer ops (add + norm, rotary + cache write, activation,
+        decode attention) in the native CPU kernels; matmuls and prefill attention stay in torch."""
+        w, eps = self.weights, self.config.rms_norm_eps
+        num_tokens = batch.input_ids.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q_end, k_end = self._q_size, self._q_size + self._kv_size
+        num_blocks, block_size = kv_caches.shape[1], kv_caches.shape[3]
+        cpu_native.check_step_bounds(
+            batch.positions, batch.slot_mapping, self.cos_sin_cache.shape[0], num_blocks * block_size
+        )
+        decode_attention = None
+        if not batch.is_prefill:  # lengths and tables are the same in every layer of the step
+            decode_attention = cpu_native.PagedDecodeAttention(
+                batch.block_tables, batch.seq_lens, hq, hkv, num_blocks
+            )
+        residual = F.embedding(batch.input_ids, w.embed)  # a fresh tensor: the sum accumulates in it
+        hidden = cpu_native.add_rms_norm(residual, w.layers[0].input_norm, eps)
+        for i, layer in enumerate(w.layers):
+            if i > 0:
+                hidden = cpu_native.add_rms_norm(hidden, layer.input_norm, eps, residual)
+            qkv = F.linear(hidden, layer.qkv, layer.qkv_bias)
+            kv_cache = kv_caches[i]
+            cpu_native.rotary_write_kv(
+                qkv, self.cos_sin_cache, batch.positions, kv_cache, batch.slot_mapping, hq, hkv
+            )
+            if layer_hook is not None:
+                layer_hook(i)
+            q = qkv[:, :q_end].view(num_tokens, hq, d)
+            if decode_attention is not None:
+                attn = decode_attention(q, kv_cache, self.scale)
+            else:
+                k = qkv[:, q_end:k_end].view(num_tokens, hkv, d)
+                v = qkv[:, k_end:].view(num_tokens, hkv, d)
+                attn = self.ops.prefill_attention(
+                    q, k, v, kv_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, self.scale
+                )
+            hidden = F.linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
+            hidden = cpu_native.add_rms_norm(hidden, layer.post_norm, eps, residual)
+            gate_up = F.linear(hidden, layer.gate_up, layer.gate_up_bias)
+            hidden = F.linear(cpu_native.silu_and_mul(gate_up), layer.down, layer.down_bias)
+
+        idx = batch.logits_indices
+        if idx.shape[0] == num_tokens and not batch.is_prefill:  # decode: every row samples
+            last = cpu_native.add_rms_norm(hidden, w.norm, eps, residual)
+        else:
+            rows = hidden.index_select(0, idx)
+            last = cpu_native.add_rms_norm(rows, w.norm, eps, residual.index_select(0, idx))
+        return F.linear(last, w.lm_head).float()
 
 
 def load_model(

@@ -119,9 +119,11 @@ def test_pure_greedy_sampler_returns_argmax_without_logprobs():
 
 
 @pytest.mark.parametrize("num_seqs", [1, 3])
-def test_model_fast_path_equals_the_op_table_path(tiny_model_dir, paged, num_seqs):
+def test_model_fast_path_equals_the_op_table_path(tiny_model_dir, paged, num_seqs, monkeypatch):
     """A contiguous cache takes the float32 fast path, a non-contiguous one the op table; the
-    logits of a prefill and of batch-1 / batch-3 decode steps must be bit-identical."""
+    logits of a prefill and of batch-1 / batch-3 decode steps must be bit-identical. (The native
+    decode kernel sums in another order, so it is compared within rounding in tests/kernels.)"""
+    monkeypatch.setenv("DISAGG_CPU_NATIVE", "0")
     model, config = load_model(tiny_model_dir)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(10, config.vocab_size, (n,), generator=g).tolist() for n in (7, 12, 3)][

@@ -1,0 +1,265 @@
+"""Native CPU kernels: C sources next to this module, compiled on first use, called through ctypes.
+
+Plain C with no Python or torch headers, so building takes about a second with the system C
+compiler and needs nothing else installed. The shared object is cached per source, compiler,
+flags and CPU (it is built with -march=native), in `$DISAGG_CACHE_DIR`, else
+`$XDG_CACHE_HOME/disagg` or `~/.cache/disagg`, else the temp directory (read-only root file
+systems). Without a compiler, or with `DISAGG_CPU_NATIVE=0`, `available()` is False and the
+engine keeps the plain-torch path: results agree within float32 rounding, only speed differs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_BASE_FLAGS = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared"]
+# The whole cache streams through once per layer, so the widest vectors pay (x86: AVX-512 where present).
+_TUNE_FLAGS = {
+    "x86_64": ["-march=native", "-mprefer-vector-width=512"],
+    "aarch64": ["-mcpu=native"],
+}
+_FLAGS = _BASE_FLAGS + _TUNE_FLAGS.get(platform.machine(), [])
+# Below this many (query head x cached token) visits a call is too short to split over threads.
+_PARALLEL_MIN_WORK = 8192
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def _cache_dirs() -> list[Path]:
+    dirs = []
+    if os.environ.get("DISAGG_CACHE_DIR"):
+        dirs.append(Path(os.environ["DISAGG_CACHE_DIR"]))
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    dirs.append(Path(xdg) / "disagg" if xdg else Path.home() / ".cache" / "disagg")
+    dirs.append(Path(tempfile.gettempdir()) / "disagg-cache")
+    return dirs
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(
+        "\0".join([_SOURCE.read_text(), compiler, version, *_FLAGS, _cpu_signature()]).encode()
+    ).hexdigest()[:16]
+    last_error: Exception | None = None
+    for directory in _cache_dirs():
+        target = directory / f"cpu_kernels-{key}.so"
+        if target.is_file():
+            return target
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            # Built under a private name and renamed: workers starting together never load a half-written file.
+            fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
+            os.close(fd)
+            try:
+                subprocess.run(
+                    [compiler, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                os.replace(tmp, target)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            return target
+        except subprocess.CalledProcessError as exc:
+            raise RuntimeError(f"{compiler} failed: {exc.stderr.strip()[-2000:]}") from exc
+        except OSError as exc:  # not writable: try the next place
+            last_error = exc
+    raise RuntimeError(f"no writable cache directory for native kernels: {last_error}")
+
+
+def _load() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    lib = ctypes.CDLL(str(_build(compiler)))
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    signatures = {
+        "paged_decode_attention_f32": (
+            [p, p, p, i64, p, p, i64, i64, i64, i64, i64, f32, p, i64, i64],
+            ctypes.c_int,
+        ),
+        "add_rms_norm_f32": ([p, p, p, p, i64, i64, f32], None),
+        "silu_and_mul_f32": ([p, p, i64, i64], None),
+        "rotary_write_kv_f32": ([p, i64, p, p, p, p, i64, i64, i64, i64, i64], None),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
+
+
+def available() -> bool:
+    """Whether the native kernels can be used here (built and loaded once per process)."""
+    global _lib, _error
+    if os.environ.get("DISAGG_CPU_NATIVE", "1") == "0":
+        return False
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _load()
+            except Exception as exc:
+                _error = str(exc)
+                log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
+    return _lib is not None
+
+
+def _require() -> ctypes.CDLL:
+    if not available():
+        raise RuntimeError(f"native CPU kernels unavailable: {_error or 'disabled by DISAGG_CPU_NATIVE=0'}")
+    return _lib
+
+
+def _check_f32(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(
+                f"{name}: native kernels take contiguous float32 CPU tensors, got {t.dtype} {t.device}"
+            )
+
+
+def add_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """rms_norm(x + residual) * weight over the last dim; with `residual`, the sum is written
+    back into it (in place), as a decoder layer's fused add + norm."""
+    _check_f32(x=x, weight=weight, **({} if residual is None else {"residual": residual}))
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual: shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+    out = torch.empty_like(x)
+    hidden = x.shape[-1]
+    _require().add_rms_norm_f32(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        x.numel() // hidden, hidden, eps,
+    )  # fmt: skip
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: silu(first half) * second half."""
+    _check_f32(x=x)
+    inter = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
+    _require().silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.numel() // (2 * inter), inter)
+    return out
+
+
+def rotary_write_kv(
+    qkv: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+) -> None:
+    """Rotate q and k in place inside the fused projection output qkv [T, (Hq + 2 Hkv) * D]
+    (rotate-half form, angles from cos_sin_cache [max_pos, D]), then write k and v into the
+    one-layer cache [blocks, 2, block_size, Hkv, D] at slot_mapping (int64; negative = skip).
+    Positions and slots are not bounds-checked here: the caller checks them once per step
+    (`check_step_bounds`), not once per layer."""
+    _check_f32(qkv=qkv, cos_sin_cache=cos_sin_cache, kv_cache=kv_cache)
+    head_dim = kv_cache.shape[-1]
+    if qkv.shape[-1] != (num_q_heads + 2 * num_kv_heads) * head_dim or kv_cache.shape[3] != num_kv_heads:
+        raise ValueError(f"qkv {tuple(qkv.shape)} does not match the heads of cache {tuple(kv_cache.shape)}")
+    if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
+        raise ValueError("positions and slot_mapping must be int64")
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()  # alive through the call
+    _require().rotary_write_kv_f32(
+        qkv.data_ptr(), qkv.shape[-1], cos_sin_cache.data_ptr(), positions.data_ptr(), kv_cache.data_ptr(),
+        slot_mapping.data_ptr(), qkv.shape[0], num_q_heads, num_kv_heads, head_dim, kv_cache.shape[2],
+    )  # fmt: skip
+
+
+def check_step_bounds(
+    positions: torch.Tensor, slot_mapping: torch.Tensor, max_positions: int, num_slots: int
+):
+    """Every position has a rotary row and every slot lies in the cache (the C code trusts them)."""
+    if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < max_positions:
+        raise IndexError(f"positions: outside [0, {max_positions})")
+    if slot_mapping.numel() and int(slot_mapping.max()) >= num_slots:
+        raise IndexError(f"slot_mapping: a slot is beyond the cache's {num_slots} slots")
+
+
+class PagedDecodeAttention:
+    """Decode attention of one step (every layer): the block tables, lengths and the split of
+    the work over threads are fixed per step, so they are prepared once here.
+
+    `block_tables` [B, W] int32 and `seq_lens` [B] int32 as in `disagg.kernels.torch_ops`.
+    """
+
+    def __init__(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_q_heads: int,
+        num_kv_heads: int,
+        num_blocks: int | None = None,
+    ):
+        _require()
+        if num_q_heads % num_kv_heads:
+            raise ValueError(
+                f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.tables = block_tables.to(torch.int32).contiguous()
+        self.lens = seq_lens.to(torch.int32).contiguous()
+        lens = self.lens.tolist()
+        if num_blocks is not None and not 0 <= int(self.tables.min()) <= int(self.tables.max()) < num_blocks:
+            raise IndexError(f"block_tables: a block id is outside [0, {num_blocks})")
+        self.batch = len(lens)
+        self.num_q_heads, self.num_kv_heads = num_q_heads, num_kv_heads
+        self.max_len = max(lens)
+        work = sum(lens) * num_q_heads
+        self.threads = min(torch.get_num_threads(), self.batch) if work >= _PARALLEL_MIN_WORK else 1
+        group = num_q_heads // num_kv_heads
+        self.scratch = torch.empty(self.threads * group * self.max_len, dtype=torch.float32)
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, Hq, D] float32, kv_cache (one layer) [blocks, 2, block_size, Hkv, D] float32."""
+        if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+            raise TypeError(f"native decode attention takes float32, got q {q.dtype}, cache {kv_cache.dtype}")
+        if not kv_cache.is_contiguous():
+            raise ValueError("kv_cache must be contiguous")
+        b, hq, d = q.shape
+        if b != self.batch or hq != self.num_q_heads or kv_cache.shape[3] != self.num_kv_heads:
+            raise ValueError(
+                f"q {tuple(q.shape)} / cache {tuple(kv_cache.shape)} do not match this step's plan"
+            )
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        code = _lib.paged_decode_attention_f32(
+            q.data_ptr(), kv_cache.data_ptr(), self.tables.data_ptr(), self.tables.shape[1],
+            self.lens.data_ptr(), out.data_ptr(), b, hq, self.num_kv_heads, d, kv_cache.shape[2], scale,
+            self.scratch.data_ptr(), self.max_len, self.threads,
+        )  # fmt: skip
+        if code:
+            raise ValueError(f"seq_lens: every length must be in [1, {self.max_len}]")
+        return out
