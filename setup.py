@@ -30,4 +30,8 @@ def _packages():
 
 
 packages, package_dir = _packages()
-setup(packages=packages, package_dir=package_dir, package_data={"disagg.proto": ["*.proto"], "disagg.kernels": ["*.c"]})
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    package_data={"disagg.proto": ["*.proto"], "disagg.kernels": ["*.c"]},
+)
