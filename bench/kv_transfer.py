@@ -1,17 +1,29 @@
 """KV transfer bandwidth between two processes: NIXL and the gRPC fallback, against an in-process copy.
 
     python bench/kv_transfer.py [--sizes 64,256] [--reps 5] [--block-size 16]
+        [--patterns contiguous,churned,scattered] [--backends nixl,grpc]
 
 The KV cache has the "small" preset's shape (12 layers, 4 KV heads, head dim 64, bfloat16), so
 one (layer, block) region is 16 KiB at block size 16. A prefill worker process writes N blocks
-of every layer into a decode worker process's cache, with block ids scattered (a fragmented
-free list) or contiguous (a fresh one), as one send and layer by layer (12 sends, as overlapped
-with compute). The baseline is `dst.copy_(src)` of the same number of bytes inside the sending
-process, timed right before every transfer: "vs copy_" is the median of these paired ratios, so
-it holds up on a machine whose load drifts. Figures are medians over --reps (plus the best run);
-the receiver checks the bytes (a hash of its destination blocks against the sender's source
-blocks) after every transfer. The scattered pattern copied in-process by tensor indexing is
-shown for reference.
+of every layer into a decode worker process's cache (a pool of 2N blocks each), as one send and
+layer by layer (12 sends, as overlapped with compute). Block id patterns:
+  contiguous   a fresh pool: ids 0..N-1 into the top N ids
+  churned      what the real BlockManager hands out (prefix caching on) after a churn of ragged
+               prompts: the sender churned as a prefill worker, the receiver as a decode worker
+               (requests also grow a block at a time), each with its own random sequence;
+               "churned:W" with BlockManager(eviction_window=W)
+  scattered    a random permutation of the pool on each side (the worst case)
+  runs:K       the pool cut into runs of K ids, shuffled (a fixed fragmentation level)
+A backend "nixl:prepped" or "nixl:merged" forces how NIXL descriptors are built (default: auto).
+"runs/send" counts the stretches of regions adjacent on both sides (the separate copies a send
+needs at best); "desc/send" is how many descriptors NIXL was given (prepared per-region lists
+when runs do not pay, which NIXL merges itself). "copy_ 1 thread" is shown for reference: a
+transport's copy runs on one thread (CMA: the sender's process_vm_writev).
+The baseline is `dst.copy_(src)` of the same number of bytes inside the sending process, timed
+right before every transfer: "vs copy_" is the median of these paired ratios, so it holds up on a
+machine whose load drifts. Figures are medians over --reps (plus the best run); the receiver
+checks the bytes (a hash of its destination blocks against the sender's source blocks) after
+every transfer. The scattered pattern copied in-process by tensor indexing is shown for reference.
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import queue
+import random
 import statistics
 import sys
 import time
@@ -90,17 +103,25 @@ class _Copier:
         self.dst = torch.empty_like(self.src)
         self.dst.copy_(self.src)
 
-    def seconds(self) -> float:
-        t0 = time.perf_counter()
-        self.dst.copy_(self.src)
-        return time.perf_counter() - t0
+    def seconds(self, threads: int | None = None) -> float:
+        default = torch.get_num_threads()
+        torch.set_num_threads(threads or default)
+        try:
+            t0 = time.perf_counter()
+            self.dst.copy_(self.src)
+            return time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(default)
+
+
+def _pool(blocks: int) -> int:
+    return 2 * blocks
 
 
 def _in_process_scatter(blocks: int, block_size: int, reps: int) -> float:
     """The same scattered (layer, block) pattern as the transports move, copied inside one process."""
-    pool = blocks + blocks // 2 + 1
-    src, dst = _cache(pool, block_size, seed=2), _cache(pool, block_size, seed=1)
-    src_ids, dst_ids = (torch.tensor(ids) for ids in _block_ids("scattered", blocks))
+    src, dst = _cache(_pool(blocks), block_size, seed=2), _cache(_pool(blocks), block_size, seed=1)
+    src_ids, dst_ids = (torch.tensor(ids) for ids in _block_ids("scattered", blocks, block_size))
     times = []
     for _ in range(reps + 1):
         t0 = time.perf_counter()
@@ -109,29 +130,80 @@ def _in_process_scatter(blocks: int, block_size: int, reps: int) -> float:
     return statistics.median(times[1:])
 
 
-def _block_ids(pattern: str, blocks: int) -> tuple[list[int], list[int]]:
-    """Source and destination ids in a pool of blocks * 1.5 + 1: "scattered" as a fragmented free
-    list hands them out, "contiguous" as a fresh one does (adjacent regions, which NIXL merges)."""
-    pool = blocks + blocks // 2 + 1
+def _churned(blocks: int, block_size: int, seed: int, decode: bool, window: int) -> list[int]:
+    """N block ids as a worker's BlockManager (prefix caching on) hands them out after serving-like
+    churn: ragged prompts are admitted while blocks last (their full blocks enter the cache with
+    unique hashes), random ones finish; on a decode worker running requests also grow a block at
+    a time. Then finished requests are freed until N blocks are free, and N are allocated."""
+    from disagg.worker.block_manager import BlockManager
+
+    rng = random.Random(seed)
+    pool = _pool(blocks)
+    bm = BlockManager(pool, block_size, enable_prefix_caching=True, eviction_window=window)
+    live: list[list[int]] = []
+    next_hash = seed << 40
+    handed_out = 0
+    while handed_out < 8 * pool:
+        want = rng.randint(1, max(1, blocks // 8))
+        if bm.num_free_blocks - want > pool // 10:
+            live.append(bm.allocate(want))
+            handed_out += want
+            for b in live[-1][:-1]:  # the prompt's full blocks; the last one is partial
+                bm.register(b, next_hash)
+                next_hash += 1
+        for req in live if decode else ():
+            if rng.random() < 0.3 and bm.num_free_blocks > 0:
+                bm.register(req[-1], next_hash)  # the tail filled up before a new block is needed
+                next_hash += 1
+                req += bm.allocate(1)
+                handed_out += 1
+        while live and (rng.random() < 0.3 or bm.num_free_blocks < pool // 10):
+            bm.free(live.pop(rng.randrange(len(live))))
+    while bm.num_free_blocks < blocks:
+        bm.free(live.pop(rng.randrange(len(live))))
+    return bm.allocate(blocks)
+
+
+def _block_ids(pattern: str, blocks: int, block_size: int) -> tuple[list[int], list[int]]:
+    """Source and destination ids in pools of 2N blocks, see the module doc for the patterns."""
+    pool = _pool(blocks)
     if pattern == "contiguous":
         return list(range(blocks)), list(range(pool - blocks, pool))
+    if pattern.split(":")[0] == "churned":
+        window = int(pattern.split(":")[1]) if ":" in pattern else 1
+        return (
+            _churned(blocks, block_size, 3, decode=False, window=window),
+            _churned(blocks, block_size, 4, decode=True, window=window),
+        )
     g = torch.Generator().manual_seed(3)
-    return torch.randperm(pool, generator=g)[:blocks].tolist(), torch.randperm(pool, generator=g)[
-        :blocks
-    ].tolist()
+    if pattern == "scattered":
+        return torch.randperm(pool, generator=g)[:blocks].tolist(), torch.randperm(pool, generator=g)[
+            :blocks
+        ].tolist()
+    if pattern.startswith("runs:"):
+        k = int(pattern.split(":")[1])
+        sides = []
+        for _ in range(2):
+            starts = (torch.randperm(pool // k, generator=g) * k).tolist()
+            sides.append([s + i for s in starts for i in range(k)][:blocks])
+        return sides[0], sides[1]
+    raise ValueError(f"patterns: unknown block id pattern {pattern!r}")
 
 
 def _run_backend(kind: str, blocks: int, block_size: int, reps: int, patterns: list[str], copier, log):
     """Per (pattern, "one send" | "per layer"): (median s, best s, median of copy_ s / transfer s)."""
     from disagg.worker.kv_transfer import KVLayout, create_transport
+    from disagg.worker.kv_transfer.region_runs import find_runs
 
-    pool = blocks + blocks // 2 + 1
+    kind, _, descriptors = kind.partition(":")
+    options = {"descriptors": descriptors} if descriptors else {}
+    pool = _pool(blocks)
     ctx = mp.get_context("spawn")
     commands, replies = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_receiver, args=(kind, pool, block_size, commands, replies), daemon=True)
     proc.start()
     cache = _cache(pool, block_size, seed=2)
-    sender = create_transport(kind, cache, KVLayout.from_tensor(cache, MODEL), "bench-prefill")
+    sender = create_transport(kind, cache, KVLayout.from_tensor(cache, MODEL), "bench-prefill", **options)
     sender.add_peer("decode", replies.get(timeout=120))
     results = {}
     modes = [
@@ -141,16 +213,17 @@ def _run_backend(kind: str, blocks: int, block_size: int, reps: int, patterns: l
     ]
     try:
         for pattern, mode, groups in modes:
-            src, dst = _block_ids(pattern, blocks)
+            src, dst = _block_ids(pattern, blocks, block_size)
             want = _digest(cache, src)
-            times, ratios = [], []
+            times, ratios, descs = [], [], []
             for rep in range(reps + 1):  # the first run warms up connections and is not counted
                 tid = f"{kind}-{pattern}-{mode}-{rep}"
                 baseline = copier.seconds()
                 t0 = time.perf_counter()
-                handles = [
-                    sender.send("decode", tid, src, dst, layers=layers, timeout=120) for layers in groups
-                ]
+                handles = []
+                for layers in groups:
+                    handles.append(sender.send("decode", tid, src, dst, layers=layers, timeout=120))
+                    descs.append(getattr(sender, "last_descriptors", None))
                 states = [h.wait(120) for h in handles]
                 elapsed = time.perf_counter() - t0
                 if states != ["done"] * len(handles):
@@ -164,7 +237,11 @@ def _run_backend(kind: str, blocks: int, block_size: int, reps: int, patterns: l
                     ratios.append(baseline / elapsed)
                 log(f"  {kind:5s} {pattern:10s} {mode:9s} rep {rep}{' (warm-up)' if rep == 0 else ''}: "
                     f"{elapsed * 1e3:8.1f} ms (copy_ {baseline * 1e3:.1f} ms)")  # fmt: skip
-            results[(pattern, mode)] = (statistics.median(times), min(times), statistics.median(ratios))
+            runs = len(find_runs(src, dst)) * (LAYERS if mode == "one send" else 1)
+            desc = "-" if descs[0] is None else f"{statistics.mean(descs):.0f}"
+            results[(pattern, mode)] = (
+                statistics.median(times), min(times), statistics.median(ratios), desc, str(runs),
+            )  # fmt: skip
     finally:
         sender.close()
         commands.put(("exit",))
@@ -179,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="64,256", help="MiB per transfer, comma-separated")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--backends", default="nixl,grpc")
+    parser.add_argument("--backends", default="nixl,grpc", help="nixl, nixl:prepped, nixl:merged, grpc")
     parser.add_argument(
-        "--patterns", default="scattered,contiguous", help="block id patterns, see _block_ids"
+        "--patterns", default="contiguous,churned,scattered", help="block id patterns, see the module doc"
     )
     args = parser.parse_args(argv)
 
@@ -198,7 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         copier = _Copier(nbytes)
         copies = [copier.seconds() for _ in range(args.reps)]
-        rows.append((nbytes, "in-process copy_", "-", "-", (statistics.median(copies), min(copies), 1.0)))
+        copy_s = statistics.median(copies)
+        rows.append((nbytes, "in-process copy_", "-", "-", (copy_s, min(copies), 1.0, "-", "1")))
+        single = [copier.seconds(threads=1) for _ in range(args.reps)]
+        figures = (statistics.median(single), min(single), copy_s / statistics.median(single), "-", "1")
+        rows.append((nbytes, "copy_ 1 thread", "-", "-", figures))
         scatter = _in_process_scatter(blocks, args.block_size, args.reps)
         log(f"  in-process index copy, scattered ids: {scatter * 1e3:.1f} ms")
         rows.append(
@@ -207,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 "in-process index",
                 "scattered",
                 "-",
-                (scatter, scatter, statistics.median(copies) / scatter),
+                (scatter, scatter, statistics.median(copies) / scatter, "-", str(blocks * LAYERS)),
             )
         )
         for kind in args.backends.split(","):
@@ -220,10 +301,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nKV transfer bandwidth, median of {args.reps} (torch threads: {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")  # fmt: skip
-    print(f"{'size':>8} {'transport':>17} {'block ids':>11} {'sends':>10} {'ms':>8} {'GiB/s':>7} {'best':>6} "
-          f"{'vs copy_':>9}")  # fmt: skip
-    for nbytes, kind, pattern, mode, (median, best, ratio) in rows:
-        print(f"{nbytes / 2**20:6.0f}Mi {kind:>17} {pattern:>11} {mode:>10} {median * 1e3:8.1f} "
+    print(f"{'size':>8} {'transport':>17} {'block ids':>11} {'sends':>10} {'runs/send':>9} {'desc/send':>9} "
+          f"{'ms':>8} {'GiB/s':>7} {'best':>6} {'vs copy_':>9}")  # fmt: skip
+    for nbytes, kind, pattern, mode, (median, best, ratio, descs, runs) in rows:
+        print(f"{nbytes / 2**20:6.0f}Mi {kind:>17} {pattern:>11} {mode:>10} {runs:>9} {descs:>9} {median * 1e3:8.1f} "
               f"{nbytes / median / 2**30:7.2f} {nbytes / best / 2**30:6.2f} {ratio:8.0%}")  # fmt: skip
     return 0
 

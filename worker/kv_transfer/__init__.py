@@ -27,8 +27,9 @@ __all__ = [
 def create_transport(
     kind: str, kv_cache: torch.Tensor, layout: KVLayout, name: str, **options
 ) -> KVTransport:
-    """kind "nixl" (options: default_timeout, stall_timeout) or "grpc" (also advertise_address,
-    chunk_bytes; mount `transport.servicer()` on the worker's gRPC server)."""
+    """kind "nixl" (options: default_timeout, stall_timeout, descriptors="auto"|"prepped"|"merged")
+    or "grpc" (default_timeout, stall_timeout, advertise_address, chunk_bytes; mount
+    `transport.servicer()` on the worker's gRPC server)."""
     if kind == "nixl":
         from disagg.worker.kv_transfer.nixl_transport import NixlTransport
 

@@ -25,6 +25,7 @@ from disagg.worker.kv_transfer.base import KVTransport
 from disagg.worker.kv_transfer.handle import TransferHandle
 from disagg.worker.kv_transfer.handshake import decode_handshake, encode_handshake
 from disagg.worker.kv_transfer.layout import KVLayout
+from disagg.worker.kv_transfer.region_runs import block_runs
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +53,26 @@ class _RegionBytes:
         self.bytes = view.numpy() if self.on_cpu else view  # numpy: no copies through torch on CPU
         self.block_bytes = layout.block_bytes
 
+    def _rows(self, layer: int, blocks: list[int]):
+        """The rows of `blocks`: a plain slice when the ids are consecutive (one copy, no gather)."""
+        if len(blocks) == 1 or len(block_runs(blocks)) == 1:
+            return self.bytes[layer, blocks[0] : blocks[0] + len(blocks)]
+        return None
+
     def read(self, layer: int, blocks: list[int]) -> bytes:
         if self.on_cpu:
-            return self.bytes[layer, blocks].tobytes()
+            rows = self._rows(layer, blocks)
+            return (self.bytes[layer, blocks] if rows is None else rows).tobytes()
         return self.bytes[layer, torch.tensor(blocks, device=self.bytes.device)].cpu().numpy().tobytes()
 
     def write(self, layer: int, blocks: list[int], data: bytes) -> None:
         if self.on_cpu:
-            self.bytes[layer, blocks] = np.frombuffer(data, dtype=np.uint8).reshape(
-                len(blocks), self.block_bytes
-            )
+            src = np.frombuffer(data, dtype=np.uint8).reshape(len(blocks), self.block_bytes)
+            rows = self._rows(layer, blocks)
+            if rows is None:
+                self.bytes[layer, blocks] = src
+            else:
+                rows[...] = src
             return
         with warnings.catch_warnings():  # torch warns that bytes are read-only; they are only read
             warnings.simplefilter("ignore", UserWarning)
