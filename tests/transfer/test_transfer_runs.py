@@ -65,14 +65,22 @@ def receivers():
         r.stop()
 
 
-SENDERS = [("nixl", "auto"), ("nixl", "prepped"), ("nixl", "merged"), ("grpc", None)]
+# (backend, descriptor mode, UCX threads): the default 2 threads, and one thread for the auto mode
+SENDERS = [("nixl", "auto", None), ("nixl", "auto", 0), ("nixl", "prepped", None), ("nixl", "merged", None),
+           ("grpc", None, None)]  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=SENDERS, ids=lambda s: f"{s[0]}-{s[1] or 'chunks'}")
+@pytest.fixture(
+    scope="module",
+    params=SENDERS,
+    ids=lambda s: f"{s[0]}-{s[1] or 'chunks'}" + ("" if s[2] is None else f"-t{s[2]}"),
+)
 def sender(request, receivers):
-    kind, descriptors = request.param
+    kind, descriptors, threads = request.param
     cache = make_cache(seed=request.param_index + 2, num_blocks=NUM_BLOCKS)
     options = {"descriptors": descriptors} if descriptors else {}
+    if threads is not None:
+        options["threads"] = threads
     transport = create_transport(kind, cache, KVLayout.from_tensor(cache, MODEL), "prefill-runs", **options)
     transport.add_peer("decode", receivers[kind].payload)
     yield transport, receivers[kind]
@@ -124,3 +132,5 @@ def test_unknown_descriptor_mode_is_refused():
     cache = make_cache(seed=9, num_blocks=NUM_BLOCKS)
     with pytest.raises(ValueError, match="descriptors"):
         create_transport("nixl", cache, KVLayout.from_tensor(cache, MODEL), "x", descriptors="fast")
+    with pytest.raises(ValueError, match="threads"):
+        create_transport("nixl", cache, KVLayout.from_tensor(cache, MODEL), "x", threads=-1)
