@@ -18,6 +18,8 @@ from disagg.proto import worker_pb2 as pb
 from disagg.proto import worker_pb2_grpc as pb_grpc
 from disagg.worker.ports import free_port
 
+from .redis_check import assert_no_transfer_records
+
 STARTUP_TIMEOUT = 120.0
 
 
@@ -184,6 +186,17 @@ class Cluster:
             if not busy or time.monotonic() > deadline:
                 return loads
             time.sleep(0.1)
+
+    def assert_released(
+        self, redis_url: str, idle_timeout: float = 20.0, records_timeout: float = 10.0
+    ) -> None:
+        """Every live worker back to an empty cache and no request, and no transfer record left in Redis."""
+        for name, load in self.wait_idle(timeout=idle_timeout).items():
+            assert load.used_blocks == 0, f"{name} still holds blocks: {load}"
+            assert load.reserved_blocks == 0 and load.pinned_blocks == 0, f"{name}: {load}"
+            assert load.inflight_requests == 0 and load.running == 0 and load.waiting == 0, f"{name}: {load}"
+            assert load.free_blocks == load.total_blocks, f"{name}: {load}"
+        assert_no_transfer_records(redis_url, self.deployment, timeout=records_timeout)
 
     def metric(self, name: str, metric: str) -> float:
         """Sum of a metric's samples (any labels) on a worker's or the router's /metrics page."""

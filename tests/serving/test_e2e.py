@@ -17,7 +17,6 @@ from disagg.proto import worker_pb2 as pb
 from disagg.worker.sampling_params import SamplingParams
 
 from .cluster import Cluster
-from .redis_check import assert_no_transfer_records
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,13 +44,7 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
 @pytest.fixture(autouse=True)
 def accounting_back_to_zero(cluster, redis_server):
     yield
-    loads = cluster.wait_idle()
-    for name, load in loads.items():
-        assert load.used_blocks == 0, f"{name} still holds blocks: {load}"
-        assert load.reserved_blocks == 0 and load.pinned_blocks == 0, f"{name}: {load}"
-        assert load.inflight_requests == 0 and load.running == 0 and load.waiting == 0, f"{name}: {load}"
-        assert load.free_blocks == load.total_blocks
-    assert_no_transfer_records(redis_server.url, cluster.deployment)
+    cluster.assert_released(redis_server.url)
 
 
 def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:

@@ -14,7 +14,6 @@ import pytest
 from disagg.worker.sampling_params import SamplingParams
 
 from .cluster import Cluster
-from .redis_check import assert_no_transfer_records
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,11 +46,7 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
 
 
 def _idle_everywhere(cluster: Cluster, redis_url: str) -> None:
-    loads = cluster.wait_idle(timeout=LEASE * 4)
-    for name, load in loads.items():
-        assert load.used_blocks == 0 and load.inflight_requests == 0, f"{name} leaked: {load}"
-        assert load.pinned_blocks == 0 and load.reserved_blocks == 0, f"{name} leaked: {load}"
-    assert_no_transfer_records(redis_url, cluster.deployment, timeout=LEASE * 4)
+    cluster.assert_released(redis_url, idle_timeout=LEASE * 4, records_timeout=LEASE * 4)
 
 
 def _prompt(n: int, seed: int) -> list[int]:

@@ -21,7 +21,6 @@ from disagg.worker.router.workers import WorkerPool
 from disagg.worker.sampling_params import SamplingParams
 
 from .cluster import Cluster
-from .redis_check import assert_no_transfer_records
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -205,14 +204,7 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
 @pytest.fixture
 def idle_after(cluster, redis_server):
     yield
-    loads = cluster.wait_idle()
-    for name, load in loads.items():
-        assert load.used_blocks == 0 and load.reserved_blocks == 0 and load.pinned_blocks == 0, (
-            f"{name}: {load}"
-        )
-        assert load.inflight_requests == 0 and load.running == 0 and load.waiting == 0, f"{name}: {load}"
-        assert load.free_blocks == load.total_blocks, f"{name}: {load}"
-    assert_no_transfer_records(redis_server.url, cluster.deployment)
+    cluster.assert_released(redis_server.url)
 
 
 def _post(cluster, path: str, body: dict) -> httpx.Response:
