@@ -18,6 +18,7 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 from disagg.worker.ports import free_port  # noqa: E402
+from disagg.worker.up_cmd import redis_command  # noqa: E402
 
 
 class RedisServer:
@@ -37,19 +38,7 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.dir),
-            ],
+            redis_command(self.port, self.dir),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -24,6 +24,13 @@ from pathlib import Path
 
 from disagg.worker.ports import free_port
 
+
+def redis_command(port: int, data_dir: Path | None = None) -> list[str]:
+    """A throwaway loopback Redis: no snapshots, no append-only file (KV state is rebuilt, not restored)."""
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return cmd if data_dir is None else [*cmd, "--dir", str(data_dir)]
+
+
 _PR_SET_PDEATHSIG = 1
 
 DEMO_MESSAGE = (
@@ -134,21 +141,7 @@ class Deployment:
         self.model = model
         redis_port = free_port()
         self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        redis = Child(
-            "redis",
-            [
-                "redis-server",
-                "--port",
-                str(redis_port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            self.run_dir / "redis.log",
-        )
+        redis = Child("redis", redis_command(redis_port), self.run_dir / "redis.log")
         self.children.append(redis)
         n_workers = a.prefill + a.decode + a.both
         threads = a.threads or max(1, (os.cpu_count() or 1) // n_workers)
