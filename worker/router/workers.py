@@ -14,20 +14,9 @@ import grpc
 
 from disagg.proto import worker_pb2, worker_pb2_grpc
 from disagg.worker.router.policy import WorkerView
+from disagg.worker.worker_stubs import WorkerStubs
 
 log = logging.getLogger("disagg.router.workers")
-
-# Large prompts (token ids) and KV-free control messages: 64 MiB is plenty.
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
-    # reconnect quickly to a worker that (re)started: the default backoff grows to two minutes
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-
 
 _POLL_TIMEOUT = 2.0
 _SLOW_POLLS_TOLERATED = 3
@@ -60,7 +49,7 @@ class WorkerPool:
         self._refresh = refresh_seconds
         self._model = model
         self._members: dict[str, _Member] = {a: _Member(a) for a in self._static}
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs = WorkerStubs()
         self._inflight: dict[str, int] = {}
         self._task: asyncio.Task | None = None
         self.registry_ok = self._source is None
@@ -79,9 +68,7 @@ class WorkerPool:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
+        await self._stubs.close()
 
     async def _loop(self) -> None:
         while True:
@@ -148,9 +135,7 @@ class WorkerPool:
 
     async def _drop(self, addr: str) -> None:
         self._members.pop(addr, None)
-        ch = self._channels.pop(addr, None)
-        if ch is not None:
-            await ch.close()
+        await self._stubs.drop(addr)
 
     def mark_failed(self, worker_id: str) -> None:
         """A call to the worker failed: stop routing to it until its next successful poll."""
@@ -170,11 +155,7 @@ class WorkerPool:
 
     # ---- calls ------------------------------------------------------------------------------
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-            self._channels[address] = ch
-        return worker_pb2_grpc.WorkerStub(ch)
+        return self._stubs.stub(address)
 
     def begin(self, worker_id: str) -> None:
         self._inflight[worker_id] = self._inflight.get(worker_id, 0) + 1

@@ -13,11 +13,11 @@ from aiohttp import web
 
 from disagg.proto import worker_pb2_grpc as pb_grpc
 from disagg.worker.metrics import CONTENT_TYPE, ServingMetrics
-from disagg.worker.router.workers import GRPC_OPTIONS
 from disagg.worker.server.core import WorkerCore
 from disagg.worker.server.engine_loop import EngineLoop
 from disagg.worker.server.servicer import ServingOptions, WorkerService
 from disagg.worker.server.state_link import StateLink
+from disagg.worker.worker_stubs import GRPC_OPTIONS
 
 log = logging.getLogger("disagg.worker")
 

@@ -20,11 +20,11 @@ from disagg.proto import worker_pb2_grpc as pb_grpc
 from disagg.worker.block_manager import NoFreeBlocksError
 from disagg.worker.metrics import ServingMetrics
 from disagg.worker.router.policy import should_disaggregate
-from disagg.worker.router.workers import GRPC_OPTIONS
 from disagg.worker.server.convert import error, logprob_from_proto, logprob_to_proto, sampling_params
 from disagg.worker.server.core import PrefillJob, WorkerCore
 from disagg.worker.server.engine_loop import EngineLoop
 from disagg.worker.server.state_link import StateLink
+from disagg.worker.worker_stubs import WorkerStubs
 
 log = logging.getLogger("disagg.worker.servicer")
 
@@ -68,7 +68,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.ready = False
         self.draining = False
         self.streams = 0  # Generate and Prefill calls in progress (drain waits for zero)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs = WorkerStubs()
         self._handshaken: set[str] = set()  # prefill workers whose KV handshake we hold
         self._handshake_locks: dict[str, asyncio.Lock] = {}
 
@@ -77,15 +77,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         return await asyncio.wrap_future(self.loop.call(fn, *args))
 
     def _stub(self, address: str) -> pb_grpc.WorkerStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-            self._channels[address] = ch
-        return pb_grpc.WorkerStub(ch)
+        return self._stubs.stub(address)
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
+        await self._stubs.close()
 
     def _refuse(self) -> pb.Error | None:
         if self.draining:
