@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -141,10 +142,9 @@ class StateLink:
 
         def begin():
             if previous:
-                try:
+                # StaleGeneration: the record is gone (reaped, or Redis restarted); start a new one below
+                with contextlib.suppress(StaleGeneration):
                     return self.kv.reassign(request_id, previous, prefill_owner, lease_seconds=lease)
-                except StaleGeneration:
-                    pass  # the record is gone (reaped, or Redis restarted): start a new one
             try:
                 return self.kv.begin_transfer(
                     request_id,
