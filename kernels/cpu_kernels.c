@@ -143,16 +143,17 @@ DEFINE_HEAD_ATTENTION(head_attention_d128, 128)
 DEFINE_HEAD_ATTENTION(head_attention_any, head_dim)
 
 /* Paged decode attention of the B sequences, each query reading its own cached K/V.
- * q and out: [B][Hq][D]. block_tables: [B][table_stride] int32. seq_lens: [B] int32.
+ * q: B rows of Hq * D floats, q_row_stride apart (a slice of the fused qkv output); out: [B][Hq][D].
+ * block_tables: [B][table_stride] int32. seq_lens: [B] int32.
  * `scratch` holds num_threads * (Hq / Hkv) * max_len floats. Sequences are spread over
  * num_threads OpenMP threads: torch's own pool, as this library binds to the libgomp torch has
  * loaded, so its threads are already awake and nothing is oversubscribed.
  * Returns 0, or -1 for a sequence length outside [1, max_len]. */
-int paged_decode_attention_f32(const float *q, const float *kv, const int32_t *block_tables,
-                               int64_t table_stride, const int32_t *seq_lens, float *out, int64_t batch,
-                               int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t block_size, float scale, float *scratch, int64_t max_len,
-                               int64_t num_threads) {
+int paged_decode_attention_f32(const float *q, int64_t q_row_stride, const float *kv,
+                               const int32_t *block_tables, int64_t table_stride,
+                               const int32_t *seq_lens, float *out, int64_t batch, int64_t num_q_heads,
+                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                               float *scratch, int64_t max_len, int64_t num_threads) {
     const int64_t group = num_q_heads / num_kv_heads;
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1) reduction(| : bad)
@@ -169,15 +170,16 @@ int paged_decode_attention_f32(const float *q, const float *kv, const int32_t *b
 #endif
         const int32_t *table = block_tables + b * table_stride;
         for (int64_t h = 0; h < num_kv_heads; h++) {
+            const float *qh = q + b * q_row_stride + h * group * head_dim;
             const int64_t first = (b * num_q_heads + h * group) * head_dim;
             if (head_dim == 64)
-                head_attention_d64(q + first, kv, table, len, group, head_dim, h, num_kv_heads, block_size,
+                head_attention_d64(qh, kv, table, len, group, head_dim, h, num_kv_heads, block_size,
                                    scale, scores, out + first);
             else if (head_dim == 128)
-                head_attention_d128(q + first, kv, table, len, group, head_dim, h, num_kv_heads, block_size,
+                head_attention_d128(qh, kv, table, len, group, head_dim, h, num_kv_heads, block_size,
                                     scale, scores, out + first);
             else
-                head_attention_any(q + first, kv, table, len, group, head_dim, h, num_kv_heads, block_size,
+                head_attention_any(qh, kv, table, len, group, head_dim, h, num_kv_heads, block_size,
                                    scale, scores, out + first);
         }
     }

@@ -104,7 +104,7 @@ def _load() -> ctypes.CDLL:
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
         "paged_decode_attention_f32": (
-            [p, p, p, i64, p, p, i64, i64, i64, i64, i64, f32, p, i64, i64],
+            [p, i64, p, p, i64, p, p, i64, i64, i64, i64, i64, f32, p, i64, i64],
             ctypes.c_int,
         ),
         "add_rms_norm_f32": ([p, p, p, p, i64, i64, f32], None),
@@ -253,10 +253,11 @@ class PagedDecodeAttention:
             raise ValueError(
                 f"q {tuple(q.shape)} / cache {tuple(kv_cache.shape)} do not match this step's plan"
             )
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        if q.stride(2) != 1 or q.stride(1) != d:  # heads of a row must be contiguous; rows may be apart
+            q = q.contiguous()
+        out = torch.empty(b, hq, d, dtype=torch.float32)
         code = _lib.paged_decode_attention_f32(
-            q.data_ptr(), kv_cache.data_ptr(), self.tables.data_ptr(), self.tables.shape[1],
+            q.data_ptr(), q.stride(0), kv_cache.data_ptr(), self.tables.data_ptr(), self.tables.shape[1],
             self.lens.data_ptr(), out.data_ptr(), b, hq, self.num_kv_heads, d, kv_cache.shape[2], scale,
             self.scratch.data_ptr(), self.max_len, self.threads,
         )  # fmt: skip
