@@ -63,7 +63,7 @@ BUCKETS = np.array(
 def measure(preset: str) -> dict:
     """Prefill seconds vs prompt length and decode step seconds vs batch, on the real engine."""
     from disagg.worker import LLM, SamplingParams
-    from disagg.worker.make_model import make_model
+    from disagg.worker.tools.make_model import make_model
 
     path = make_model(MODEL_DIR / f"autoscale-{preset}", preset=preset, seed=0)
     llm = LLM(path, max_num_seqs=64, max_num_batched_tokens=4096, enable_prefix_caching=False)

@@ -28,7 +28,7 @@ def log(msg: str) -> None:
 
 
 def ensure_model(path: Path, preset: str) -> Path:
-    from disagg.worker.make_model import make_model
+    from disagg.worker.tools.make_model import make_model
 
     if not (path / "config.json").is_file():
         log(f"making the {preset} model in {path} (once)")
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
 
     model_dir = ensure_model(args.model, args.preset)
-    from disagg.worker.config import ModelConfig
+    from disagg.worker.model.config import ModelConfig
 
     config = ModelConfig.from_pretrained(model_dir)
     work = workload(args, config.vocab_size)

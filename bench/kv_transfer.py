@@ -135,7 +135,7 @@ def _churned(blocks: int, block_size: int, seed: int, decode: bool, window: int)
     churn: ragged prompts are admitted while blocks last (their full blocks enter the cache with
     unique hashes), random ones finish; on a decode worker running requests also grow a block at
     a time. Then finished requests are freed until N blocks are free, and N are allocated."""
-    from disagg.worker.block_manager import BlockManager
+    from disagg.worker.engine.block_manager import BlockManager
 
     rng = random.Random(seed)
     pool = _pool(blocks)

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import aiohttp
 
-from disagg.worker.ports import free_port
-from disagg.worker.up_cmd import Deployment
+from disagg.worker.cli.ports import free_port
+from disagg.worker.cli.up import Deployment
 
 
 @dataclass
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     if args.model is None:
         path = Path(".models") / args.preset
         if not (path / "config.json").is_file():
-            from disagg.worker.make_model import make_model
+            from disagg.worker.tools.make_model import make_model
 
             print(f"making the {args.preset} model under {path} ...", flush=True)
             make_model(path, preset=args.preset)

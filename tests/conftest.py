@@ -17,8 +17,8 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
-from disagg.worker.ports import free_port  # noqa: E402
-from disagg.worker.up_cmd import redis_command  # noqa: E402
+from disagg.worker.cli.ports import free_port  # noqa: E402
+from disagg.worker.cli.up import redis_command  # noqa: E402
 
 
 class RedisServer:

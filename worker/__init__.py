@@ -9,11 +9,11 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "LLM": "disagg.worker.llm",
-    "LLMEngine": "disagg.worker.engine",
-    "SamplingParams": "disagg.worker.sampling_params",
-    "RequestOutput": "disagg.worker.outputs",
-    "CompletionOutput": "disagg.worker.outputs",
+    "LLM": "disagg.worker.engine.llm",
+    "LLMEngine": "disagg.worker.engine.llm_engine",
+    "SamplingParams": "disagg.worker.engine.sampling_params",
+    "RequestOutput": "disagg.worker.engine.outputs",
+    "CompletionOutput": "disagg.worker.engine.outputs",
 }
 
 __all__ = sorted(_LAZY)

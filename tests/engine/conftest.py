@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from disagg.worker.forward_batch import ForwardBatch
-from disagg.worker.make_model import write_tokenizer
+from disagg.worker.model.forward_batch import ForwardBatch
+from disagg.worker.tools.make_model import write_tokenizer
 
 TINY_VOCAB = 512
 _COMMON = dict(

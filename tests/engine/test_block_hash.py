@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from disagg.worker.block_hash import block_hashes, hash_block
+from disagg.worker.engine.block_hash import block_hashes, hash_block
 
 # Golden values: changing them breaks every prefix index built by deployed workers.
 GOLDEN_FIRST = 14937269884020298731  # hash_block(None, [1, 2, 3, 4])
@@ -20,7 +20,7 @@ def test_golden_values():
 
 
 def test_same_value_in_a_fresh_process_with_another_hash_seed():
-    code = "from disagg.worker.block_hash import block_hashes; print(block_hashes(list(range(10)), 4))"
+    code = "from disagg.worker.engine.block_hash import block_hashes; print(block_hashes(list(range(10)), 4))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

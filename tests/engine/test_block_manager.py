@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.worker.block_hash import block_hashes
-from disagg.worker.block_manager import BlockManager, NoFreeBlocksError
+from disagg.worker.engine.block_hash import block_hashes
+from disagg.worker.engine.block_manager import BlockManager, NoFreeBlocksError
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from disagg.worker.block_manager import BlockManager, NoFreeBlocksError
+from disagg.worker.engine.block_manager import BlockManager, NoFreeBlocksError
 from disagg.worker.kv_transfer.region_runs import block_runs
 
 

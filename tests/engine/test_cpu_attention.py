@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from disagg.kernels import torch_ops
-from disagg.worker.model_runner import keep_freed_cpu_memory
+from disagg.worker.model.runner import keep_freed_cpu_memory
 
 BLOCK, HQ, HKV, D = 4, 6, 2, 8
 

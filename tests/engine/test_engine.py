@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from disagg.worker import LLM, SamplingParams
-from disagg.worker.engine import LLMEngine
+from disagg.worker.engine.llm_engine import LLMEngine
 
 NEW_TOKENS = 40
 # ragged: below, at and across block boundaries (block sizes 8 and 16 are used below)

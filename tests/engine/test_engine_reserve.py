@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from disagg.worker import SamplingParams
-from disagg.worker.block_hash import block_hashes
-from disagg.worker.block_manager import NoFreeBlocksError
-from disagg.worker.engine import LLMEngine, Reservation
+from disagg.worker.engine.block_hash import block_hashes
+from disagg.worker.engine.block_manager import NoFreeBlocksError
+from disagg.worker.engine.llm_engine import LLMEngine, Reservation
 
 BS = 8
 

@@ -11,21 +11,21 @@ import pytest
 import torch
 
 from disagg.kernels import torch_ops
-from disagg.worker.config import RopeConfig
-from disagg.worker.model import (
+from disagg.worker.engine.batch_builder import build_decode, build_packed
+from disagg.worker.engine.request import Request
+from disagg.worker.engine.sampler import Sampler
+from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.engine.scheduler import ScheduledChunk, SchedulerOutput
+from disagg.worker.model.config import RopeConfig
+from disagg.worker.model.llama import (
     add_rms_norm_,
     decode_attention_one_group,
-    load_model,
     rope_cos_sin_cache,
     rotary_full_width,
     rotate_heads_full_width,
     single_decode_group,
 )
-from disagg.worker.model_runner import ModelRunner
-from disagg.worker.request import Request
-from disagg.worker.sampler import Sampler
-from disagg.worker.sampling_params import SamplingParams
-from disagg.worker.scheduler import ScheduledChunk, SchedulerOutput
+from disagg.worker.model.loader import load_model
 
 BLOCK, HQ, HKV, D = 4, 6, 2, 16
 
@@ -91,15 +91,13 @@ def _decoding_request(rid: str, prompt_len: int, outputs: int, blocks: list[int]
 
 
 def test_decode_batch_builder_equals_the_packed_one():
-    runner = ModelRunner.__new__(ModelRunner)  # the builders only read block_size
-    runner.block_size = BLOCK
     reqs = [
         _decoding_request("a", 5, 3, [7, 2]),
         _decoding_request("b", 1, 0, [4]),
         _decoding_request("c", 9, 4, [0, 5, 1, 3]),
     ]
     out = SchedulerOutput(is_prefill=False, chunks=[ScheduledChunk(r, r.num_tokens - 1, 1) for r in reqs])
-    fast, packed = runner._build_decode(out), runner._build_packed(out)
+    fast, packed = build_decode(out, BLOCK), build_packed(out, BLOCK)
     for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_tables", "logits_indices"):
         a, b = getattr(fast, name), getattr(packed, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from disagg.worker.config import ModelConfig, parse_rope
-from disagg.worker.loader import load_model
-from disagg.worker.model import rope_inv_freq
+from disagg.worker.model.config import ModelConfig, parse_rope
+from disagg.worker.model.llama import rope_inv_freq
+from disagg.worker.model.loader import load_model
 
 BLOCK = 16
 

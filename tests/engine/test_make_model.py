@@ -7,10 +7,10 @@ import torch
 from safetensors.torch import load_file
 
 from disagg.worker.cli import main as cli_main
-from disagg.worker.config import ModelConfig
-from disagg.worker.make_model import PRESETS, count_parameters, make_model, model_config
-from disagg.worker.model import load_model
-from disagg.worker.tokenizer import Tokenizer
+from disagg.worker.engine.tokenizer import Tokenizer
+from disagg.worker.model.config import ModelConfig
+from disagg.worker.model.loader import load_model
+from disagg.worker.tools.make_model import PRESETS, count_parameters, make_model, model_config
 
 BLOCK = 16
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from disagg.worker.model import load_model, rope_inv_freq
+from disagg.worker.model.llama import rope_inv_freq
+from disagg.worker.model.loader import load_model
 
 BLOCK_SIZE = 16
 PROMPT_LENS = (1, 5, 17, 33)

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from disagg.worker.request import Request
-from disagg.worker.sampler import Sampler, apply_penalties, filter_logits
-from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.engine.request import Request
+from disagg.worker.engine.sampler import Sampler, apply_penalties, filter_logits
+from disagg.worker.engine.sampling_params import SamplingParams
 
 V = 64
 

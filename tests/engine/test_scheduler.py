@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.worker.block_hash import block_hashes
-from disagg.worker.block_manager import BlockManager
-from disagg.worker.request import Request, RequestStatus
-from disagg.worker.sampling_params import SamplingParams
-from disagg.worker.scheduler import Scheduler
+from disagg.worker.engine.block_hash import block_hashes
+from disagg.worker.engine.block_manager import BlockManager
+from disagg.worker.engine.request import Request, RequestStatus
+from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.engine.scheduler import Scheduler
 
 
 def make_req(rid: str, n_prompt: int, max_tokens: int = 4, base: int = 0) -> Request:

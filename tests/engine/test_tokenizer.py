@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from disagg.worker.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
-from disagg.worker.tokenizer import ChatTemplateError, Tokenizer
+from disagg.worker.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from disagg.worker.engine.tokenizer import ChatTemplateError, Tokenizer
 
 TEXTS = [
     "Hello, world!",

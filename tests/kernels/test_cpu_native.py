@@ -7,7 +7,7 @@ import torch
 from triton_cases import TOLERANCE, case_id, paged_cache
 
 from disagg.kernels import cpu_native, torch_ops
-from disagg.worker.model import load_model
+from disagg.worker.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagg.worker.cuda_graphs import (
+from disagg.worker.model.cuda_graphs import (
     CudaGraphRunner,
     DecodeInputBuffers,
     batch_size_buckets,
     bucket_for,
     graphs_enabled_from_env,
 )
-from disagg.worker.forward_batch import ForwardBatch
-from disagg.worker.model import load_model
+from disagg.worker.model.forward_batch import ForwardBatch
+from disagg.worker.model.loader import load_model
 
 
 def test_buckets():

@@ -344,7 +344,7 @@ def test_drain_timeout_leaves_time_to_stop():
 
 async def test_worker_serves_its_probe_and_prestop_paths(tmp_path):
     """The paths the kubelet calls answer on the worker's real metrics server (not 404)."""
-    from disagg.worker.server.main import WorkerProcess
+    from disagg.worker.serving.main import WorkerProcess
 
     body = load_example("cpu-tiny.yaml")
     kids = _children(body)
@@ -441,7 +441,7 @@ def test_router_container_parses_with_the_real_cli_and_agrees_with_the_workers(e
 
     # Discovery: the router reads the registry the workers write (same Redis, same deployment).
     assert args.deployment == wargs.deployment == idep.deployment_id
-    from disagg.worker.worker_cmd import redis_url_with_password
+    from disagg.worker.cli.worker import redis_url_with_password
 
     with container_environ(env) as later:
         router_url = redis_url_with_password(args.redis_url)

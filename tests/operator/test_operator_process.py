@@ -21,7 +21,7 @@ from kube_emulator import RESOURCES, ApiServerEmulator, load_example
 
 from disagg.operator import main
 from disagg.operator.kube import Kube
-from disagg.worker.ports import free_port
+from disagg.worker.cli.ports import free_port
 
 
 def test_flags_parse():

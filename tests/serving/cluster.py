@@ -16,7 +16,7 @@ import grpc
 
 from disagg.proto import worker_pb2 as pb
 from disagg.proto import worker_pb2_grpc as pb_grpc
-from disagg.worker.ports import free_port
+from disagg.worker.cli.ports import free_port
 
 from .redis_check import assert_no_transfer_records
 

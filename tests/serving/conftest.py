@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from disagg.worker.make_model import make_model
+    from disagg.worker.tools.make_model import make_model
 
     return make_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny")
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from disagg.proto import worker_pb2 as pb
-from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.engine.sampling_params import SamplingParams
 
 from .cluster import Cluster
 

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.engine.sampling_params import SamplingParams
 
 from .cluster import Cluster
 
@@ -175,7 +175,7 @@ def test_redis_restart_under_load(cluster, redis_server, reference_llm):
     assert statuses and all(s == 200 for s in statuses), statuses
     assert set(texts) == {want.outputs[0].text}
     # the workers re-register and republish: the prompt's blocks are found again
-    from disagg.worker.block_hash import block_hashes
+    from disagg.worker.engine.block_hash import block_hashes
 
     state = KVState(redis_server.url, cluster.deployment, "test-observer")
     deadline = time.monotonic() + 10

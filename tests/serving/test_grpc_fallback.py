@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.engine.sampling_params import SamplingParams
 
 from .cluster import Cluster
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from disagg.worker.router.policy import WorkerView, choose_decode, rank_prefill, should_disaggregate
+from disagg.worker.router.policy import WorkerView, choose_decode, rank_prefill
+from disagg.worker.serving.disagg_policy import should_disaggregate
 
 
 def w(wid, role="decode", running=0, waiting=0, free=100, total=100, inflight=0):

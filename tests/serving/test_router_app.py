@@ -11,7 +11,7 @@ from disagg.worker.router.workers import WorkerPool
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
-    from disagg.worker.tokenizer import Tokenizer
+    from disagg.worker.engine.tokenizer import Tokenizer
 
     return Tokenizer.from_pretrained(tiny_model)
 

@@ -12,13 +12,13 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from disagg.proto import worker_pb2 as pb
+from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.router.app import Router, RouterConfig
 from disagg.worker.router.errors import APIError
 from disagg.worker.router.fanout import ChoiceState, derive_seed, plan_choices, total_usage
 from disagg.worker.router.openai_format import Logprob, ResponseBuilder
 from disagg.worker.router.validation import INT64_MAX, check_choice_count, parse_chat, parse_completion
 from disagg.worker.router.workers import WorkerPool
-from disagg.worker.sampling_params import SamplingParams
 
 from .cluster import Cluster
 
@@ -149,7 +149,7 @@ def test_builder_keeps_per_choice_stream_state_and_orders_full_choices():
 # ---- the HTTP layer in-process (no workers) -----------------------------------------------------
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
-    from disagg.worker.tokenizer import Tokenizer
+    from disagg.worker.engine.tokenizer import Tokenizer
 
     return Tokenizer.from_pretrained(tiny_model)
 

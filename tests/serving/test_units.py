@@ -7,10 +7,10 @@ import threading
 import pytest
 
 from disagg.proto import worker_pb2 as pb
-from disagg.worker.outputs import TokenLogprob
+from disagg.worker.engine.outputs import TokenLogprob
 from disagg.worker.router.openai_format import SSE_DONE, Logprob, ResponseBuilder, sse, usage_body
-from disagg.worker.server.convert import logprob_from_proto, logprob_to_proto, sampling_params
-from disagg.worker.server.engine_loop import EngineLoop
+from disagg.worker.serving.convert import logprob_from_proto, logprob_to_proto, sampling_params
+from disagg.worker.serving.engine_loop import EngineLoop
 
 
 def _text(t: int) -> str:
@@ -120,11 +120,11 @@ def test_engine_loop_init_failure_is_reported():
 
 def test_core_publishes_prefilled_prompts_and_reports_evictions(tiny_model):
     """WorkerCore over a real engine with a small cache: what it publishes, what eviction takes back."""
-    from disagg.worker.block_hash import block_hashes
-    from disagg.worker.engine import LLMEngine
-    from disagg.worker.metrics import ServingMetrics
-    from disagg.worker.sampling_params import SamplingParams
-    from disagg.worker.server.core import WorkerCore
+    from disagg.worker.engine.block_hash import block_hashes
+    from disagg.worker.engine.llm_engine import LLMEngine
+    from disagg.worker.engine.sampling_params import SamplingParams
+    from disagg.worker.serving.core import WorkerCore
+    from disagg.worker.serving.metrics import ServingMetrics
 
     engine = LLMEngine(tiny_model, num_gpu_blocks=8, block_size=16)
     published: list[list[int]] = []

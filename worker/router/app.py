@@ -22,8 +22,7 @@ import grpc
 from aiohttp import web
 
 from disagg.proto import worker_pb2
-from disagg.worker.block_hash import block_hashes
-from disagg.worker.metrics import CONTENT_TYPE, ServingMetrics
+from disagg.worker.engine.block_hash import block_hashes
 from disagg.worker.router.errors import APIError, invalid
 from disagg.worker.router.fanout import ChoiceState, plan_choices, total_usage
 from disagg.worker.router.openai_format import SSE_DONE, ResponseBuilder, sse
@@ -36,6 +35,7 @@ from disagg.worker.router.validation import (
     parse_completion,
 )
 from disagg.worker.router.workers import WorkerPool
+from disagg.worker.serving.metrics import CONTENT_TYPE, ServingMetrics
 
 log = logging.getLogger("disagg.router")
 

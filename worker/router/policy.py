@@ -69,13 +69,3 @@ def rank_prefill(
     candidates = [w for w in workers if w.role == "prefill"]
     candidates.sort(key=lambda w: (-prefix_match.get(w.worker_id, 0), w.queue, -w.free_blocks, w.worker_id))
     return candidates[:limit]
-
-
-def should_disaggregate(prompt_tokens: int, cached_tokens: int, threshold: int, have_prefill: bool) -> bool:
-    """Prefill remotely only when the uncached part of the prompt is long enough to pay for the trip.
-
-    Short prompts cost D less to prefill itself than a round trip plus a KV transfer costs.
-    """
-    if not have_prefill:
-        return False
-    return prompt_tokens - cached_tokens >= threshold

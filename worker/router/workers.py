@@ -14,7 +14,7 @@ import grpc
 
 from disagg.proto import worker_pb2, worker_pb2_grpc
 from disagg.worker.router.policy import WorkerView
-from disagg.worker.worker_stubs import WorkerStubs
+from disagg.worker.serving.stubs import WorkerStubs
 
 log = logging.getLogger("disagg.router.workers")
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from disagg.worker.forward_batch import ForwardBatch
+from disagg.worker.model.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 

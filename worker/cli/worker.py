@@ -120,7 +120,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args):
-    from disagg.worker.server.main import WorkerConfig
+    from disagg.worker.serving.main import WorkerConfig
 
     if not args.model:
         raise SystemExit("disagg worker: --model (or DISAGG_MODEL) is required")
@@ -166,6 +166,6 @@ def run(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from disagg.worker.server.main import WorkerProcess
+    from disagg.worker.serving.main import WorkerProcess
 
     return asyncio.run(WorkerProcess(cfg).run())

@@ -1,4 +1,4 @@
-"""Owns the model and its KV cache; turns a scheduler decision into one forward pass + sampling."""
+"""Owns the model and its KV cache (and CUDA graphs): one `ForwardBatch` in, logits out."""
 
 from __future__ import annotations
 
@@ -10,10 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from disagg.worker.forward_batch import ForwardBatch
-from disagg.worker.request import Request
-from disagg.worker.sampler import Sampler, SamplerOutput
-from disagg.worker.scheduler import SchedulerOutput
+from disagg.worker.model.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +120,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_cpu_memory()
         self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
-        self.sampler = Sampler()
         self.graphs = None
         if self.device.type == "cuda" and cuda_graphs is not False:
-            from disagg.worker.cuda_graphs import CudaGraphRunner
+            from disagg.worker.model.cuda_graphs import CudaGraphRunner
 
             max_len = max_model_len or model.max_model_len
             self.graphs = CudaGraphRunner(
@@ -145,87 +141,11 @@ class ModelRunner:
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
         )
 
-    def build_batch(self, out: SchedulerOutput) -> ForwardBatch:
-        one_each = not out.is_prefill and all(c.num_tokens == 1 for c in out.chunks)
-        batch = self._build_decode(out) if one_each else self._build_packed(out)
-        return batch if self.device.type == "cpu" else batch.to(self.device)
-
-    def _build_decode(self, out: SchedulerOutput) -> ForwardBatch:
-        """One token per sequence: positions, slots and lengths come straight from the chunk
-        starts in Python, each tensor made by one call (a decode step is latency-bound)."""
-        bs = self.block_size
-        chunks = out.chunks
-        starts = [c.start for c in chunks]
-        tables = [c.request.block_ids for c in chunks]
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) if len(t) < width else t for t in tables]
-        return ForwardBatch(
-            input_ids=torch.tensor([c.request.token_at(c.start) for c in chunks], dtype=torch.int64),
-            positions=torch.tensor(starts, dtype=torch.int64),
-            slot_mapping=torch.tensor(
-                [t[s // bs] * bs + s % bs for t, s in zip(tables, starts, strict=True)], dtype=torch.int64
-            ),
-            seq_lens=torch.tensor([s + 1 for s in starts], dtype=torch.int32),
-            block_tables=torch.tensor(padded, dtype=torch.int32),
-            logits_indices=torch.tensor([b for b, c in enumerate(chunks) if c.samples], dtype=torch.int64),
-            is_prefill=False,
-        )
-
-    def _build_packed(self, out: SchedulerOutput) -> ForwardBatch:
-        bs = self.block_size
-        chunks = out.chunks
-        ids: list[int] = []
-        starts: list[int] = []
-        lens: list[int] = []
-        cu = [0]
-        logits_rows: list[int] = []
-        for c in chunks:
-            req = c.request
-            if out.is_prefill:
-                prompt_len = req.num_prompt_tokens
-                if c.end <= prompt_len:
-                    ids.extend(req.prompt_token_ids[c.start : c.end])
-                else:
-                    ids.extend(req.all_token_ids[c.start : c.end])
-            else:
-                ids.append(req.token_at(c.start))
-            starts.append(c.start)
-            lens.append(c.num_tokens)
-            cu.append(cu[-1] + c.num_tokens)
-            if c.samples:
-                logits_rows.append(cu[-1] - 1)
-        width = max(len(c.request.block_ids) for c in chunks)
-        table = torch.zeros(len(chunks), width, dtype=torch.int32)
-        for b, c in enumerate(chunks):
-            table[b, : len(c.request.block_ids)] = torch.tensor(c.request.block_ids, dtype=torch.int32)
-        lens_t = torch.tensor(lens, dtype=torch.int64)
-        starts_t = torch.tensor(starts, dtype=torch.int64)
-        seq_index = torch.repeat_interleave(torch.arange(len(chunks)), lens_t)
-        cu_t = torch.tensor(cu, dtype=torch.int64)
-        positions = torch.arange(cu[-1], dtype=torch.int64) - cu_t[:-1][seq_index] + starts_t[seq_index]
-        blocks = table[seq_index, positions // bs].to(torch.int64)
-        slots = blocks * bs + positions % bs
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=positions,
-            slot_mapping=slots,
-            seq_lens=(starts_t + lens_t).to(torch.int32),
-            block_tables=table,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
-            is_prefill=out.is_prefill,
-            cu_seqlens_q=cu_t.to(torch.int32) if out.is_prefill else None,
-        )
-
-    def execute(
-        self, out: SchedulerOutput, layer_hook: Callable[[int], None] | None = None
-    ) -> tuple[list[Request], SamplerOutput | None]:
-        """Run the step; returns the requests that sampled a token and what they sampled."""
-        batch = self.build_batch(out)
-        if self.graphs is not None and not out.is_prefill and self.graphs.can_run(batch):
-            logits = self.graphs.run(batch)  # decode steps replay a captured CUDA graph
-        else:
-            logits = self.model.forward(batch, self.kv_cache, layer_hook=layer_hook)
-        sampling = [c.request for c in out.chunks if c.samples]
-        if not sampling:
-            return [], None
-        return sampling, self.sampler(logits, sampling)
+    def forward(self, batch: ForwardBatch, layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Logits for the batch's sampling rows; decode steps replay a captured CUDA graph when
+        one fits, and only prefill steps call `layer_hook` (after each layer's KV is written)."""
+        if self.device.type != "cpu":
+            batch = batch.to(self.device)
+        if self.graphs is not None and not batch.is_prefill and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
+        return self.model.forward(batch, self.kv_cache, layer_hook=layer_hook if batch.is_prefill else None)

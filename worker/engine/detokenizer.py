@@ -8,7 +8,7 @@ the difference, holding it back while it ends in an incomplete character (U+FFFD
 
 from __future__ import annotations
 
-from disagg.worker.tokenizer import Tokenizer
+from disagg.worker.engine.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 # How many prompt tokens give the first generated token its context.

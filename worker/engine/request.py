@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from disagg.worker.block_hash import hash_block
-from disagg.worker.outputs import TokenLogprob
-from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.engine.block_hash import hash_block
+from disagg.worker.engine.outputs import TokenLogprob
+from disagg.worker.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

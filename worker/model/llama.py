@@ -10,14 +10,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from disagg.kernels import cpu_native, get_ops, torch_ops
-from disagg.worker.config import ModelConfig, RopeConfig
-from disagg.worker.forward_batch import ForwardBatch
+from disagg.worker.model.config import ModelConfig, RopeConfig
+from disagg.worker.model.forward_batch import ForwardBatch
 
 
 @dataclass
@@ -303,12 +302,3 @@ class LlamaForCausalLM:
             rows = hidden.index_select(0, idx)
             last = cpu_native.add_rms_norm(rows, w.norm, eps, residual.index_select(0, idx))
         return F.linear(last, w.lm_head).float()
-
-
-def load_model(
-    path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
-) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Load a checkpoint directory; see `disagg.worker.loader.load_model`."""
-    from disagg.worker.loader import load_model as _load
-
-    return _load(path, dtype=dtype, device=device)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from disagg.proto import worker_pb2 as pb
-from disagg.worker.outputs import TokenLogprob
-from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.engine.outputs import TokenLogprob
+from disagg.worker.engine.sampling_params import SamplingParams
 
 
 def sampling_params(p: pb.SamplingParams, *, prefill_only: bool = False) -> SamplingParams:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.worker.outputs import TokenLogprob
-from disagg.worker.request import Request
+from disagg.worker.engine.outputs import TokenLogprob
+from disagg.worker.engine.request import Request
 
 
 @dataclass

@@ -13,11 +13,11 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "make-model": ("disagg.worker.make_model", "write a randomly initialised Llama-family checkpoint"),
-    "generate": ("disagg.worker.generate_cmd", "run the engine offline on prompts"),
-    "worker": ("disagg.worker.worker_cmd", "run a prefill, decode or colocated worker"),
-    "router": ("disagg.worker.router_cmd", "run the OpenAI-compatible router"),
-    "up": ("disagg.worker.up_cmd", "run Redis, workers and the router on this machine"),
+    "make-model": ("disagg.worker.cli.make_model", "write a randomly initialised Llama-family checkpoint"),
+    "generate": ("disagg.worker.cli.generate", "run the engine offline on prompts"),
+    "worker": ("disagg.worker.cli.worker", "run a prefill, decode or colocated worker"),
+    "router": ("disagg.worker.cli.router", "run the OpenAI-compatible router"),
+    "up": ("disagg.worker.cli.up", "run Redis, workers and the router on this machine"),
     "operator": ("disagg.operator.main", "run the Kubernetes operator"),
 }
 
@@ -55,7 +55,3 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     module, args = parse(argv)
     return int(module.run(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

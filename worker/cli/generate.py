@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from disagg.worker.engine import LLMEngine
-    from disagg.worker.sampling_params import SamplingParams
+    from disagg.worker.engine.llm_engine import LLMEngine
+    from disagg.worker.engine.sampling_params import SamplingParams
 
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:

@@ -17,14 +17,14 @@ import grpc
 
 from disagg.proto import worker_pb2 as pb
 from disagg.proto import worker_pb2_grpc as pb_grpc
-from disagg.worker.block_manager import NoFreeBlocksError
-from disagg.worker.metrics import ServingMetrics
-from disagg.worker.router.policy import should_disaggregate
-from disagg.worker.server.convert import error, logprob_from_proto, logprob_to_proto, sampling_params
-from disagg.worker.server.core import PrefillJob, WorkerCore
-from disagg.worker.server.engine_loop import EngineLoop
-from disagg.worker.server.state_link import StateLink
-from disagg.worker.worker_stubs import WorkerStubs
+from disagg.worker.engine.block_manager import NoFreeBlocksError
+from disagg.worker.serving.convert import error, logprob_from_proto, logprob_to_proto, sampling_params
+from disagg.worker.serving.core import PrefillJob, WorkerCore
+from disagg.worker.serving.disagg_policy import should_disaggregate
+from disagg.worker.serving.engine_loop import EngineLoop
+from disagg.worker.serving.metrics import ServingMetrics
+from disagg.worker.serving.state_link import StateLink
+from disagg.worker.serving.stubs import WorkerStubs
 
 log = logging.getLogger("disagg.worker.servicer")
 

@@ -85,9 +85,9 @@ def context_length(model_dir: Path) -> int:
 
 
 def build_router(args):
+    from disagg.worker.engine.tokenizer import Tokenizer
     from disagg.worker.router.app import Router, RouterConfig
     from disagg.worker.router.workers import WorkerPool
-    from disagg.worker.tokenizer import Tokenizer
 
     if not args.model:
         raise SystemExit("disagg router: --model (or DISAGG_MODEL) is required: it holds the tokenizer")
@@ -100,8 +100,8 @@ def build_router(args):
     tokenizer = Tokenizer.from_pretrained(model_dir)
     source = lookup = None
     if args.redis_url:
+        from disagg.worker.cli.worker import redis_url_with_password
         from disagg.worker.kv_state import KVState
-        from disagg.worker.worker_cmd import redis_url_with_password
 
         state = KVState(redis_url_with_password(args.redis_url), args.deployment, f"router-{os.getpid()}")
 

@@ -28,12 +28,14 @@ from pathlib import Path
 
 import torch
 
-from disagg.worker.block_manager import BlockManager
-from disagg.worker.model_runner import ModelRunner, plan_num_blocks
-from disagg.worker.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from disagg.worker.request import Request, RequestStatus
-from disagg.worker.sampling_params import SamplingParams
-from disagg.worker.scheduler import Scheduler, SchedulerOutput
+from disagg.worker.engine.batch_builder import build_batch
+from disagg.worker.engine.block_manager import BlockManager
+from disagg.worker.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from disagg.worker.engine.request import Request, RequestStatus
+from disagg.worker.engine.sampler import Sampler
+from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.engine.scheduler import Scheduler, SchedulerOutput
+from disagg.worker.model.runner import ModelRunner, plan_num_blocks
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ class LLMEngine:
         load_tokenizer: bool = True,
         cuda_graphs: bool | None = None,
     ):
-        from disagg.worker.model import load_model
+        from disagg.worker.model.loader import load_model
 
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -81,7 +83,7 @@ class LLMEngine:
         self.model_path = str(model)
         self.tokenizer = None
         if load_tokenizer:
-            from disagg.worker.tokenizer import Tokenizer
+            from disagg.worker.engine.tokenizer import Tokenizer
 
             self.tokenizer = Tokenizer.from_pretrained(model)
         self.eos_token_ids = frozenset(self._eos_ids())
@@ -115,6 +117,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             cuda_graphs=cuda_graphs,
         )
+        self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(seed)
         # what the current (or last) step computes; read by layer hooks
@@ -211,7 +214,7 @@ class LLMEngine:
             generator=generator,
         )
         if self.tokenizer is not None:
-            from disagg.worker.detokenizer import IncrementalDetokenizer
+            from disagg.worker.engine.detokenizer import IncrementalDetokenizer
 
             req.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens
@@ -295,10 +298,12 @@ class LLMEngine:
         self.scheduled = out
         if out is None:
             return []
-        reqs, sampled = self.runner.execute(out, layer_hook if out.is_prefill else None)
+        logits = self.runner.forward(build_batch(out, self.block_size), layer_hook)
         self.scheduler.advance(out)
-        if sampled is None:
+        reqs = [c.request for c in out.chunks if c.samples]
+        if not reqs:
             return []
+        sampled = self.sampler(logits, reqs)
         return [
             self._append_token(req, tok, lp)
             for req, tok, lp in zip(reqs, sampled.token_ids, sampled.logprobs, strict=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from disagg.worker.config import ModelConfig, resolve_dtype
-from disagg.worker.model import LayerWeights, LlamaForCausalLM, ModelWeights
+from disagg.worker.model.config import ModelConfig, resolve_dtype
+from disagg.worker.model.llama import LayerWeights, LlamaForCausalLM, ModelWeights
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

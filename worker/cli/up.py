@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from disagg.worker.ports import free_port
+from disagg.worker.cli.ports import free_port
 
 
 def redis_command(port: int, data_dir: Path | None = None) -> list[str]:
@@ -120,7 +120,7 @@ class Deployment:
             return path
         path = Path(".models/tiny")
         if not (path / "config.json").is_file():
-            from disagg.worker.make_model import make_model
+            from disagg.worker.tools.make_model import make_model
 
             print(f"making the tiny model under {path} ...", flush=True)
             make_model(path, preset="tiny")

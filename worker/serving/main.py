@@ -12,12 +12,12 @@ import grpc
 from aiohttp import web
 
 from disagg.proto import worker_pb2_grpc as pb_grpc
-from disagg.worker.metrics import CONTENT_TYPE, ServingMetrics
-from disagg.worker.server.core import WorkerCore
-from disagg.worker.server.engine_loop import EngineLoop
-from disagg.worker.server.servicer import ServingOptions, WorkerService
-from disagg.worker.server.state_link import StateLink
-from disagg.worker.worker_stubs import GRPC_OPTIONS
+from disagg.worker.serving.core import WorkerCore
+from disagg.worker.serving.engine_loop import EngineLoop
+from disagg.worker.serving.metrics import CONTENT_TYPE, ServingMetrics
+from disagg.worker.serving.servicer import ServingOptions, WorkerService
+from disagg.worker.serving.state_link import StateLink
+from disagg.worker.serving.stubs import GRPC_OPTIONS
 
 log = logging.getLogger("disagg.worker")
 
@@ -52,7 +52,7 @@ class WorkerConfig:
 
 
 def _build_engine(cfg: WorkerConfig):
-    from disagg.worker.engine import LLMEngine
+    from disagg.worker.engine.llm_engine import LLMEngine
 
     kv_bytes = int(cfg.kv_cache_memory_gb * (1 << 30)) if cfg.kv_cache_memory_gb else None
     return LLMEngine(

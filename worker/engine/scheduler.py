@@ -22,8 +22,8 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from disagg.worker.block_manager import BlockManager, NoFreeBlocksError
-from disagg.worker.request import Request, RequestStatus
+from disagg.worker.engine.block_manager import BlockManager, NoFreeBlocksError
+from disagg.worker.engine.request import Request, RequestStatus
 
 
 @dataclass

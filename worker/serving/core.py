@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from disagg.proto import worker_pb2 as pb
-from disagg.worker.block_hash import block_hashes
-from disagg.worker.engine import Reservation
-from disagg.worker.metrics import ServingMetrics
-from disagg.worker.outputs import RequestOutput, TokenLogprob
+from disagg.worker.engine.block_hash import block_hashes
+from disagg.worker.engine.llm_engine import Reservation
+from disagg.worker.engine.outputs import RequestOutput, TokenLogprob
+from disagg.worker.serving.metrics import ServingMetrics
 
 log = logging.getLogger("disagg.worker.core")
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from disagg.worker.engine import LLMEngine
-from disagg.worker.outputs import RequestOutput
-from disagg.worker.sampling_params import SamplingParams
+from disagg.worker.engine.llm_engine import LLMEngine
+from disagg.worker.engine.outputs import RequestOutput
+from disagg.worker.engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 
