@@ -156,8 +156,8 @@ def deploy(args, name: str, prefill: int, decode: int, both: int) -> Deployment:
     ns = argparse.Namespace(
         model=args.model, prefill=prefill, decode=decode, both=both, port=free_port(),
         kv_transfer=args.kv_transfer, disagg_threshold=args.disagg_threshold, threads=1,
-        run_dir=str(Path(args.run_dir) / name), demo=False, timeout=600.0,
-        worker_arg=["--max-num-batched-tokens", str(args.max_num_batched_tokens)],
+        run_dir=str(Path(args.run_dir) / name), demo=False, timeout=600.0, worker_arg=[],
+        max_num_batched_tokens=args.max_num_batched_tokens,  # engine settings absent here take EngineArgs' defaults
     )  # fmt: skip
     dep = Deployment(ns)
     dep.plan()

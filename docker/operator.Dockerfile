@@ -1,5 +1,4 @@
-# The operator image: only what `disagg operator` imports (kopf, aiohttp, redis, pyyaml,
-# prometheus-client for the autoscaler's own metrics), no torch.
+# The operator image: the `operator` extra only (kopf and the Kubernetes client), no torch or NIXL.
 # Build from the repository root: docker build -f docker/operator.Dockerfile -t ghcr.io/disagg/disagg-operator:0.1.0 .
 FROM python:3.12-slim
 
@@ -13,9 +12,8 @@ COPY worker ./worker
 COPY kernels ./kernels
 COPY proto ./proto
 COPY operator ./operator
-# --no-deps: the operator needs none of the engine's dependencies (torch, nixl, ...).
-RUN pip install "kopf>=1.37" "aiohttp>=3.9" "redis>=5.0" "pyyaml>=6.0" "prometheus-client>=0.20" \
- && pip install --no-deps . \
+# tests/test_packaging.py runs this install line in a clean virtual environment.
+RUN pip install ".[operator]" \
  && rm -rf /src
 
 # Matches the chart's runAsUser; the root filesystem is mounted read-only.

@@ -28,7 +28,9 @@ COPY worker ./worker
 COPY kernels ./kernels
 COPY proto ./proto
 COPY operator ./operator
-RUN pip install . && python -m disagg.proto.build
+# The gRPC modules are generated while the wheel is built; tests/test_packaging.py runs this
+# install line in a clean virtual environment.
+RUN pip install ".[worker]"
 
 RUN useradd --uid 1000 --create-home --home-dir /home/disagg disagg
 USER 1000:1000

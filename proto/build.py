@@ -1,4 +1,5 @@
-"""Generate the gRPC modules from proto/*.proto (run by `make install`; never edit the output).
+"""Generate the gRPC modules from proto/*.proto (never edit the output): into this folder for a
+development checkout (`make install`), into the wheel when the package is built (setup.py).
 
 Sources are staged under a `disagg/proto/` include path so that the generated modules
 import each other as `disagg.proto.x_pb2`, matching the installed package name.
@@ -15,16 +16,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def _stale(src: Path) -> bool:
-    outs = [HERE / f"{src.stem}_pb2.py", HERE / f"{src.stem}_pb2_grpc.py"]
+def _stale(src: Path, out_dir: Path) -> bool:
+    outs = [out_dir / f"{src.stem}_pb2.py", out_dir / f"{src.stem}_pb2_grpc.py"]
     return any(not o.exists() or o.stat().st_mtime < src.stat().st_mtime for o in outs)
 
 
-def build(force: bool = False) -> list[str]:
+def build(force: bool = False, out_dir: Path = HERE) -> list[str]:
+    """Generate into `out_dir` (this folder; setup.py passes the wheel's build folder)."""
     from grpc_tools import protoc
 
     sources = sorted(HERE.glob("*.proto"))
-    todo = [s for s in sources if force or _stale(s)]
+    todo = [s for s in sources if force or _stale(s, out_dir)]
     if not todo:
         return []
     with tempfile.TemporaryDirectory() as tmp:
@@ -44,7 +46,7 @@ def build(force: bool = False) -> list[str]:
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed for {[s.name for s in todo]}")
         for f in stage.glob("*_pb2*"):
-            shutil.copy(f, HERE / f.name)
+            shutil.copy(f, out_dir / f.name)
     return [s.name for s in todo]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from disagg.operator import constants as c
 from disagg.operator.builders import common, config, model
 from disagg.operator.spec import InferenceDeployment, Role, SpecError
+from disagg.worker.engine.args import cli_flag
 
 GPU = "nvidia.com/gpu"
 SHM_VOLUME = "dshm"
@@ -114,19 +115,19 @@ def _args(idep: InferenceDeployment, role: Role) -> list[str]:
         idep.deployment_id,
         "--kv-transfer",
         spec.kv_transfer.backend,
-        "--block-size",
+        cli_flag("block_size"),
         str(role.block_size),
-        "--kv-cache-memory-fraction",
+        cli_flag("gpu_memory_utilization"),
         str(role.memory_fraction),
-        "--device",
+        cli_flag("device"),
         device(role),
-        "--dtype",
+        cli_flag("dtype"),
         spec.model.dtype,
         "--drain-timeout",
         f"{drain_timeout(role.termination_grace_seconds):g}",
     ]
     if spec.model.max_model_length is not None:
-        args += ["--max-model-len", str(spec.model.max_model_length)]
+        args += [cli_flag("max_model_len"), str(spec.model.max_model_length)]
     return args
 
 

@@ -210,7 +210,7 @@ def _checkpoint(path: Path, dtype: str = "float32") -> Path:
 
 def _worker_config(args, tmp_path: Path, env: dict, dtype: str = "bfloat16"):
     """`config_from_args` in the pod, with the mounted checkpoint stood in for by a local one."""
-    from disagg.worker import worker_cmd
+    from disagg.worker.cli import worker as worker_cmd
 
     args.model = str(_checkpoint(tmp_path / "ckpt", dtype))
     with container_environ(env) as recording:
@@ -280,7 +280,7 @@ def test_worker_containers_parse_with_the_real_cli(example, variant, role, tmp_p
     # Engine and KV settings mean what the CRD says.
     assert args.kv_transfer == idep.spec.kv_transfer.backend
     assert args.block_size == r.block_size
-    assert args.kv_cache_memory_fraction == pytest.approx(r.memory_fraction)
+    assert args.gpu_memory_utilization == pytest.approx(r.memory_fraction)
     assert args.max_model_len == idep.spec.model.max_model_length
     assert args.device == ("cuda" if "nvidia.com/gpu" in (r.resources.get("limits") or {}) else "cpu")
     grace = pod["terminationGracePeriodSeconds"]
@@ -290,9 +290,9 @@ def test_worker_containers_parse_with_the_real_cli(example, variant, role, tmp_p
         assert env["UCX_TLS"] == ",".join(idep.spec.kv_transfer.ucx_transports)
 
     cfg, read_later = _worker_config(args, tmp_path, env)
-    assert cfg.dtype == (idep.spec.model.dtype if idep.spec.model.dtype != "auto" else "bfloat16")
+    assert cfg.engine.dtype == (idep.spec.model.dtype if idep.spec.model.dtype != "auto" else "bfloat16")
     assert cfg.drain_timeout == args.drain_timeout
-    assert cfg.kv_cache_memory_fraction == pytest.approx(r.memory_fraction)
+    assert cfg.engine.gpu_memory_utilization == pytest.approx(r.memory_fraction)
     assert cfg.worker_id == POD_NAME and cfg.role == role
     _check_redis_url(cfg.redis_url, idep, kids)
 
@@ -491,7 +491,7 @@ async def test_router_serves_its_probe_paths_and_finds_the_registered_workers(
 ):
     """The router built from its container's command line serves the probed paths and lists the
     workers registered under the deployment id the worker containers get."""
-    from disagg.worker import router_cmd
+    from disagg.worker.cli import router as router_cmd
 
     body = load_example("cpu-tiny.yaml")
     body["spec"]["router"]["apiKeySecret"] = {"name": "keys", "key": "list"}

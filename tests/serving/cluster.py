@@ -94,7 +94,7 @@ class Cluster:
                 cmd = py + [
                     "worker", "--role", role, "--model", str(model_dir), "--worker-id", name, "--host", "127.0.0.1",
                     "--port", str(port), "--metrics-port", str(mport), "--kv-transfer", kv_transfer,
-                    "--deployment", deployment, "--threads", "1", "--num-blocks", "512", "--max-num-seqs", "64",
+                    "--deployment", deployment, "--threads", "1", "--num-gpu-blocks", "512", "--max-num-seqs", "64",
                     *(["--redis-url", redis_url] if redis_url else []), *worker_args,
                 ]  # fmt: skip
                 self.workers[name] = Proc(

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from disagg.worker import ports
+from disagg.worker.cli import ports
 
 
 def test_free_port_is_outside_the_ephemeral_range_and_bindable():

@@ -12,9 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from disagg.worker.engine.args import EngineArgs
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="model directory (Hugging Face layout)")
+    EngineArgs.add_cli_args(parser, model=False)
     parser.add_argument(
         "prompts", nargs="*", help="prompts (read from stdin, one per line, when none are given)"
     )
@@ -31,17 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--presence-penalty", type=float, default=0.0)
     parser.add_argument("--frequency-penalty", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-gpu-blocks", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--stats", action="store_true", help="print token counts and speed to stderr")
 
 
@@ -64,23 +58,12 @@ def run(args: argparse.Namespace) -> int:
             repetition_penalty=args.repetition_penalty,
             presence_penalty=args.presence_penalty,
             frequency_penalty=args.frequency_penalty,
-            seed=args.seed,
             max_tokens=args.max_tokens,
             min_tokens=args.min_tokens,
             stop=args.stop,
             ignore_eos=args.ignore_eos,
         )
-        engine = LLMEngine(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=not args.no_prefix_caching,
-            max_model_len=args.max_model_len,
-            num_gpu_blocks=args.num_gpu_blocks,
-        )
+        engine = LLMEngine(EngineArgs.from_cli_args(args))
         inputs: list[str | list[int]] = []
         for p in prompts:
             if args.chat:

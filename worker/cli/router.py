@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from pathlib import Path
+
+from disagg.worker.engine import args as engine_args
 
 
 def _env(name: str, default=None):
@@ -53,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="most generations one request may ask for (n x number of prompts; more is a 400); "
                         f"default {DEFAULT_MAX_CHOICES}, at most --max-queue")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN") and int(_env("MAX_MODEL_LEN")))
-    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", 16)))
+    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", engine_args.default("block_size"))),
+                   help="the workers' KV block size: prompts are hashed per block for prefix-aware routing")  # fmt: skip
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
 
 
@@ -74,14 +76,13 @@ def api_keys(args) -> frozenset[str]:
 
 
 def context_length(model_dir: Path) -> int:
-    """The model's context from config.json (read directly: the router does not load torch)."""
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise SystemExit(f"disagg router: {path} not found")
-    raw = json.loads(path.read_text())
-    n = int(raw.get("max_position_embeddings", 2048))
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
-    return min(n, int(window)) if window else n
+    """The model's context (the engine's own rule: `ModelConfig.max_model_len`)."""
+    from disagg.worker.model.config import ModelConfig
+
+    try:
+        return ModelConfig.from_pretrained(model_dir).max_model_len
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"disagg router: {model_dir}: {exc}") from None
 
 
 def build_router(args):

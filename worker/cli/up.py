@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from disagg.worker.cli.ports import free_port
+from disagg.worker.engine.args import EngineArgs
 
 
 def redis_command(port: int, data_dir: Path | None = None) -> list[str]:
@@ -49,13 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--kv-transfer", choices=("nixl", "grpc"), default="nixl")
     p.add_argument("--disagg-threshold", type=int, default=32)
-    p.add_argument(
-        "--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)"
-    )
     p.add_argument("--run-dir", default=".run", help="where logs go")
     p.add_argument("--demo", action="store_true", help="stream one chat completion once ready, then exit")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for everything to be ready")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker")
+    # every worker gets these; --threads defaults to cores / workers here
+    EngineArgs.add_cli_args(p, model=False)
 
 
 def _die_with_parent() -> None:
@@ -144,7 +144,9 @@ class Deployment:
         redis = Child("redis", redis_command(redis_port), self.run_dir / "redis.log")
         self.children.append(redis)
         n_workers = a.prefill + a.decode + a.both
-        threads = a.threads or max(1, (os.cpu_count() or 1) // n_workers)
+        engine = EngineArgs.from_cli_args(a, model=str(model))
+        if engine.threads is None:
+            engine.threads = max(1, (os.cpu_count() or 1) // n_workers)
         py = [sys.executable, "-m", "disagg.worker.cli"]
         for role, count in (("prefill", a.prefill), ("decode", a.decode), ("both", a.both)):
             for i in range(count):
@@ -154,7 +156,7 @@ class Deployment:
                     "worker", "--role", role, "--model", str(model), "--worker-id", name,
                     "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport),
                     "--redis-url", self.redis_url, "--deployment", "local", "--kv-transfer", a.kv_transfer,
-                    "--disagg-threshold", str(a.disagg_threshold), "--threads", str(threads), *a.worker_arg,
+                    "--disagg-threshold", str(a.disagg_threshold), *engine.to_cli_args(), *a.worker_arg,
                 ]  # fmt: skip
                 self.children.append(
                     Child(name, cmd, self.run_dir / f"{name}.log", f"http://127.0.0.1:{mport}/health")
@@ -162,7 +164,8 @@ class Deployment:
         self.router_url = f"http://127.0.0.1:{a.port}"
         cmd = py + [
             "router", "--host", "127.0.0.1", "--port", str(a.port), "--model", str(model),
-            "--redis-url", self.redis_url, "--deployment", "local",
+            "--redis-url", self.redis_url, "--deployment", "local", "--block-size", str(engine.block_size),
+            *(["--max-model-len", str(engine.max_model_len)] if engine.max_model_len else []),
         ]  # fmt: skip
         self.children.append(Child("router", cmd, self.run_dir / "router.log", f"{self.router_url}/health"))
 

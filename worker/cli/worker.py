@@ -4,33 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import dataclasses
 import logging
 import os
 import socket
 import urllib.parse
 from pathlib import Path
 
+from disagg.worker.engine.args import EngineArgs
+
 ROLES = ("prefill", "decode", "both")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _env(name: str, default=None):
     return os.environ.get(f"DISAGG_{name}", default)
-
-
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _fraction(s: str) -> float:
-    v = float(s)
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {v}")
-    return v
 
 
 def redis_url_with_password(url: str | None) -> str | None:
@@ -49,22 +36,9 @@ def redis_url_with_password(url: str | None) -> str | None:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
-def resolve_dtype(dtype: str, model_dir: Path) -> str:
-    """`auto` means the checkpoint's own dtype (config.json), float32 when it names none we run."""
-    if dtype != "auto":
-        return dtype
-    config = model_dir / "config.json"
-    raw = json.loads(config.read_text()) if config.is_file() else {}
-    name = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").removeprefix("torch.")
-    return name if name in DTYPES else "float32"
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--role", choices=ROLES, default=_env("ROLE", "both"), help="prefill, decode or both (colocated)"
-    )
-    p.add_argument(
-        "--model", default=_env("MODEL"), help="model directory (config.json, safetensors, tokenizer)"
     )
     p.add_argument(
         "--model-name", default=_env("MODEL_NAME"), help="served model name (default: directory name)"
@@ -82,41 +56,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--deployment", default=_env("DEPLOYMENT", "default"), help="namespace of the Redis keys")
     p.add_argument("--kv-transfer", choices=("nixl", "grpc"), default=_env("KV_TRANSFER", "nixl"))
-    p.add_argument("--block-size", type=_positive_int, default=int(_env("BLOCK_SIZE", 16)))
-    p.add_argument("--max-num-seqs", type=_positive_int, default=int(_env("MAX_NUM_SEQS", 64)))
-    p.add_argument(
-        "--max-num-batched-tokens", type=_positive_int, default=int(_env("MAX_NUM_BATCHED_TOKENS", 2048))
-    )
-    p.add_argument(
-        "--max-model-len", type=_positive_int, default=_env("MAX_MODEL_LEN") and int(_env("MAX_MODEL_LEN"))
-    )
-    kv = p.add_mutually_exclusive_group()
-    kv.add_argument(
-        "--kv-cache-memory-gb",
-        type=float,
-        default=_env("KV_CACHE_MEMORY_GB") and float(_env("KV_CACHE_MEMORY_GB")),
-    )
-    kv.add_argument(
-        "--num-blocks", type=_positive_int, default=_env("NUM_BLOCKS") and int(_env("NUM_BLOCKS"))
-    )
-    kv.add_argument("--kv-cache-memory-fraction", type=_fraction,
-                    default=_env("KV_CACHE_MEMORY_FRACTION") and float(_env("KV_CACHE_MEMORY_FRACTION")),
-                    help="share of the accelerator's free memory (after the weights) for the KV cache; "
-                    "default 0.9 (on CPU the cache is sized from host memory)")  # fmt: skip
-    p.add_argument("--dtype", default=_env("DTYPE", "float32"), choices=("auto", *DTYPES),
-                   help="auto: the checkpoint's own dtype")  # fmt: skip
-    p.add_argument("--device", default=_env("DEVICE", "cpu"))
     p.add_argument("--disagg-threshold", type=int, default=int(_env("THRESHOLD", 64)),
                    help="decode workers prefill locally when fewer prompt tokens than this are uncached")  # fmt: skip
-    p.add_argument("--threads", type=int, default=_env("THREADS") and int(_env("THREADS")),
-                   help="torch intra-op threads (default: torch's choice)")  # fmt: skip
     p.add_argument("--lease-seconds", type=float, default=float(_env("LEASE_SECONDS", 30)),
                    help="lease of a KV transfer record; a dead peer's blocks are reclaimed after it")  # fmt: skip
     p.add_argument("--prefill-timeout", type=float, default=float(_env("PREFILL_TIMEOUT", 120)))
     p.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT", 30)),
                    help="longest wait for in-flight streams when draining (/drain, then SIGTERM share it)")  # fmt: skip
-    p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    EngineArgs.add_cli_args(p, env=True)
 
 
 def config_from_args(args):
@@ -128,8 +76,11 @@ def config_from_args(args):
     if not model_dir.is_dir():
         raise SystemExit(f"disagg worker: --model {args.model}: no such directory")
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{args.port or os.getpid()}"
+    engine = EngineArgs.from_cli_args(args, model=str(model_dir))
+    # resolved here so that every later reader (KV layout, handshake, logs) sees the real values
+    engine = dataclasses.replace(engine, dtype=engine.resolved_dtype(), device=engine.resolved_device())
     return WorkerConfig(
-        model=str(model_dir),
+        engine=engine,
         role=args.role,
         worker_id=worker_id,
         model_name=args.model_name or model_dir.name,
@@ -140,17 +91,7 @@ def config_from_args(args):
         redis_url=redis_url_with_password(args.redis_url),
         deployment=args.deployment,
         kv_transfer=args.kv_transfer,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_blocks=args.num_blocks,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        kv_cache_memory_fraction=args.kv_cache_memory_fraction or 0.9,
-        max_model_len=args.max_model_len,
-        dtype=resolve_dtype(args.dtype, model_dir),
-        device=args.device,
         disagg_threshold=args.disagg_threshold,
-        enable_prefix_caching=not args.no_prefix_caching,
         lease_seconds=args.lease_seconds,
         prefill_timeout=args.prefill_timeout,
         drain_timeout=args.drain_timeout,
@@ -162,10 +103,6 @@ def run(args) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     cfg = config_from_args(args)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
     from disagg.worker.serving.main import WorkerProcess
 
     return asyncio.run(WorkerProcess(cfg).run())

@@ -13,8 +13,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.llm_engine import LLMEngine
 from disagg.worker.engine.outputs import RequestOutput
 from disagg.worker.engine.sampling_params import SamplingParams
@@ -36,35 +35,9 @@ def _as_prompt_list(prompts) -> list[Prompt]:
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | Path,
-        dtype: str | torch.dtype = "float32",
-        device: str | torch.device = "cpu",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        max_model_len: int | None = None,
-        num_gpu_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        seed: int = 0,
-    ):
-        self.engine = LLMEngine(
-            model,
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            max_model_len=max_model_len,
-            num_gpu_blocks=num_gpu_blocks,
-            kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed,
-        )
+    def __init__(self, model: str | Path | EngineArgs, **settings):
+        """`LLM(path, dtype="float32", block_size=16, ...)`: every keyword is an `EngineArgs` setting."""
+        self.engine = LLMEngine(model, **settings)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -21,6 +21,7 @@ For disaggregated serving:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.batch_builder import build_batch
 from disagg.worker.engine.block_manager import BlockManager
 from disagg.worker.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
@@ -56,29 +58,37 @@ class Reservation(list):
         return list(self[self.num_cached_blocks :])
 
 
+def engine_args(model: str | Path | EngineArgs, settings: dict) -> EngineArgs:
+    """An `EngineArgs` from a model path and keyword settings (torch dtypes and devices accepted
+    as well as their names), or the given one unchanged when no settings override it."""
+    if isinstance(model, EngineArgs):
+        if settings:
+            return dataclasses.replace(model, **_names(settings))
+        return model
+    return EngineArgs(model=str(model), **_names(settings))
+
+
+def _names(settings: dict) -> dict:
+    out = dict(settings)
+    if isinstance(out.get("dtype"), torch.dtype):
+        out["dtype"] = str(out["dtype"]).removeprefix("torch.")
+    if isinstance(out.get("device"), torch.device):
+        out["device"] = str(out["device"])
+    return out
+
+
 class LLMEngine:
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        dtype: str | torch.dtype = "float32",
-        device: str | torch.device = "cpu",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        max_model_len: int | None = None,
-        num_gpu_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        seed: int = 0,
-        load_tokenizer: bool = True,
-        cuda_graphs: bool | None = None,
-    ):
+    def __init__(self, model: str | Path | EngineArgs, *, load_tokenizer: bool = True, **settings):
+        """`LLMEngine(path, block_size=32, ...)` or `LLMEngine(EngineArgs(...))`: the settings, their
+        defaults and their checks are `EngineArgs`'s."""
         from disagg.worker.model.loader import load_model
 
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        args = engine_args(model, settings)
+        self.args = args
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)  # process-wide: the engine owns its process's CPU
+        model, dtype, device = args.model, args.resolved_dtype(), args.resolved_device()
+        block_size, max_num_seqs = args.block_size, args.max_num_seqs
         self.model, self.config = load_model(model, dtype=dtype, device=device)
         self.model_path = str(model)
         self.tokenizer = None
@@ -89,37 +99,37 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self._eos_ids())
 
         model_len = self.model.max_model_len
-        if max_model_len is not None:
-            if max_model_len < 2 or max_model_len > model_len:
+        if args.max_model_len is not None:
+            if args.max_model_len > model_len:
                 raise ValueError(
-                    f"max_model_len must be in [2, {model_len}] for this model, got {max_model_len}"
+                    f"max_model_len must be in [2, {model_len}] for this model, got {args.max_model_len}"
                 )
-            model_len = max_model_len
+            model_len = args.max_model_len
         self.block_size = block_size
         self.device = torch.device(device)
         num_blocks = plan_num_blocks(
             self.model.kv_cache_block_bytes(block_size),
             self.device,
-            num_gpu_blocks=num_gpu_blocks,
-            kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
+            num_gpu_blocks=args.num_gpu_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             useful_blocks=max_num_seqs * -(-model_len // block_size),
         )
         # a lone request must always fit in the cache, or preemption could never make progress
         self.max_model_len = min(model_len, num_blocks * block_size)
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.block_manager = BlockManager(num_blocks, block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(
             self.model,
             block_size,
             num_blocks,
             max_num_seqs=max_num_seqs,
             max_model_len=self.max_model_len,
-            cuda_graphs=cuda_graphs,
+            cuda_graphs=args.cuda_graphs,
         )
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
-        self._seeds = random.Random(seed)
+        self._seeds = random.Random(args.seed)
         # what the current (or last) step computes; read by layer hooks
         self.scheduled: SchedulerOutput | None = None
 

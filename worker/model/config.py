@@ -1,4 +1,5 @@
-"""A Llama-family model's configuration, read from a Hugging Face checkpoint directory.
+"""A Llama-family model's configuration, read from a Hugging Face checkpoint directory (no torch:
+the router reads it too).
 
 Reads `config.json` (written by transformers 4.x or 5.x: RoPE settings may be `rope_theta` +
 `rope_scaling` or a single `rope_parameters` dict) and `generation_config.json` for the EOS ids.
@@ -10,23 +11,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """'float32' | 'bfloat16' | 'float16' (or the torch dtype itself) -> torch.dtype."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in DTYPES.values():
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return DTYPES[name]
 
 
 @dataclass(frozen=True)

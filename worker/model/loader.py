@@ -14,8 +14,23 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from disagg.worker.model.config import ModelConfig, resolve_dtype
+from disagg.worker.model.config import ModelConfig
 from disagg.worker.model.llama import LayerWeights, LlamaForCausalLM, ModelWeights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """'float32' | 'bfloat16' | 'float16' (or the torch dtype itself) -> torch.dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[name]
+
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -12,6 +12,7 @@ import grpc
 from aiohttp import web
 
 from disagg.proto import worker_pb2_grpc as pb_grpc
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.serving.core import WorkerCore
 from disagg.worker.serving.engine_loop import EngineLoop
 from disagg.worker.serving.metrics import CONTENT_TYPE, ServingMetrics
@@ -24,7 +25,10 @@ log = logging.getLogger("disagg.worker")
 
 @dataclass
 class WorkerConfig:
-    model: str
+    """What one worker process serves and how it joins its deployment; `engine` holds every
+    engine setting (`EngineArgs`), resolved before the process starts."""
+
+    engine: EngineArgs
     role: str
     worker_id: str
     model_name: str
@@ -35,39 +39,20 @@ class WorkerConfig:
     redis_url: str | None = None
     deployment: str = "default"
     kv_transfer: str = "nixl"
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    num_blocks: int | None = None
-    kv_cache_memory_gb: float | None = None
-    kv_cache_memory_fraction: float = 0.9
-    max_model_len: int | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
     disagg_threshold: int = 64
     prefill_timeout: float = 120.0
     lease_seconds: float = 30.0
     drain_timeout: float = 30.0
-    enable_prefix_caching: bool = True
+
+    @property
+    def model(self) -> str:
+        return self.engine.model
 
 
 def _build_engine(cfg: WorkerConfig):
     from disagg.worker.engine.llm_engine import LLMEngine
 
-    kv_bytes = int(cfg.kv_cache_memory_gb * (1 << 30)) if cfg.kv_cache_memory_gb else None
-    return LLMEngine(
-        cfg.model,
-        dtype=cfg.dtype,
-        device=cfg.device,
-        block_size=cfg.block_size,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        max_model_len=cfg.max_model_len,
-        num_gpu_blocks=cfg.num_blocks,
-        kv_cache_memory=kv_bytes,
-        gpu_memory_utilization=cfg.kv_cache_memory_fraction,
-    )
+    return LLMEngine(cfg.engine)
 
 
 def _build_transport(cfg: WorkerConfig, engine, address: str):
@@ -184,7 +169,11 @@ class WorkerProcess:
         )
         self.state = StateLink(kv, info)
         core = WorkerCore(
-            engine, holder["transport"], self.cfg.block_size, self.metrics, on_publish=self.state.publish
+            engine,
+            holder["transport"],
+            self.cfg.engine.block_size,
+            self.metrics,
+            on_publish=self.state.publish,
         )
         self.loop.engine = engine
         self.loop.step_fn = core.step
