@@ -17,7 +17,8 @@ from disagg.worker.router.app import Router, RouterConfig
 from disagg.worker.router.errors import APIError
 from disagg.worker.router.fanout import ChoiceState, derive_seed, plan_choices, total_usage
 from disagg.worker.router.openai_format import Logprob, ResponseBuilder
-from disagg.worker.router.validation import INT64_MAX, check_choice_count, parse_chat, parse_completion
+from disagg.worker.router.protocol import INT64_MAX
+from disagg.worker.router.validation import check_choice_count, parse_chat, parse_completion
 from disagg.worker.router.workers import WorkerPool
 
 from .cluster import Cluster

@@ -49,7 +49,7 @@ def test_completion_defaults_and_fields():
         ({"model": "m", "prompt": "x", "n": 0}, "n"),
         ({"model": "m", "prompt": "x", "n": 2, "best_of": 3}, "best_of"),
         ({"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"model": "m", "prompt": "x", "stop": [1]}, "stop"),
+        ({"model": "m", "prompt": "x", "stop": [1]}, "stop[0]"),
         ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
         ({"model": "m", "prompt": "x", "presence_penalty": -3}, "presence_penalty"),
         ({"model": "m", "prompt": "x", "seed": "s"}, "seed"),
@@ -63,6 +63,40 @@ def test_completion_refusals_name_the_field(body, param):
     assert e.param == param, e.message
     assert e.body()["error"]["type"] == "invalid_request_error"
     assert param in e.message
+
+
+@pytest.mark.parametrize(
+    "raw, param",
+    [
+        (b'{"model": "m", "prompt": "\\ud800"}', None),  # a lone surrogate: not valid JSON text
+        (b'{"model": "m", "prompt": "x", "n": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),  # too deep
+        (b'{"model": "m", "prompt": "x", "tools": []}', "tools"),
+        (b'{"model": "m", "prompt": "x", "n": 1e400}', "n"),
+        (b'{"model": "m", "prompt": "x", "max_tokens": "5"}', "max_tokens"),
+        (b"[1, 2]", None),
+        (b"{not json", None),
+        (
+            b'{"model": "m", "messages": [{"role": "{0}{x}", "content": "y"}]}',
+            "messages[0].role",
+        ),  # braces echoed safely
+    ],
+)
+def test_raw_bodies_that_must_be_400(raw, param):
+    e = _err(parse_chat if b'"messages"' in raw else parse_completion, raw)
+    assert e.param == param, e.message
+
+
+def test_integral_floats_are_integers_and_documented_fields_accepted():
+    spec = parse_completion(b'{"model": "m", "prompt": "x", "n": 2.0, "max_tokens": 3.0, "user": "u1"}')
+    assert spec.n == 2 and spec.sampling.max_tokens == 3 and spec.user == "u1"
+    with pytest.raises(APIError) as info:
+        parse_completion({"model": "m", "prompt": "x", "n": 1.5})
+    assert info.value.param == "n"
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x", "name": "ann"}]})
+    assert chat.messages == [{"role": "user", "content": "x"}]
+    with pytest.raises(APIError) as info:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "\ud800"}]})
+    assert info.value.param == "messages[0].content"
 
 
 def test_chat_messages_and_logprobs():
@@ -94,7 +128,7 @@ def test_chat_messages_and_logprobs():
         ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         (
             {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-            "messages[0].content[0]",
+            "messages[0].content[0].type",
         ),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}, "max_tokens"),

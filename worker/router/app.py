@@ -11,7 +11,6 @@ that goes away, or one generation that fails, cancels the rest, which aborts the
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -160,13 +159,6 @@ class Router:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_chat)
 
-    async def _body(self, request: web.Request):
-        try:
-            raw = await request.read()
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise invalid(None, f"the request body is not valid JSON: {e}", code="invalid_json") from e
-
     def _tokenize(self, spec: GenerationSpec, prompt_index: int) -> list[int]:
         if spec.kind == "chat":
             try:
@@ -234,7 +226,7 @@ class Router:
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         arrival = time.monotonic()
         self._check_key(request)
-        spec = parse(await self._body(request))
+        spec = parse(await request.read())  # JSON decoding and validation in one pass (protocol.py)
         if spec.model != self.config.model_name:
             raise APIError(
                 404, f"The model '{spec.model}' does not exist.", param="model", code="model_not_found"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from disagg.worker.router.openai_format import Logprob, usage_body
-from disagg.worker.router.validation import INT64_MAX, INT64_MIN
+from disagg.worker.router.protocol import INT64_MAX, INT64_MIN
 
 
 @dataclass(frozen=True)

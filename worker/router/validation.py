@@ -1,24 +1,19 @@
-"""Parse and validate OpenAI request bodies into a `GenerationSpec` (pure: no I/O, no tokenizer).
+"""OpenAI request bodies -> a `GenerationSpec` (pure: no I/O, no tokenizer).
 
-Every refusal is an `APIError(400)` naming the field, the way OpenAI's API does. A request may
-ask for several choices: `n` samples of each of its prompts (completions take a batch of
-prompts). Sampling
-fields outside OpenAI's spec that vLLM users send (top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens, stop_token_ids, skip_special_tokens) are accepted too.
+The shapes and bounds are the pydantic models of `protocol.py`; every refusal becomes an
+`APIError(400)` naming the field, the way OpenAI's API does. A request may ask for several
+choices: `n` samples of each of its prompts (completions take a batch of prompts).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.worker.router.errors import APIError, invalid
+from pydantic import BaseModel, ValidationError
 
-MAX_STOP_SEQUENCES = 4
-MAX_TOP_LOGPROBS = 20
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the range of the seed on the wire
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+from disagg.worker.router import protocol
+from disagg.worker.router.errors import APIError, invalid
 
 
 @dataclass
@@ -63,243 +58,122 @@ class GenerationSpec:
         return self.num_prompts * self.n
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise invalid(name, f"'{name}' must be a number, got {v!r}")
-    if v < lo or v > hi or (lo_open and v == lo):
-        left = "(" if lo_open else "["
-        raise invalid(name, f"'{name}' must be in {left}{lo}, {hi}], got {v}")
-    return float(v)
-
-
-def _integer(body: dict, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise invalid(name, f"'{name}' must be an integer, got {v!r}")
-    if v < lo or (hi is not None and v > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise invalid(name, f"'{name}' must be {bound}, got {v}")
-    return v
-
-
-def _boolean(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise invalid(name, f"'{name}' must be a boolean, got {v!r}")
-    return v
-
-
-def _stop(body: dict) -> list[str]:
-    v = body.get("stop")
-    if v is None:
-        return []
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise invalid("stop", "'stop' must be a string or a list of strings")
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise invalid("stop", f"'stop' takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}")
-    if any(s == "" for s in stops):
-        raise invalid("stop", "'stop' sequences must not be empty")
-    return stops
-
-
-def _token_id_list(body: dict, name: str) -> list[int]:
-    v = body.get(name)
-    if v is None:
-        return []
-    if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
-        raise invalid(name, f"'{name}' must be a list of non-negative integers")
-    return v
-
-
-def _samples(body: dict) -> int:
-    n = _integer(body, "n", 1, 1)
-    best_of = _integer(body, "best_of", None, 1)
-    if best_of is not None and best_of < n:
-        raise invalid("best_of", f"'best_of' ({best_of}) must be greater than or equal to n ({n})")
-    if best_of is not None and best_of > n:
-        # best_of > n means generating extra candidates and returning the n most likely ones
-        raise invalid(
-            "best_of",
-            f"'best_of' greater than n is not supported (got best_of={best_of}, n={n}): "
-            "ask for n samples instead",
-        )
-    return n
-
-
-def _common(body: dict, kind: str) -> tuple[str, SamplingSpec, bool, bool, int]:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model", "'model' is required and must be a non-empty string")
-    n = _samples(body)
-    if body.get("logit_bias"):
-        raise invalid("logit_bias", "'logit_bias' is not supported")
-    if kind == "chat":
-        max_tokens = _integer(body, "max_completion_tokens", None, 1)
-        if max_tokens is None:
-            max_tokens = _integer(body, "max_tokens", None, 1)
+def request_error(exc: ValidationError) -> APIError:
+    """The first problem pydantic found, as OpenAI's 400 naming the field (`messages[0].role`)."""
+    errors = exc.errors(include_url=False)
+    # of a union's alternatives, the one that got furthest into the value says the most
+    err = max(errors, key=lambda e: len(_field_path(e["loc"])))
+    if err["type"] == "json_invalid":
+        return invalid(None, f"the request body is not valid JSON: {err['msg']}", code="invalid_json")
+    cause = (err.get("ctx") or {}).get("error")
+    path = _field_path(err["loc"])
+    if err["type"] == "extra_forbidden":  # the unknown field's own name is not among the known ones
+        path = _field_path(err["loc"][:-1]) + [err["loc"][-1]]
+    param = getattr(cause, "param", None) or _dotted(path) or None
+    if err["type"] == "extra_forbidden":
+        return invalid(param, f"'{param}' is not supported by this server")
+    if err["type"] in ("model_type", "model_attributes_type") and not path:
+        return invalid(None, "the request body must be a JSON object")
+    if isinstance(cause, ValueError):
+        message = str(cause)
+    elif err["type"] in _BOUNDS:
+        message = _BOUNDS[err["type"]].format(**err["ctx"]) if err.get("ctx") else err["msg"]
     else:
-        max_tokens = _integer(body, "max_tokens", 16, 1)
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise invalid("seed", f"'seed' must be an integer, got {seed!r}")
-    if seed is not None and not INT64_MIN <= seed <= INT64_MAX:
-        raise invalid("seed", f"'seed' must fit in a signed 64-bit integer, got {seed}")
-    stream = _boolean(body, "stream", False)
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not isinstance(options, dict):
-            raise invalid("stream_options", "'stream_options' must be an object")
-        if not stream:
-            raise invalid("stream_options", "'stream_options' is only allowed when 'stream' is true")
-        include_usage = _boolean(options, "include_usage", False)
-    sampling = SamplingSpec(
+        message = err["msg"]
+    if param and f"'{param}'" not in message and f"'{path[-1]}'" not in message:
+        message = f"'{param}' {message}" if message.startswith("must") else f"'{param}': {message}"
+    return invalid(param, message)
+
+
+# pydantic's bound errors in the words the API has always used ("'n' must be >= 1, got 0")
+_BOUNDS = {
+    "greater_than_equal": "must be >= {ge}",
+    "greater_than": "must be > {gt}",
+    "less_than_equal": "must be <= {le}",
+    "less_than": "must be < {lt}",
+    "too_short": "must not be empty",
+}
+
+
+_FIELDS = {
+    name
+    for model in (protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.ChatMessage,
+                  protocol.TextPart, protocol.StreamOptions)
+    for name in model.model_fields
+}  # fmt: skip
+
+
+def _field_path(loc: tuple) -> list:
+    """The location without pydantic's names of union alternatives (`str`, `list[TextPart]`)."""
+    return [part for part in loc if isinstance(part, int) or part in _FIELDS]
+
+
+def _dotted(path: list) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+def _parse(model: type[BaseModel], body: Any) -> Any:
+    try:
+        if isinstance(body, bytes | str):
+            return model.model_validate_json(body)
+        if not isinstance(body, dict):
+            raise invalid(None, "the request body must be a JSON object")
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise request_error(exc) from None
+
+
+def _sampling(req: protocol._Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingSpec:
+    return SamplingSpec(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        top_k=_integer(body, "top_k", -1, -1),
-        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-        seed=seed,
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
-        min_tokens=_integer(body, "min_tokens", 0, 0),
-        stop=_stop(body),
-        stop_token_ids=_token_id_list(body, "stop_token_ids"),
-        ignore_eos=_boolean(body, "ignore_eos", False),
-        skip_special_tokens=_boolean(body, "skip_special_tokens", True),
-    )
-    if sampling.top_k == 0:
-        raise invalid("top_k", "'top_k' must be -1 (off) or >= 1, got 0")
-    if max_tokens is not None and sampling.min_tokens > max_tokens:
-        raise invalid(
-            "min_tokens", f"'min_tokens' ({sampling.min_tokens}) must not exceed max_tokens ({max_tokens})"
-        )
-    return model, sampling, stream, include_usage, n
-
-
-def _token_ids(where: str, ids: list) -> list[int]:
-    if not ids:
-        raise invalid("prompt", f"{where} must not be an empty list of token ids")
-    if not all(_is_int(t) for t in ids):
-        raise invalid("prompt", f"{where} must hold integers only (token ids), not a mix of types")
-    if any(t < 0 for t in ids):
-        raise invalid("prompt", f"token ids in {where} must be non-negative")
-    return ids
-
-
-def _completion_prompts(body: dict) -> list[str | list[int]]:
-    """The prompts of a completion: a string, a list of token ids, or a batch of either kind."""
-    p = body.get("prompt")
-    if isinstance(p, str):
-        if not p:
-            raise invalid("prompt", "'prompt' must not be empty")
-        return [p]
-    if not isinstance(p, list):
-        raise invalid("prompt", "'prompt' is required: a string, a list of token ids, or a list of either")
-    if not p:
-        raise invalid("prompt", "'prompt' must not be an empty list")
-    if all(_is_int(t) for t in p):
-        return [_token_ids("'prompt'", p)]
-    if all(isinstance(x, str) for x in p):
-        empty = next((i for i, x in enumerate(p) if not x), None)
-        if empty is not None:
-            raise invalid("prompt", f"'prompt[{empty}]' must not be empty")
-        return list(p)
-    if all(isinstance(x, list) for x in p):
-        return [_token_ids(f"'prompt[{i}]'", x) for i, x in enumerate(p)]
-    raise invalid(
-        "prompt",
-        "'prompt' must be a string, a list of token ids, a list of strings or a list of token-id lists; "
-        "a list mixing these is not accepted",
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        min_tokens=req.min_tokens,
+        stop=list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
     )
 
 
 def parse_completion(body: Any) -> GenerationSpec:
-    if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object")
-    model, sampling, stream, include_usage, n = _common(body, "completion")
-    prompts = _completion_prompts(body)
-    logprobs = _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    sampling.logprobs = logprobs
-    if body.get("suffix"):
-        raise invalid("suffix", "'suffix' is not supported")
+    """A completion request (raw JSON bytes, or the decoded object) -> its `GenerationSpec`."""
+    req = _parse(protocol.CompletionRequest, body)
     return GenerationSpec(
         kind="completion",
-        model=model,
-        sampling=sampling,
-        stream=stream,
-        include_usage=include_usage,
-        n=n,
-        prompts=prompts,
-        echo=_boolean(body, "echo", False),
-        user=body.get("user") if isinstance(body.get("user"), str) else None,
+        model=req.model,
+        sampling=_sampling(req, req.max_tokens, req.logprobs),
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        n=req.n,
+        prompts=req.prompt,
+        echo=req.echo,
+        user=req.user,
     )
 
 
-def _message_text(i: int, content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise invalid(f"messages[{i}].content[{j}]", "only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise invalid(f"messages[{i}].content", "'content' must be a string or a list of text parts")
-
-
 def parse_chat(body: Any) -> GenerationSpec:
-    if not isinstance(body, dict):
-        raise invalid(None, "the request body must be a JSON object")
-    model, sampling, stream, include_usage, n = _common(body, "chat")
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise invalid("messages", "'messages' is required and must be a non-empty list")
-    messages = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise invalid(f"messages[{i}]", "each message must be an object")
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise invalid(
-                f"messages[{i}].role", f"'role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}"
-            )
-        content = m.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        messages.append({"role": role, "content": _message_text(i, content)})
-    want = _boolean(body, "logprobs", False)
-    top = _integer(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if top is not None and not want:
-        raise invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
-    sampling.logprobs = (top or 0) if want else None
+    """A chat request (raw JSON bytes, or the decoded object) -> its `GenerationSpec`."""
+    req = _parse(protocol.ChatCompletionRequest, body)
     return GenerationSpec(
         kind="chat",
-        model=model,
-        sampling=sampling,
-        stream=stream,
-        include_usage=include_usage,
-        n=n,
-        messages=messages,
-        user=body.get("user") if isinstance(body.get("user"), str) else None,
+        model=req.model,
+        sampling=_sampling(req, req.max_output_tokens(), (req.top_logprobs or 0) if req.logprobs else None),
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        n=req.n,
+        messages=[{"role": m.role, "content": m.text()} for m in req.messages],
+        user=req.user,
     )
 
 
