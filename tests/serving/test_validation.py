@@ -55,6 +55,7 @@ def test_completion_defaults_and_fields():
         ({"model": "m", "prompt": "x", "seed": "s"}, "seed"),
         ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"model": "m", "prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "suffix": "after"}, "suffix"),
         ({"model": "m", "prompt": "x", "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
     ],
 )

@@ -13,7 +13,15 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
@@ -153,11 +161,11 @@ class _Sampling(_Strict):
             raise ValueError("'stop' sequences must not be empty")
         return stops
 
-    @field_validator("logit_bias")
+    @field_validator("logit_bias", "suffix", check_fields=False)
     @classmethod
-    def _no_logit_bias(cls, v):
+    def _unsupported_when_set(cls, v, info: ValidationInfo):
         if v:
-            raise ValueError("'logit_bias' is not supported")
+            raise ValueError(f"'{info.field_name}' is not supported")
         return v
 
     @model_validator(mode="after")
@@ -193,13 +201,6 @@ class CompletionRequest(_Sampling):
     logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: Text | None = None
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        if v:
-            raise ValueError("'suffix' is not supported")
-        return v
 
     @field_validator("prompt", mode="before")
     @classmethod
