@@ -43,14 +43,16 @@ def _venv(tmp: Path, install: list[list[str]]) -> Path:
             shutil.copy(path, src / name)
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "-q"]
+    # the pip script, as the Dockerfiles call it (`python -m pip` would put /src, and its operator/
+    # folder, ahead of the standard library's operator module)
+    pip = [str(venv / "bin" / "pip"), "--disable-pip-version-check", "-q"]
     for args in install:
         subprocess.run([*pip, "install", *args], cwd=src, check=True, timeout=900)
     return venv
 
 
 def _imports(venv: Path, module: str) -> bool:
-    code = f"import importlib, sys; sys.exit(0 if importlib.util.find_spec({module!r}) else 1)"
+    code = f"import importlib.util, sys; sys.exit(0 if importlib.util.find_spec({module!r}) else 1)"
     return subprocess.run([str(venv / "bin" / "python"), "-c", code], cwd=venv).returncode == 0
 
 
@@ -68,6 +70,7 @@ def test_each_dockerfile_installs_the_project_with_its_own_extra():
 @pytest.mark.slow
 def test_operator_image_environment(tmp_path):
     venv = _venv(tmp_path, [project_install_line(ROOT / "docker" / "operator.Dockerfile")])
+    assert _imports(venv, "kopf")
     for absent in ("torch", "nixl", "grpc", "transformers", "pytest"):
         assert not _imports(venv, absent), f"the operator image must not install {absent}"
     done = _run(
@@ -82,6 +85,7 @@ def test_operator_image_environment(tmp_path):
 def test_worker_image_environment(tmp_path):
     line = project_install_line(ROOT / "docker" / "worker.Dockerfile")
     venv = _venv(tmp_path, [[torch_pin()], line])
+    assert _imports(venv, "torch") and _imports(venv, "nixl")
     for absent in ("kopf", "grpc_tools", "transformers", "pytest"):
         assert not _imports(venv, absent), f"the worker image must not install {absent}"
     code = (
