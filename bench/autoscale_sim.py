@@ -32,8 +32,6 @@ import argparse
 import heapq
 import json
 import math
-import os
-import platform
 import sys
 import time
 from collections import deque
@@ -45,6 +43,8 @@ import numpy as np
 from disagg.operator.autoscaling.control import Memory, Observation, Tuning, decide
 from disagg.operator.autoscaling.metrics import Histogram, quantile
 from disagg.operator.autoscaling.spec import parse_autoscaling
+from disagg.worker.planner import profile as profiles
+from disagg.worker.planner.profile import Profile
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROFILE = ROOT / ".run" / "autoscale_profile.json"
@@ -61,91 +61,11 @@ BUCKETS = np.array(
 
 
 def measure(preset: str) -> dict:
-    """Prefill seconds vs prompt length and decode step seconds vs batch, on the real engine."""
-    from disagg.worker import LLM, SamplingParams
+    """The engine profile (planner's measurement) on a checkpoint of the preset."""
     from disagg.worker.tools.make_model import make_model
 
-    path = make_model(MODEL_DIR / f"autoscale-{preset}", preset=preset, seed=0)
-    llm = LLM(path, max_num_seqs=64, max_num_batched_tokens=4096, enable_prefix_caching=False)
-    rng = np.random.default_rng(0)
-    vocab = llm.engine.config.vocab_size
-
-    def prompt(n: int) -> list[int]:
-        return rng.integers(10, vocab - 10, size=n).tolist()
-
-    llm.generate([prompt(64)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    # The fastest of a few runs: other processes on the machine only ever add time.
-    prefill = []
-    for tokens in (64, 256, 512):
-        runs = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            llm.generate([prompt(tokens)], SamplingParams(max_tokens=1, ignore_eos=True))
-            runs.append(time.perf_counter() - t0)
-        prefill.append([tokens, min(runs)])
-        print(f"  prefill {tokens:5d} tokens: {prefill[-1][1] * 1000:8.1f} ms", file=sys.stderr)
-    decode = []
-    engine = llm.engine
-    steps = 12
-    for batch in (1, 4, 16, 32, 64):
-        runs = []
-        for attempt in range(2):
-            ids = [f"m{batch}-{attempt}-{i}" for i in range(batch)]
-            for rid in ids:
-                engine.add_request(rid, prompt(32), SamplingParams(max_tokens=steps + 8, ignore_eos=True))
-            started = set()
-            while len(started) < batch:  # prefill every request first
-                started.update(o.request_id for o in engine.step())
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            runs.append((time.perf_counter() - t0) / steps)
-            for rid in ids:
-                engine.abort(rid)
-        decode.append([batch, min(runs)])
-        print(f"  decode batch {batch:3d}: {decode[-1][1] * 1000:8.1f} ms/step", file=sys.stderr)
-    return {
-        "preset": preset,
-        "machine": f"{platform.machine()} cpus={len(os.sched_getaffinity(0))} load={os.getloadavg()[0]:.1f}",
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "prefill_seconds_by_tokens": prefill,
-        "decode_step_seconds_by_batch": decode,
-    }
-
-
-@dataclass(frozen=True)
-class Profile:
-    prefill_fixed: float
-    prefill_per_token: float
-    decode_batches: np.ndarray
-    decode_steps: np.ndarray
-
-    @classmethod
-    def from_json(cls, data: dict) -> Profile:
-        try:
-            pts = np.array(data["prefill_seconds_by_tokens"], dtype=float)
-            dec = np.array(data["decode_step_seconds_by_batch"], dtype=float)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(
-                f"profile: needs prefill_seconds_by_tokens and decode_step_seconds_by_batch ({e})"
-            ) from e
-        if pts.ndim != 2 or len(pts) < 2 or dec.ndim != 2 or len(dec) < 2:
-            raise ValueError("profile: needs at least two points for prefill and for decode")
-        per_token, fixed = np.polyfit(pts[:, 0], pts[:, 1], 1)
-        order = np.argsort(dec[:, 0])
-        # A bigger batch never steps faster; a dip is noise from other processes on the machine.
-        steps = np.maximum.accumulate(dec[order, 1])
-        return cls(max(fixed, 0.0), max(per_token, 1e-7), dec[order, 0], steps)
-
-    def prefill_seconds(self, tokens):
-        return self.prefill_fixed + self.prefill_per_token * tokens
-
-    def step_seconds(self, batch):
-        """Measured decode step time, interpolated, extrapolated linearly past the last point."""
-        b, s = self.decode_batches, self.decode_steps
-        slope = (s[-1] - s[-2]) / (b[-1] - b[-2])
-        batch = np.asarray(batch, dtype=float)
-        return np.where(batch <= b[-1], np.interp(batch, b, s), s[-1] + slope * (batch - b[-1]))
+    data = profiles.measure(make_model(MODEL_DIR / f"autoscale-{preset}", preset=preset, seed=0))
+    return {"preset": preset, **data}
 
 
 def load_profile(args) -> tuple[Profile, dict]:

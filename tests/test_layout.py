@@ -22,6 +22,7 @@ LAYERS: dict[str, int] = {
     "disagg.worker.model": 1,
     "disagg.worker.engine": 2,
     "disagg.worker.tools": 3,
+    "disagg.worker.planner": 3,
     "disagg.worker.kv_transfer": 3,
     "disagg.worker.kv_state": 3,
     "disagg.worker.serving": 4,

@@ -1,0 +1,102 @@
+"""How many prefill and decode replicas: the split of a replica budget that serves the most
+requests within the SLOs (DistServe's placement search, on the simulated deployment), against
+the same number of colocated replicas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from disagg.worker.planner import simulate
+from disagg.worker.planner.goodput import SLO, attainment, max_rate
+from disagg.worker.planner.profile import Profile
+from disagg.worker.planner.workload import Workload
+
+
+@dataclass(frozen=True)
+class Settings:
+    max_batch: int = 64  # decode batch cap (the engine's max_num_seqs)
+    chunk_tokens: int = 2048  # colocated prefill chunk (max_num_batched_tokens)
+    # Simulated arrivals span this many unloaded lifetimes of the workload's longest request, so
+    # that queues reach their steady state before the stream ends (bounded by max_requests).
+    horizon_lifetimes: float = 20.0
+    min_requests: int = 600
+    max_requests: int = 60_000
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    replicas: int
+    prefill: int
+    decode: int
+    disaggregated: float  # goodput, requests/s
+    colocated: float
+
+    @property
+    def ratio(self) -> float:
+        return self.disaggregated / self.colocated if self.colocated else float("inf")
+
+
+def _requests(prof: Profile, workload: Workload, rate: float, s: Settings):
+    lifetime = float(prof.prefill_seconds(workload.longest_prompt)) + workload.output_tokens[1] * float(
+        prof.step_seconds(1)
+    )
+    n = int(np.clip(rate * s.horizon_lifetimes * lifetime, s.min_requests, s.max_requests))
+    return workload.sample(n, rate, s.seed)
+
+
+def goodput_disaggregated(
+    prof: Profile, workload: Workload, slo: SLO, prefill: int, decode: int, s: Settings
+) -> float:
+    def attain(rate: float) -> float:
+        req = _requests(prof, workload, rate, s)
+        return attainment(simulate.disaggregated(prof, req, prefill, decode, s.max_batch), slo)
+
+    return max_rate(attain, guess=_capacity_guess(prof, workload, prefill, decode, s))
+
+
+def goodput_colocated(prof: Profile, workload: Workload, slo: SLO, replicas: int, s: Settings) -> float:
+    def attain(rate: float) -> float:
+        req = _requests(prof, workload, rate, s)
+        return attainment(simulate.colocated(prof, req, replicas, s.max_batch, s.chunk_tokens), slo)
+
+    per = 1.0 / (
+        float(prof.prefill_seconds(workload.mean_prompt)) + workload.mean_output * float(prof.step_seconds(1))
+    )
+    return max_rate(attain, guess=per * replicas)
+
+
+def _phase_rates(prof: Profile, workload: Workload, s: Settings) -> tuple[float, float]:
+    """Requests/s one prefill replica and one decode replica can sustain (throughput bounds)."""
+    prefill = 1.0 / float(prof.prefill_seconds(workload.mean_prompt))
+    batch = s.max_batch
+    decode = batch / (float(prof.step_seconds(batch)) * max(workload.mean_output - 1, 1))
+    return prefill, decode
+
+
+def _capacity_guess(prof: Profile, workload: Workload, prefill: int, decode: int, s: Settings) -> float:
+    p, d = _phase_rates(prof, workload, s)
+    return 0.5 * min(prefill * p, decode * d)
+
+
+def split_candidates(
+    prof: Profile, workload: Workload, replicas: int, s: Settings, width: int = 2
+) -> list[int]:
+    """Prefill replica counts worth simulating: around the split that balances the two phases'
+    throughput (n_p * prefill rate = n_d * decode rate)."""
+    p, d = _phase_rates(prof, workload, s)
+    centre = int(round(replicas * d / (p + d)))
+    return sorted({int(np.clip(centre + k, 1, replicas - 1)) for k in range(-width, width + 1)})
+
+
+def advise(prof: Profile, workload: Workload, slo: SLO, replicas: int, s: Settings = Settings()) -> Plan:
+    if replicas < 2:
+        raise ValueError("a disaggregated deployment needs at least 2 replicas")
+    best = max(
+        ((goodput_disaggregated(prof, workload, slo, n, replicas - n, s), n) for n in split_candidates(prof, workload, replicas, s)),
+    )  # fmt: skip
+    return Plan(
+        replicas, best[1], replicas - best[1], best[0], goodput_colocated(prof, workload, slo, replicas, s)
+    )
