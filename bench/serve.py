@@ -1,14 +1,19 @@
-"""Serving benchmark: colocated workers vs 1 prefill + 1 decode, same cores, same model, same load.
+"""Serving benchmark: goodput of colocated vs disaggregated workers on the same cores.
 
-An open-loop Poisson load (arrivals do not wait for answers) mixes long prompts with short
-outputs (prefill-heavy) and short prompts with long outputs (decode-heavy). Each deployment runs
-under `disagg up`'s process layout with every worker pinned to its own core and one torch
-thread, so (a) 2 x `--role both` and (b) 1 prefill + 1 decode use the same hardware. Prints TTFT
-and ITL percentiles, throughput and goodput (requests meeting both the TTFT and the ITL target)
-side by side, with the ratio disaggregated / colocated.
+Goodput as DistServe defines it: the highest request rate at which >= 90% of requests meet both
+a TTFT SLO and a TPOT SLO (mean time between output tokens after the first). For each workload
+(chat: short prompts, long outputs; summarization: long prompts, short outputs) the SLOs are
+multiples ("SLO scale") of the unloaded single-request latency measured first; then each
+deployment -- (a) 2 x `--role both`, (b) 1 prefill + 1 decode, every worker pinned to its own
+core with one torch thread -- is driven by an open-loop Poisson stream at a few rates (doubling,
+then bisection on the base scale), and the SLO attainment of every rate is printed for every
+scale, with the goodput of each deployment and their ratio. A PNG beside the table plots
+attainment against rate. The planner's prediction (`disagg plan`, from an engine profile
+measured on one core in the same command) is printed beside the measured 1P+1D goodput.
 
-    python bench/serve.py                     # tiny model, defaults
-    python bench/serve.py --preset small --rate 0.5 --duration 60
+    python bench/serve.py --preset small                      # both workloads, 4 rates each
+    python bench/serve.py --workloads chat --points 3 --duration 40
+    python bench/serve.py --interference --rate 0.5           # the prefill-interference comparison
 """
 
 from __future__ import annotations
@@ -16,19 +21,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 
 from disagg.worker.cli.ports import free_port
 from disagg.worker.cli.up import Deployment
+from disagg.worker.engine.args import EngineArgs
+from disagg.worker.planner.advisor import Settings, goodput_disaggregated
+from disagg.worker.planner.goodput import BASE_SCALE, SLO, SLO_SCALES, TARGET, attainment
+from disagg.worker.planner.profile import Profile
+from disagg.worker.planner.simulate import Outcome
+from disagg.worker.planner.workload import WORKLOADS, Workload
 
 
 @dataclass
@@ -194,6 +208,181 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den and den == den and num == num else float("nan")
 
 
+# ---------------------------------------------------------------------------- goodput sweep
+LAYOUTS = {"colocated": (0, 0, 2), "disaggregated": (1, 1, 0)}  # (prefill, decode, both): same 2 cores
+
+
+def rate_plan(wl: Workload, rate: float, duration: float, seed: int, vocab: int):
+    """A Poisson stream of the workload's requests (fresh random prompts per seed: no prefix hits)."""
+    req = wl.sample(max(8, int(rate * duration)), rate, seed)
+    rng = random.Random(seed)
+    return [
+        (float(a), wl.name, [rng.randrange(10, vocab - 10) for _ in range(int(n))], int(o))
+        for a, n, o in zip(req.arrival, req.prompt, req.output, strict=True)
+    ]
+
+
+def outcome(results: list[Result]) -> Outcome:
+    """Per request in arrival order: TTFT and mean time per output token after the first (a failed
+    request misses every SLO)."""
+    ttft = [r.ttft if r.ok else math.inf for r in results]
+    tpot = [
+        (r.e2e - r.ttft) / (r.tokens - 1) if r.ok and r.tokens > 1 else (0.0 if r.ok else math.inf)
+        for r in results
+    ]
+    return Outcome(np.array(ttft), np.array(tpot))
+
+
+def measure_unloaded(dep: Deployment, wl: Workload, vocab: int) -> SLO:
+    """SLO scale 1: the longest prompt of the workload, alone, the best of three."""
+    plan = [(0.0, "unloaded", [random.Random(i).randrange(10, vocab - 10) for _ in range(wl.longest_prompt)],
+             wl.output_tokens[1]) for i in range(3)]  # fmt: skip
+
+    async def go():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            return [await one(session, dep.router_url, dep.model.name, k, p, n) for _t, k, p, n in plan]
+
+    runs = [r for r in asyncio.run(go()) if r.ok]
+    if not runs:
+        raise RuntimeError("the unloaded requests failed")
+    out = outcome(runs)
+    return SLO(float(out.ttft.min()), float(out.tpot.min()))
+
+
+def sweep(args, name: str, wl: Workload, slo: SLO, start: float, vocab: int) -> dict[float, Outcome]:
+    """Attainment at `args.points` rates: doubling (or halving) until the base scale's attainment
+    crosses 90%, then bisection."""
+    dep = deploy(args, f"{wl.name}-{name}", *LAYOUTS[name])
+    tried: dict[float, Outcome] = {}
+    try:
+        dep.start()
+        rate, passing, failing = start, None, None
+        for i in range(args.points):
+            plan = rate_plan(wl, rate, args.duration, args.seed + 1000 * len(tried) + 1, vocab)
+            print(f"[{wl.name}/{name}] {rate:.3f} req/s: {len(plan)} requests over {args.duration:.0f}s "
+                  f"(load {os.getloadavg()[0]:.1f}) ...", flush=True)  # fmt: skip
+            results, _wall = asyncio.run(drive(dep.router_url, dep.model.name, plan))
+            tried[rate] = outcome(results)
+            ok = attainment(tried[rate], slo.scaled(BASE_SCALE)) >= TARGET
+            failed = sum(not r.ok for r in results)
+            print(f"[{wl.name}/{name}]   attainment at scale {BASE_SCALE:g}: "
+                  f"{attainment(tried[rate], slo.scaled(BASE_SCALE)):.0%}" + (f", {failed} failed" if failed else ""),
+                  flush=True)  # fmt: skip
+            if i == args.points - 1:
+                break
+            passing, failing = (rate, failing) if ok else (passing, rate)
+            if passing is None:
+                rate = failing / 2
+            elif failing is None:
+                rate = passing * 2
+            else:
+                rate = (passing + failing) / 2
+    finally:
+        dep.stop()
+    return tried
+
+
+def goodput_of(tried: dict[float, Outcome], slo: SLO) -> tuple[float, str]:
+    """The rate where attainment crosses 90%, interpolated between the tested rates around it;
+    a bound ('>=' or '<') when the sweep did not bracket it."""
+    rates = sorted(tried)
+    att = [attainment(tried[r], slo) for r in rates]
+    passing = [i for i, a in enumerate(att) if a >= TARGET]
+    if not passing:
+        return 0.0, f"< {rates[0]:.3f}"
+    i = max(passing)
+    if i == len(rates) - 1:
+        return rates[i], f">= {rates[i]:.3f}"
+    r0, r1, a0, a1 = rates[i], rates[i + 1], att[i], att[i + 1]
+    value = r0 + (r1 - r0) * (a0 - TARGET) / (a0 - a1) if a0 != a1 else r0
+    return value, f"{value:.3f}"
+
+
+def plot(path: Path, wl: Workload, base: SLO, curves: dict[str, dict[float, Outcome]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(SLO_SCALES), figsize=(5 * len(SLO_SCALES), 4), sharey=True)
+    for ax, scale in zip(axes, SLO_SCALES, strict=True):
+        slo = base.scaled(scale)
+        for name, tried in curves.items():
+            rates = sorted(tried)
+            ax.plot(rates, [100 * attainment(tried[r], slo) for r in rates], marker="o", label=name)
+        ax.axhline(100 * TARGET, color="grey", linestyle="--", linewidth=1)
+        ax.set_title(f"{wl.name}, SLO scale {scale:g}\n{slo}", fontsize=9)
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("SLO attainment (%)")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def measure_profile(model: str, transfer_gbps: float) -> Profile:
+    """The engine profile on one core with one thread, as each benchmarked worker runs."""
+    code = ("import json, sys, torch; torch.set_num_threads(1); from disagg.worker.planner import profile; "
+            "print(json.dumps(profile.measure(sys.argv[1], progress=lambda m: None)))")  # fmt: skip
+    cmd = [sys.executable, "-c", code, model]
+    if shutil.which("taskset"):
+        cmd = ["taskset", "-c", "0", *cmd]
+    data = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    return Profile.from_json({**data, "transfer_bytes_per_second": transfer_gbps * 1e9})
+
+
+def goodput_main(args) -> int:
+    from disagg.worker.model.config import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(args.model).vocab_size
+    out_dir = Path(args.run_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prof = None if args.no_prediction else measure_profile(args.model, args.transfer_gbps)
+    if prof is not None:
+        print(f"engine profile (one core): {prof.describe()}", flush=True)
+    summary = []
+    for wl_name in args.workloads.split(","):
+        wl = WORKLOADS[wl_name]
+        dep = deploy(args, f"{wl.name}-unloaded", *LAYOUTS["colocated"])
+        try:
+            dep.start()
+            base = measure_unloaded(dep, wl, vocab)
+        finally:
+            dep.stop()
+        print(f"[{wl.name}] unloaded latency (SLO scale 1): {base}", flush=True)
+        start = args.start_rate or 0.5 * 2 / (base.ttft + wl.mean_output * base.tpot)
+        curves = {name: sweep(args, name, wl, base, start, vocab) for name in LAYOUTS}
+        png = out_dir / f"goodput-{wl.name}.png"
+        plot(png, wl, base, curves)
+        print(f"\n[{wl.name}] SLO attainment by rate (req/s); plot: {png}")
+        for scale in SLO_SCALES:
+            slo = base.scaled(scale)
+            print(f"  SLO scale {scale:g}: {slo}")
+            found = {}
+            for name, tried in curves.items():
+                cells = "  ".join(f"{r:.3f}:{attainment(tried[r], slo):>4.0%}" for r in sorted(tried))
+                found[name] = goodput_of(tried, slo)
+                print(f"    {name:<14} {cells}   goodput {found[name][1]}")
+            ratio = found["disaggregated"][0] / found["colocated"][0] if found["colocated"][0] else math.nan
+            line = f"    disaggregated / colocated goodput: {ratio:.2f}"
+            if prof is not None:
+                settings = Settings(
+                    max_batch=EngineArgs.max_num_seqs, chunk_tokens=args.max_num_batched_tokens
+                )
+                predicted = goodput_disaggregated(prof, wl, slo, 1, 1, settings)
+                measured = found["disaggregated"][0]
+                line += f"; planner predicts 1P+1D {predicted:.3f} req/s (measured/predicted {measured / predicted:.2f})"
+            print(line, flush=True)
+            summary.append((wl.name, scale, found["colocated"][1], found["disaggregated"][1], ratio))
+    print(f"\n{'workload':<14}{'scale':>6}{'colocated':>12}{'1P+1D':>12}{'ratio':>7}   (goodput, req/s)")
+    for name, scale, a, b, ratio in summary:
+        print(f"{name:<14}{scale:>6g}{a:>12}{b:>12}{ratio:>7.2f}")
+    print(f"\nworkers pinned one per core, torch threads 1, KV transfer {args.kv_transfer}, "
+          f"{args.duration:.0f}s per rate, load {os.getloadavg()[0]:.1f} at end")  # fmt: skip
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model directory (default: .models/<preset>, made if missing)")
@@ -212,6 +401,18 @@ def main(argv=None) -> int:
     p.add_argument("--kv-transfer", choices=("nixl", "grpc"), default="nixl")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default=".run/bench")
+    p.add_argument("--interference", action="store_true",
+                   help="instead of the goodput sweep: one rate, colocated vs disaggregated TTFT/ITL and "
+                        "prefill interference")  # fmt: skip
+    p.add_argument("--workloads", default="chat,summarization", help="goodput sweep: comma-separated")
+    p.add_argument("--points", type=int, default=4, help="goodput sweep: rates tried per deployment")
+    p.add_argument(
+        "--start-rate", type=float, help="goodput sweep: first rate (default: from the unloaded latency)"
+    )
+    p.add_argument(
+        "--transfer-gbps", type=float, default=3.0, help="KV transfer bandwidth the planner assumes"
+    )
+    p.add_argument("--no-prediction", action="store_true", help="skip the planner's prediction")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the two runs with the long prompts cached beforehand (no prefill interference)")  # fmt: skip
     args = p.parse_args(argv)
@@ -223,6 +424,8 @@ def main(argv=None) -> int:
             print(f"making the {args.preset} model under {path} ...", flush=True)
             make_model(path, preset=args.preset)
         args.model = str(path)
+    if not args.interference:
+        return goodput_main(args)
     plan = workload(args)
     print(f"model {args.model} ({args.preset if args.model.endswith(args.preset) else 'custom'}); "
           f"{len(plan)} requests: {sum(k == 'long-prompt' for _t, k, _p, _n in plan)} long-prompt "
