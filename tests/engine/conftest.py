@@ -203,3 +203,13 @@ class PagedSequences:
 def paged():
     """`paged(block_size)`: a fresh PagedSequences (hand-built ForwardBatches, sequential blocks)."""
     return PagedSequences
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules that run tiny models: they gain nothing from intra-op threads, and on a busy
+    machine spinning worker threads make every op many times slower. Restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

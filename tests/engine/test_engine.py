@@ -14,14 +14,7 @@ NEW_TOKENS = 40
 PROMPT_LENS = (3, 8, 17, 31, 46, 64, 5)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine spinning worker
-    threads make every op many times slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def ragged_prompts(seed: int = 0, lens=PROMPT_LENS) -> list[list[int]]:

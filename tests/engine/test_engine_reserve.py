@@ -14,12 +14,7 @@ from disagg.worker.engine.llm_engine import LLMEngine, Reservation
 BS = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tokens(seed: int, n: int) -> list[int]:

@@ -6,18 +6,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from disagg.worker import LLM, SamplingParams
 from disagg.worker.cli import main as cli_main
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
