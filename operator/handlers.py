@@ -74,7 +74,10 @@ def register(
     @kopf.on.login(registry=registry, id="disagg-login")
     def _login(**kwargs):
         conn = login(**kwargs)
-        kube.configure(conn)
+        if login is not default_login:
+            # A custom login (an emulated API server): the operator's client uses it too. With the
+            # default one, the client reads the same sources itself (refreshing a rotated token).
+            kube.configure(conn)
         return conn
 
     @kopf.on.cleanup(registry=registry, id="disagg-close")
