@@ -215,17 +215,17 @@ CEL_BAD = [
         lambda s: _swap_to_autoscaling(
             s, "decode", {"minReplicas": 5, "maxReplicas": 2, "target": {"itlMilliseconds": 40}}
         ),
-        "spec.decode.autoscaling",
+        "spec.decode.autoscaling.minReplicas",
         "minReplicas must not exceed maxReplicas",
     ),
     (
         lambda s: _swap_to_autoscaling(s, "prefill", _autoscaling({"itlMilliseconds": 40})),
-        "spec",
+        "spec.prefill.autoscaling.target",
         "prefill autoscales on time to first token",
     ),
     (
         lambda s: _swap_to_autoscaling(s, "decode", _autoscaling({"ttftMilliseconds": 300})),
-        "spec",
+        "spec.decode.autoscaling.target",
         "decode autoscales on inter-token latency",
     ),
     (
@@ -295,11 +295,11 @@ def crd_rules() -> list[tuple[str, str]]:
 def test_every_cel_rule_has_exactly_one_mirror():
     mirrored = sorted((r.at, r.cel) for r in rules.RULES)
     assert mirrored == crd_rules()
-    messages = {}
+    described = {}
     for _path, node in walk(SCHEMA):
         for rule in node.get("x-kubernetes-validations") or []:
-            messages[rule["rule"]] = rule["message"]
-    assert {r.cel: r.message for r in rules.RULES} == messages
+            described[rule["rule"]] = (rule["message"], rule.get("fieldPath", ""))
+    assert {r.cel: (r.message, r.field_path) for r in rules.RULES} == described
 
 
 def _node_at(resource: dict, path: str):
