@@ -24,7 +24,8 @@ def _same_scalar(want: Any, have: Any) -> bool:
 
 
 def _empty(value: Any) -> bool:
-    return value is None or value == {} or value == []
+    # The API server leaves zero values of optional fields out (readOnly: false, empty maps).
+    return value is None or value is False or value in ({}, [], "", 0)
 
 
 def _keyed(items: list) -> bool:
