@@ -129,6 +129,7 @@ class Kube:
         self.retry = retry
         self.timeout = timeout_seconds
         self._client: ApiClient | None = None
+        self._stale = False
         self._loading = asyncio.Lock()
 
     @staticmethod
@@ -140,11 +141,10 @@ class Kube:
         return source
 
     def configure(self, source: kopf.ConnectionInfo | credentials.Source) -> None:
-        """Use other credentials from the next call on."""
+        """Use other credentials from the next call on (callable from any thread: kopf runs a
+        synchronous login handler in a worker thread; the old client is closed by the next call)."""
         self._source = self._as_source(source)
-        old, self._client = self._client, None
-        if old is not None:
-            asyncio.ensure_future(old.close())
+        self._stale = True
 
     async def close(self) -> None:
         if self._client is not None:
@@ -153,9 +153,10 @@ class Kube:
 
     async def _api(self, *, reload: bool = False) -> ApiClient:
         async with self._loading:
-            if reload and self._client is not None:
+            if (reload or self._stale) and self._client is not None:
                 await self._client.close()
                 self._client = None
+            self._stale = False
             if self._client is None:
                 cfg: Configuration = await self._source()
                 self._client = ApiClient(cfg)
