@@ -19,6 +19,18 @@ from disagg.operator.kube import Kube
 from disagg.operator.reconcile import Reconciler
 
 CHILD_FILTER = {c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
+# (group, version, plural) of every kind the builders emit. A kind the cluster does not serve
+# (ServiceMonitor without the Prometheus Operator) is simply not watched until it is.
+CHILD_RESOURCES = (
+    ("apps", "v1", "statefulsets"),
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("", "v1", "configmaps"),
+    ("", "v1", "serviceaccounts"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("autoscaling", "v2", "horizontalpodautoscalers"),
+    ("monitoring.coreos.com", "v1", "servicemonitors"),
+)
 
 
 def default_login(**kwargs) -> kopf.ConnectionInfo:
@@ -39,10 +51,15 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     settings.posting.level = logging.WARNING
 
 
-def _owner(body: dict) -> tuple[str, str] | None:
+def _owner(body: dict) -> tuple[str, str, str] | None:
+    """(namespace, name, uid) of the InferenceDeployment that controls `body`."""
     for ref in (body.get("metadata") or {}).get("ownerReferences") or []:
-        if ref.get("kind") == c.KIND and str(ref.get("apiVersion", "")).startswith(f"{c.GROUP}/"):
-            return body["metadata"].get("namespace"), ref["name"]
+        if (
+            ref.get("controller")
+            and ref.get("kind") == c.KIND
+            and str(ref.get("apiVersion", "")).startswith(f"{c.GROUP}/")
+        ):
+            return body["metadata"].get("namespace"), ref["name"], ref.get("uid", "")
     return None
 
 
@@ -74,7 +91,10 @@ def register(
     @kopf.on.login(registry=registry, id="disagg-login")
     def _login(**kwargs):
         conn = login(**kwargs)
-        kube.configure(conn)
+        if login is not default_login:
+            # A custom login (an emulated API server): the operator's client uses it too. With the
+            # default one, the client reads the same sources itself (refreshing a rotated token).
+            kube.configure(conn)
         return conn
 
     @kopf.on.cleanup(registry=registry, id="disagg-close")
@@ -128,24 +148,29 @@ def register(
             )
 
     async def _child_changed(event, body, logger, **_):
-        owner = _owner(body)
+        obj = dict(body)
+        if event.get("type") == "DELETED":
+            reconciler.children.deleted(obj)
+        else:
+            reconciler.children.seen(obj)
+        owner = _owner(obj)
         if owner is None:
             return
-        namespace, name = owner
-        parent = await kube.get(c.API_VERSION, c.KIND, namespace, name)
-        if parent is None or parent["metadata"].get("deletionTimestamp"):
-            return
+        namespace, name, uid = owner
         if event.get("type") == "DELETED":
-            logger.info("child %s/%s deleted; reconciling %s", body["kind"], body["metadata"]["name"], name)
+            logger.info("child %s/%s deleted; reconciling %s", obj["kind"], obj["metadata"]["name"], name)
         try:
-            await reconciler.reconcile(parent, logger)
+            # Reads the owner afresh (and skips one that is gone or being deleted).
+            await reconciler.reconcile(
+                {"metadata": {"namespace": namespace, "name": name, "uid": uid}}, logger
+            )
         except (kopf.PermanentError, kopf.TemporaryError) as exc:
             logger.warning("reconcile of %s after a child change did not finish: %s", name, exc)
 
-    kopf.on.event(
-        "apps", "v1", "statefulsets", registry=registry, id="child-statefulset", labels=CHILD_FILTER
-    )(_child_changed)
-    kopf.on.event("apps", "v1", "deployments", registry=registry, id="child-deployment", labels=CHILD_FILTER)(
-        _child_changed
-    )
+    # Every kind the operator owns is watched: a child deleted or edited by hand is put back at
+    # once, and the reconciler reads children from these events instead of listing them.
+    for group, version, plural in CHILD_RESOURCES:
+        kopf.on.event(group, version, plural, registry=registry, id=f"child-{plural}", labels=CHILD_FILTER)(
+            _child_changed
+        )
     return reconciler

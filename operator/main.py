@@ -6,11 +6,13 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 
 import kopf
 
 from disagg.operator import handlers
 from disagg.operator.autoscaling import handlers as autoscaler
+from disagg.operator.kube import Kube
 from disagg.operator.reconcile import Reconciler
 
 
@@ -39,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peering",
         default=None,
         metavar="NAME",
-        help="name of the kopf peering object that elects one active replica",
+        help="name of the kopf peering object that elects one active replica (needs kopf's peering "
+        "CRDs, kopfpeerings/clusterkopfpeerings.kopf.dev, installed; refused otherwise)",
     )
     parser.add_argument(
         "--resync-seconds",
@@ -73,6 +76,27 @@ def build_registry(resync_seconds: float = 60.0) -> kopf.OperatorRegistry:
     return registry
 
 
+# kopf's peering resources: namespaced for a namespaced operator, cluster-wide otherwise.
+PEERING_API = "kopf.dev/v1"
+PEERING_PLURAL = {True: "clusterkopfpeerings", False: "kopfpeerings"}
+
+
+async def peering_problem(kube: Kube, clusterwide: bool) -> str | None:
+    """Why `--peering` cannot work here, or None. Without its CRD kopf would pause every watch and
+    wait for it forever, reconciling nothing and saying so only at debug level."""
+    plural = PEERING_PLURAL[clusterwide]
+    try:
+        served = await kube.serves(PEERING_API, plural)
+    finally:
+        await kube.close()
+    if served:
+        return None
+    return (
+        f"--peering needs kopf's peering CRD ({plural}.kopf.dev), which this cluster does not serve: "
+        "install kopf's peering CRDs and RBAC for them, or run one replica with --standalone"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     fmt = {"plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL, "json": kopf.LogFormat.JSON}[
         args.log_format
@@ -81,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
     registry = build_registry(args.resync_seconds)
     clusterwide = args.all_namespaces or not args.namespace
     standalone = args.standalone or args.peering is None
+    if not standalone:
+        problem = asyncio.run(peering_problem(Kube(), clusterwide))
+        if problem:
+            print(f"disagg operator: {problem}", file=sys.stderr)
+            return 2
     logging.getLogger(__name__).info(
         "watching %s", "all namespaces" if clusterwide else ", ".join(args.namespace)
     )

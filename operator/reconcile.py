@@ -1,8 +1,9 @@
-"""One reconcile of an InferenceDeployment: build, compare, apply what changed, report status.
+"""One reconcile of an InferenceDeployment: build, compare, apply what changed, prune, report status.
 
-Runs for create/update/resume, for every change of a child workload (so a child deleted by hand
-is recreated and the status follows readiness), and on a slow timer as a safety net. Runs of
-the same object are serialized; a run that finds nothing to change writes nothing.
+Runs for create/update/resume, for every event of a child of any kind it owns (so a child deleted
+or edited by hand is recreated or restored at once, and the status follows readiness), and on a
+slow timer as a safety net. Children are read from the watch-fed cache (`children`), not listed.
+Runs of the same object are serialized; a run that finds nothing to change writes nothing.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from dataclasses import dataclass
 import kopf
 
 from disagg.operator import constants as c
-from disagg.operator import events, replicas, rollout, rules
+from disagg.operator import events, replicas, rollout
 from disagg.operator import spec as specs
 from disagg.operator import status as statuses
 from disagg.operator.builders import build_children, common
+from disagg.operator.children import UNKNOWN, Children
+from disagg.operator.drift import differences
 from disagg.operator.kube import Kube, KubeError
 
 DISCOVERY_TTL_SECONDS = 60.0
@@ -34,6 +37,7 @@ class Outcome:
     applied: list[str]
     held: list[str]
     status: dict
+    pruned: list[str] | None = None
 
 
 def _key(manifest: dict) -> tuple[str, str]:
@@ -59,26 +63,44 @@ def leave_replicas_to_autoscaler(desired: list[dict], observed: dict, autoscaled
     return out
 
 
-def _describe(manifest: dict, was: dict | None, seen_before: bool) -> tuple[str, str]:
-    """The Event for one applied child: what happened and, for a replica revert, why."""
+def describe(manifest: dict, was: dict | None, seen_before: bool) -> tuple[str, str, str]:
+    """The Event (type, reason, message) for one applied child: a creation, a new template, a
+    replica count the spec changed, or a field changed outside the operator and now restored."""
     kind, name = _key(manifest)
     if was is None:
         reason = "Recreated" if seen_before else "Created"
-        return reason, f"{reason.lower()} {kind} {name}"
-    if rollout.applied_hash(was) == rollout.applied_hash(manifest):
+        return "Normal", reason, f"{reason.lower()} {kind} {name}"
+    if rollout.applied_hash(was) != rollout.applied_hash(manifest):
+        return "Normal", "Updated", f"updated {kind} {name}"
+    changed = differences(manifest, was)
+    if changed == ["spec.replicas"]:
         have = (was.get("spec") or {}).get("replicas")
-        want = manifest["spec"].get("replicas")
-        return "ReplicasReverted", (
-            f"{kind} {name} replicas {have} -> {want}: the InferenceDeployment's spec owns the replica "
-            f"count; change its replicas instead of editing the {kind}"
+        want = manifest["spec"]["replicas"]
+        if c.FIELD_MANAGER in replicas.managers_of(was, "spec", "replicas"):
+            return "Normal", "Scaled", f"scaled {kind} {name} from {have} to {want} replicas"
+        return (
+            "Warning",
+            "ReplicasReverted",
+            (
+                f"{kind} {name} replicas {have} -> {want}: the InferenceDeployment's spec owns the replica "
+                f"count; change its replicas instead of editing the {kind}"
+            ),
         )
-    return "Updated", f"updated {kind} {name}"
+    return (
+        "Warning",
+        "DriftReverted",
+        (
+            f"{kind} {name}: {', '.join(changed)} changed outside the operator; restored from the "
+            f"InferenceDeployment's spec (edit it instead)"
+        ),
+    )
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, post: Callable[..., None] = events.post):
+    def __init__(self, kube: Kube, post: Callable[..., None] = events.post, children: Children | None = None):
         self.kube = kube
         self.post = post  # Events on the InferenceDeployment
+        self.children = children if children is not None else Children()
         self._locks: dict[str, asyncio.Lock] = {}
         self._sm_checked: tuple[float, bool] | None = None
         self._waiting: dict[str, int] = {}  # uid -> runs queued for the lock
@@ -99,18 +121,46 @@ class Reconciler:
             self._sm_checked = (now, await self.kube.serves("monitoring.coreos.com/v1", "servicemonitors"))
         return self._sm_checked[1]
 
+    async def _live(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        found = self.children.lookup(kind, namespace, name)
+        if found is not UNKNOWN:
+            return found
+        # Not seen yet (the watch's initial listing has not reached it): ask once.
+        obj = await self.kube.get(api_version, kind, namespace, name)
+        if obj is None:
+            self.children.absent(kind, namespace, name)
+        else:
+            self.children.seen({"apiVersion": api_version, "kind": kind, **obj})
+        return obj
+
     async def _observe(self, desired: list[dict], idep: specs.InferenceDeployment) -> dict:
-        """The live children, one LIST per kind (selected by the instance label), keyed by (kind, name)."""
+        """The live desired children, keyed by (kind, name), from the cache."""
+        return {
+            _key(m): await self._live(m["apiVersion"], m["kind"], idep.namespace, m["metadata"]["name"])
+            for m in desired
+        }
+
+    async def _prune(self, body: dict, idep: specs.InferenceDeployment, desired: list[dict]) -> list[str]:
+        """Delete the children this resource controls that its spec no longer asks for."""
         wanted = {_key(m) for m in desired}
-        kinds = {(m["apiVersion"], m["kind"]) for m in desired}
-        selector = f"{c.LABEL_INSTANCE}={idep.name}"
-        observed: dict[tuple[str, str], dict | None] = dict.fromkeys(wanted)
-        for api_version, kind in sorted(kinds):
-            for item in await self.kube.list(api_version, kind, idep.namespace, selector):
-                key = (kind, item["metadata"]["name"])
-                if key in wanted:
-                    observed[key] = {"apiVersion": api_version, "kind": kind, **item}
-        return observed
+        pruned = []
+        for obj in self.children.owned_by(idep.namespace, idep.uid):
+            meta = obj["metadata"]
+            labels = meta.get("labels") or {}
+            if _key(obj) in wanted or labels.get(c.LABEL_MANAGED_BY) != c.FIELD_MANAGER:
+                continue
+            await self.kube.delete(
+                obj["apiVersion"], obj["kind"], idep.namespace, meta["name"], uid=meta.get("uid")
+            )
+            self.children.absent(obj["kind"], idep.namespace, meta["name"])
+            pruned.append(f"{obj['kind']}/{meta['name']}")
+            self.post(
+                body,
+                type="Normal",
+                reason="Pruned",
+                message=f"deleted {obj['kind']} {meta['name']}: the spec no longer asks for it",
+            )
+        return pruned
 
     async def _write_status(self, body: dict, new: dict) -> None:
         meta = body["metadata"]
@@ -152,15 +202,14 @@ class Reconciler:
             fresh = await self.kube.get(c.API_VERSION, c.KIND, meta["namespace"], meta["name"])
             if fresh is None or fresh["metadata"].get("uid", "") != uid:
                 return Outcome(applied=[], held=[], status={})
+            if fresh["metadata"].get("deletionTimestamp"):
+                return Outcome(applied=[], held=[], status={})  # going away: nothing to create or fix
             return await self._reconcile(fresh, logger)
         finally:
             lock.release()
 
     async def _reconcile(self, body: dict, logger: logging.Logger) -> Outcome:
         try:
-            broken = rules.violations(body)
-            if broken:
-                raise specs.SpecError(broken[0].split(":", 1)[0], broken[0].split(": ", 1)[1])
             idep = specs.parse(body)
             sm_available = idep.spec.monitoring.service_monitor and await self._service_monitors_served()
             desired = [
@@ -197,9 +246,16 @@ class Reconciler:
                 self.post(body, type="Warning", reason="ApplyFailed", message=problem[1])
                 logger.error("applying %s %s failed: %s", *key, exc)
                 break
+            self.children.seen(observed[key])
+            version = (observed[key].get("metadata") or {}).get("resourceVersion")
+            if was is not None and version == (was.get("metadata") or {}).get("resourceVersion"):
+                # The server found nothing to change (a value it stores in another form): no news.
+                logger.debug("apply of %s %s changed nothing: %s", *key, differences(manifest, was))
+                continue
             applied.append(f"{key[0]}/{key[1]}")
-            reason, message = _describe(manifest, was, seen_before)
-            self.post(body, type="Normal", reason=reason, message=message)
+            kind, reason, message = describe(manifest, was, seen_before)
+            self.post(body, type=kind, reason=reason, message=message)
+        pruned = [] if problem else await self._prune(body, idep, desired)
 
         held_names = {m["metadata"]["name"] for m in plan.held}
         newly_held = held_names - self._held.get(idep.uid, set())
@@ -229,4 +285,4 @@ class Reconciler:
         await self._write_status(body, new_status)
         if problem is not None:
             raise kopf.TemporaryError(problem[1], delay=15)
-        return Outcome(applied=applied, held=sorted(held_names), status=new_status)
+        return Outcome(applied=applied, held=sorted(held_names), status=new_status, pruned=pruned)

@@ -1,9 +1,12 @@
-"""What to apply now: skip unchanged children, and roll decode out before prefill.
+"""What to apply now: skip children already as desired, and roll decode out before prefill.
 
-Every applied child carries the hash of what was applied (`disagg.dev/applied-hash`), so a
-repeated reconcile that would change nothing writes nothing. A new prefill template waits until
-decode runs its own current template on every replica and all of them are ready: both pools are
-never more than one version apart, and the pool that holds the long-lived streams moves first.
+A child is up to date when every field the operator sets holds the value it sets (`drift`), so a
+repeated reconcile that would change nothing writes nothing, and a field changed by hand is
+applied back. Every applied child also carries the hash of its template
+(`disagg.dev/applied-hash`): it tells a new template (a rollout) from a hand edit (a revert). A new
+prefill template waits until decode runs its own current template on every replica and all of them
+are ready: both pools are never more than one version apart, and the pool that holds the
+long-lived streams moves first.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import copy
 from dataclasses import dataclass, field
 
 from disagg.operator.builders.common import digest
+from disagg.operator.drift import differences
 
 HASH_ANNOTATION = "disagg.dev/applied-hash"
 
@@ -39,11 +43,8 @@ def applied_hash(obj: dict | None) -> str | None:
 
 
 def up_to_date(desired: dict, observed: dict | None) -> bool:
-    """Whether the observed child already is what `desired` (stamped) would make it."""
-    if observed is None or applied_hash(observed) != applied_hash(desired):
-        return False
-    want = desired.get("spec", {}).get("replicas")
-    return want is None or (observed.get("spec") or {}).get("replicas") == want
+    """Whether the observed child already holds every value `desired` (stamped) sets."""
+    return observed is not None and not differences(desired, observed)
 
 
 def rolled_out(desired: dict, observed: dict | None) -> bool:

@@ -1,9 +1,10 @@
-"""The CRD's CEL validation rules, mirrored in Python.
+"""The CRD's CEL validation rules, mirrored in Python: the one place the operator checks them.
 
 The API server enforces `x-kubernetes-validations`; this mirror lets the operator refuse a
 resource that slipped past them (an API server without CEL, an object stored before a rule
-existed) with the same message, and lets the tests check each rule's logic. A test asserts that
-every CEL rule in the CRD has exactly one mirror here (matched by the rule text).
+existed) with the same message and field, and lets the tests check each rule's logic. The
+parsers (`spec`, `autoscaling.spec`) run it first and do not check these rules again. A test
+asserts that every CEL rule in the CRD has exactly one mirror here (rule text, message, fieldPath).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class Rule:
     cel: str  # the rule text exactly as in the CRD
     check: Callable[[dict], bool]  # the same predicate over the (defaulted) object at `at`
     message: str
+    field_path: str = ""  # the rule's fieldPath in the CRD: where under `at` the error is reported
 
 
 def _has(obj: dict, key: str) -> bool:
@@ -35,12 +37,14 @@ RULES: tuple[Rule, ...] = (
         "!has(self.prefill.autoscaling) || has(self.prefill.autoscaling.target.ttftMilliseconds)",
         lambda s: _target_has(s, "prefill", "ttftMilliseconds"),
         "prefill autoscales on time to first token; set prefill.autoscaling.target.ttftMilliseconds",
+        ".prefill.autoscaling.target",
     ),
     Rule(
         "spec",
         "!has(self.decode.autoscaling) || has(self.decode.autoscaling.target.itlMilliseconds)",
         lambda s: _target_has(s, "decode", "itlMilliseconds"),
         "decode autoscales on inter-token latency; set decode.autoscaling.target.itlMilliseconds",
+        ".decode.autoscaling.target",
     ),
     Rule(
         "spec.model.source",
@@ -59,6 +63,7 @@ RULES: tuple[Rule, ...] = (
         "self.minReplicas <= self.maxReplicas",
         lambda a: a["minReplicas"] <= a["maxReplicas"],
         "minReplicas must not exceed maxReplicas",
+        ".minReplicas",
     ),
     Rule(
         "spec.*.autoscaling.target",
@@ -105,5 +110,5 @@ def violations(resource: dict) -> list[str]:
             except (KeyError, TypeError):
                 continue  # the schema itself rejects such a value; CEL never sees it
             if not ok:
-                out.append(f"{path}: {rule.message}")
+                out.append(f"{path}{rule.field_path}: {rule.message}")
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.operator import rules
 from disagg.operator.autoscaling.spec import AutoscalingSpec, AutoscalingSpecError, parse_autoscaling
 from disagg.operator.constants import ROLES
 
@@ -90,12 +91,8 @@ SOURCE_KINDS = ("pvc", "hostPath", "huggingFace", "generate")
 def _source(model: dict) -> ModelSource:
     path = "spec.model.source"
     src = _section(model, "source", "spec.model", required=True)
-    kinds = [k for k in SOURCE_KINDS if src.get(k) is not None]
-    if len(kinds) != 1:
-        raise SpecError(
-            path, f"set exactly one of {', '.join(SOURCE_KINDS)} (got {', '.join(kinds) or 'none'})"
-        )
-    kind = kinds[0]
+    # Exactly one is set: a CEL rule, checked by `parse` before anything else.
+    kind = next(k for k in SOURCE_KINDS if src.get(k) is not None)
     body = _section(src, kind, path)
     sub = f"{path}.{kind}"
     if kind == "pvc":
@@ -289,10 +286,8 @@ def parse_spec(spec: dict) -> Spec:
     service = _section(router, "service", "spec.router")
     kvt = _section(spec, "kvTransfer", "spec")
     rdma = _section(kvt, "rdma", "spec.kvTransfer")
-    redis = _section(spec, "redis", "spec") or {"managed": {}}
+    redis = _section(spec, "redis", "spec") or {"managed": {}}  # managed XOR external: a CEL rule
     mon = _section(spec, "monitoring", "spec")
-    if (redis.get("managed") is None) == (redis.get("external") is None):
-        raise SpecError("spec.redis", "set exactly one of managed and external")
     external = _section(redis, "external", "spec.redis")
     managed = _section(redis, "managed", "spec.redis")
     return Spec(
@@ -344,7 +339,14 @@ def parse_spec(spec: dict) -> Spec:
 
 
 def parse(body: dict) -> InferenceDeployment:
-    """Parse a whole InferenceDeployment object (metadata, spec, and the autoscaler's status)."""
+    """Parse a whole InferenceDeployment object (metadata, spec, and the autoscaler's status).
+
+    The CRD's CEL rules come first, from their one mirror (`rules`); the parsers below check
+    types, ranges and defaults, and rely on those rules instead of repeating them."""
+    broken = rules.violations(body)
+    if broken:
+        path, _, problem = broken[0].partition(": ")
+        raise SpecError(path, problem)
     meta = body.get("metadata") or {}
     status = body.get("status") or {}
     desired = {}

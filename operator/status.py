@@ -102,7 +102,10 @@ def compute(
     else:
         ready = (True, "AllReplicasReady", "every role's updated replicas are ready")
 
-    if missing or stale or held:
+    if problem is not None and problem[0] == "InvalidSpec":
+        # Nothing is built from a spec that cannot be read: no rollout is under way.
+        progressing = (False, "InvalidSpec", "nothing rolls out until the spec is valid")
+    elif missing or stale or held:
         parts = [f"creating {', '.join(missing)}"] if missing else []
         parts += [f"updating {', '.join(stale)}"] if stale else []
         parts += held

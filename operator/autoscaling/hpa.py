@@ -26,10 +26,15 @@ Stabilization windows and step limits map onto the HPA's `behavior`.
 
 from __future__ import annotations
 
-from disagg.operator import constants as c
+from typing import TYPE_CHECKING
+
+from disagg.operator.builders import common
 
 from .scrape import LATENCY_METRIC
-from .spec import AutoscalingSpec, parse_autoscaling
+from .spec import AutoscalingSpec
+
+if TYPE_CHECKING:
+    from disagg.operator.spec import InferenceDeployment
 
 
 def adapter_metric_name(role: str, percentile: float) -> str:
@@ -71,31 +76,17 @@ def _rules(stabilization: float, max_step: int | None, select: str) -> dict:
     return rules
 
 
-def build_hpa(idep: dict, role: str) -> dict:
-    """The HorizontalPodAutoscaler for `role` of an InferenceDeployment (a dict as from the API)."""
-    meta = idep.get("metadata") or {}
-    name = meta.get("name")
-    if not name:
-        raise ValueError("metadata.name: is required")
-    section = ((idep.get("spec") or {}).get(role) or {}).get("autoscaling")
-    if section is None:
+def build_hpa(idep: InferenceDeployment, role: str) -> dict:
+    """The HorizontalPodAutoscaler for `role` of an InferenceDeployment (names, labels and owner
+    reference as for every other child)."""
+    spec: AutoscalingSpec | None = idep.spec.role(role).autoscaling
+    if spec is None:
         raise ValueError(f"spec.{role}.autoscaling: is required to build an HPA")
-    spec: AutoscalingSpec = parse_autoscaling(role, section)
-    target = f"{name}-{role}"
-    manifest = {
+    target = common.role_name(idep, role)
+    return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
-        "metadata": {
-            "name": target,
-            "labels": {
-                "app.kubernetes.io/name": "disagg",
-                "app.kubernetes.io/instance": name,
-                "app.kubernetes.io/component": role,
-                "app.kubernetes.io/managed-by": "disagg-operator",
-                c.LABEL_DEPLOYMENT: name,
-                c.LABEL_ROLE: role,
-            },
-        },
+        "metadata": common.metadata(idep, target, role),
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": target},
             "minReplicas": max(spec.min_replicas, 1),
@@ -106,6 +97,7 @@ def build_hpa(idep: dict, role: str) -> dict:
                     "pods": {
                         "metric": {
                             "name": adapter_metric_name(role, spec.percentile),
+                            # The `role` label the workers put on their own series.
                             "selector": {"matchLabels": {"role": role}},
                         },
                         "target": {"type": "AverageValue", "averageValue": _quantity(spec.target_seconds)},
@@ -118,17 +110,3 @@ def build_hpa(idep: dict, role: str) -> dict:
             },
         },
     }
-    if meta.get("namespace"):
-        manifest["metadata"]["namespace"] = meta["namespace"]
-    if meta.get("uid"):
-        manifest["metadata"]["ownerReferences"] = [
-            {
-                "apiVersion": idep.get("apiVersion", "disagg.dev/v1alpha1"),
-                "kind": idep.get("kind", "InferenceDeployment"),
-                "name": name,
-                "uid": meta["uid"],
-                "controller": True,
-                "blockOwnerDeletion": True,
-            }
-        ]
-    return manifest

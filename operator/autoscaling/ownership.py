@@ -16,8 +16,9 @@ from collections.abc import Callable
 
 from disagg.operator import constants as c
 from disagg.operator import events
+from disagg.operator.constants import FIELD_MANAGER
 from disagg.operator.kube import Kube
-from disagg.operator.replicas import AUTOSCALER_MANAGER, replicas_patch
+from disagg.operator.replicas import AUTOSCALER_MANAGER, managers_of, replicas_patch
 
 from .control import Decision, Memory
 from .spec import AutoscalingSpecError, autoscaled_roles
@@ -77,8 +78,16 @@ class ReplicaOwner:
             aspec = autoscaled_roles(idep.get("spec") or {}).get(role)
         except AutoscalingSpecError:
             return None  # the timer reports a bad section
+        if aspec is None or aspec.mode != "operator":
+            return None
         owned = owned_replicas(idep, role)
-        if aspec is None or aspec.mode != "operator" or owned is None or owned == int(found):
+        if owned is None:
+            # No decision yet (the first tick ran before the StatefulSet existed): the pool still
+            # has the count the operator created it with, and a change by anyone else is a hand edit.
+            if not managers_of(sts, "spec", "replicas") - {FIELD_MANAGER, AUTOSCALER_MANAGER}:
+                return None
+            owned = aspec.min_replicas
+        if owned == int(found):
             return None
         restored = aspec.clamp(owned)
         reason = revert_message(role, meta["name"], int(found), restored)

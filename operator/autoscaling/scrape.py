@@ -26,8 +26,9 @@ LATENCY_METRIC = {
 }
 WAITING_METRIC = "disagg_num_requests_waiting"
 KV_USAGE_METRIC = "disagg_kv_cache_usage_ratio"
-# Where the operator's pods serve `/metrics`; a `prometheus.io/port` annotation overrides it.
-DEFAULT_METRICS_PORT = {"prefill": c.WORKER_METRICS_PORT, "decode": c.WORKER_METRICS_PORT, "router": 8000}
+# The container port that serves `/metrics` in each kind of pod the operator builds (the router
+# serves it on its API port, `spec.router.service.port`); a `prometheus.io/port` annotation overrides it.
+METRICS_PORT_NAME = {"prefill": "metrics", "decode": "metrics", "router": "http"}
 
 
 @dataclass(frozen=True)
@@ -43,16 +44,26 @@ def pod_target(pod: dict) -> PodTarget | None:
     status = pod.get("status") or {}
     role = (meta.get("labels") or {}).get(c.LABEL_ROLE)
     ip = status.get("podIP")
-    if role not in DEFAULT_METRICS_PORT or not ip or status.get("phase", "Running") != "Running":
+    if role not in METRICS_PORT_NAME or not ip or status.get("phase", "Running") != "Running":
         return None
     conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
     if conditions.get("Ready", "True") != "True":
         return None
     annotations = meta.get("annotations") or {}
-    port = annotations.get("prometheus.io/port") or DEFAULT_METRICS_PORT[role]
+    port = annotations.get("prometheus.io/port") or _named_port(pod, METRICS_PORT_NAME[role])
+    if port is None:
+        return None
     path = annotations.get("prometheus.io/path") or "/metrics"
     host = f"[{ip}]" if ":" in ip else ip
     return PodTarget(meta.get("name", ip), role, f"http://{host}:{port}{path}")
+
+
+def _named_port(pod: dict, name: str) -> int | None:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == name:
+                return port.get("containerPort")
+    return None
 
 
 async def fetch(session: aiohttp.ClientSession, target: PodTarget, timeout: float) -> Exposition:

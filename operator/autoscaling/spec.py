@@ -1,14 +1,16 @@
 """The `spec.<role>.autoscaling` section of an InferenceDeployment, parsed and validated.
 
-The CRD applies the same defaults and CEL rules at admission; they are repeated here because
-the autoscaler must not act on a resource the API server never validated (kmock, old CRDs),
-and because an error that names the field is the only useful one.
+The CRD applies the same defaults and CEL rules at admission. The autoscaler must not act on a
+resource the API server never validated (kmock, old CRDs), so parsing fills the defaults and
+checks the types itself, and runs the CRD's CEL rules through their one mirror
+(`disagg.operator.rules`); every error names the field.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagg.operator import rules
 from disagg.operator.constants import ROLES
 
 # Which latency each role is responsible for, and the CRD field that names its target.
@@ -96,18 +98,12 @@ def parse_autoscaling(role: str, raw: dict, path: str | None = None) -> Autoscal
     max_replicas = _int(raw, "maxReplicas", path, minimum=1)
     if max_replicas is None:
         raise AutoscalingSpecError(f"{path}.maxReplicas: is required")
-    if min_replicas > max_replicas:
-        raise AutoscalingSpecError(
-            f"{path}.minReplicas: must be <= maxReplicas ({min_replicas} > {max_replicas})"
-        )
     target = _section(raw, "target", path)
+    # min <= max, and the role's own target (and only it): the CEL rules, from their one mirror.
+    for problem in rules.violations({"spec": {role: {"autoscaling": raw}}}):
+        raise AutoscalingSpecError(problem)
     field = TARGET_FIELD[role]
-    other = TARGET_FIELD["decode" if role == "prefill" else "prefill"]
-    if other in target:
-        raise AutoscalingSpecError(f"{path}.target.{other}: the {role} role scales on {field}, not {other}")
     millis = _number(target, field, f"{path}.target")
-    if millis is None:
-        raise AutoscalingSpecError(f"{path}.target.{field}: is required")
     if millis <= 0:
         raise AutoscalingSpecError(f"{path}.target.{field}: must be > 0, got {millis:g}")
     percentile = _number(target, "percentile", f"{path}.target", default=90)

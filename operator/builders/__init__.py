@@ -18,7 +18,7 @@ def hpa_children(idep: InferenceDeployment, body: dict) -> list[dict]:
             f"spec.{roles[0]}.autoscaling.mode is hpa, but this operator build has no HPA support "
             f"(disagg.operator.autoscaling.hpa is missing: {exc})"
         ) from exc
-    return [build_hpa(body, role) for role in roles]
+    return [build_hpa(idep, role) for role in roles]
 
 
 def infrastructure(idep: InferenceDeployment) -> list[dict]:

@@ -73,7 +73,8 @@ def labels(idep: InferenceDeployment, component: str) -> dict[str, str]:
         c.LABEL_MANAGED_BY: c.FIELD_MANAGER,
         c.LABEL_DEPLOYMENT: idep.name,
     }
-    if component in c.ROLES:
+    if component in (*c.ROLES, "router"):
+        # The role label is how the autoscaler finds the pods whose /metrics it reads.
         out[c.LABEL_ROLE] = component
     return out
 

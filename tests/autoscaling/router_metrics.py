@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import pathlib
 
+import yaml
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
@@ -42,19 +44,30 @@ async def serving_router_metrics():
         await runner.cleanup()
 
 
-def router_pod(port: int, deployment: str = "tiny") -> dict:
+def pod_from(workload: dict, name: str, ip: str = "127.0.0.1") -> dict:
+    """A running, ready Pod as its controller would make it from `workload`'s template."""
+    template = workload["spec"]["template"]
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": f"{deployment}-router-7d9f-x2x",
-            "namespace": "default",
-            "labels": {"disagg.dev/deployment": deployment, "disagg.dev/role": "router"},
-            "annotations": {"prometheus.io/port": str(port)},
+            "name": name,
+            "namespace": workload["metadata"]["namespace"],
+            "labels": dict(template["metadata"]["labels"]),
+            "annotations": dict(template["metadata"].get("annotations") or {}),
         },
-        "status": {
-            "phase": "Running",
-            "podIP": "127.0.0.1",
-            "conditions": [{"type": "Ready", "status": "True"}],
-        },
+        "spec": template["spec"],
+        "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
     }
+
+
+def router_pod(port: int, deployment: str = "tiny") -> dict:
+    """The router Pod of the cpu-tiny example, built by the operator's own builder, serving on `port`."""
+    from disagg.operator import spec as specs
+    from disagg.operator.builders import router
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    body = yaml.safe_load((root / "examples" / "cpu-tiny.yaml").read_text())
+    body["metadata"].update(name=deployment, namespace="default", uid="uid-1")
+    body["spec"]["router"]["service"] = {"port": port}
+    return pod_from(router.deployment(specs.parse(body)), f"{deployment}-router-7d9f-x2x")

@@ -2,34 +2,39 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import kubernetes_validate
 import pytest
+import yaml
 
+from disagg.operator import spec as specs
 from disagg.operator.autoscaling.hpa import adapter_metric_name, adapter_values, build_hpa
+from disagg.operator.builders import common
+from disagg.operator.spec import InferenceDeployment
 
-IDEP = {
-    "apiVersion": "disagg.dev/v1alpha1",
-    "kind": "InferenceDeployment",
-    "metadata": {"name": "llama", "namespace": "serving", "uid": "1234"},
-    "spec": {
-        "prefill": {
-            "autoscaling": {
-                "minReplicas": 2,
-                "maxReplicas": 6,
-                "target": {"ttftMilliseconds": 750, "percentile": 90},
-                "scaleUp": {"maxStep": 2},
-                "mode": "hpa",
-            }
-        },
-        "decode": {
-            "autoscaling": {
-                "maxReplicas": 8,
-                "target": {"itlMilliseconds": 40, "percentile": 99},
-                "mode": "hpa",
-            }
-        },
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _idep(**sections) -> InferenceDeployment:
+    body = yaml.safe_load((ROOT / "examples" / "cpu-tiny.yaml").read_text())
+    body["metadata"].update(name="llama", namespace="serving", uid="1234")
+    for role, section in sections.items():
+        body["spec"][role].pop("replicas")
+        body["spec"][role]["autoscaling"] = section
+    return specs.parse(body)
+
+
+IDEP = _idep(
+    prefill={
+        "minReplicas": 2,
+        "maxReplicas": 6,
+        "target": {"ttftMilliseconds": 750, "percentile": 90},
+        "scaleUp": {"maxStep": 2},
+        "mode": "hpa",
     },
-}
+    decode={"maxReplicas": 8, "target": {"itlMilliseconds": 40, "percentile": 99}, "mode": "hpa"},
+)
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -41,6 +46,8 @@ def test_hpa_validates_strictly(role):
         "kind": "StatefulSet",
         "name": f"llama-{role}",
     }
+    # Names, labels and the owner reference of every other child of the resource.
+    assert hpa["metadata"] == common.metadata(IDEP, f"llama-{role}", role)
     assert hpa["metadata"]["ownerReferences"][0]["uid"] == "1234"
 
 
@@ -69,4 +76,4 @@ def test_decode_hpa_targets_itl_and_the_adapter_serves_it():
 
 def test_missing_section_is_named():
     with pytest.raises(ValueError, match=r"spec.decode.autoscaling"):
-        build_hpa({"metadata": {"name": "x"}, "spec": {"decode": {"replicas": 2}}}, "decode")
+        build_hpa(_idep(), "decode")

@@ -18,6 +18,8 @@ from disagg.operator.autoscaling import prometheus
 from disagg.operator.autoscaling.scrape import PodTarget, PoolScraper, pod_target
 from disagg.operator.autoscaling.spec import parse_autoscaling
 
+from .router_metrics import router_pod
+
 PREFILL = parse_autoscaling("prefill", {"maxReplicas": 4, "target": {"ttftMilliseconds": 500}})
 DECODE = parse_autoscaling("decode", {"maxReplicas": 4, "target": {"itlMilliseconds": 50}})
 
@@ -139,11 +141,14 @@ def test_pod_target_from_a_pod_manifest():
     assert pod_target(pod) == PodTarget("x-decode-1", "decode", "http://10.0.0.7:9200/metrics")
     pod["status"]["conditions"][0]["status"] = "False"
     assert pod_target(pod) is None
-    router = {
-        "metadata": {"name": "x-router-1", "labels": {"disagg.dev/role": "router"}},
-        "status": {"podIP": "10.0.0.8"},
-    }
-    assert pod_target(router).url == "http://10.0.0.8:8000/metrics"
+
+
+def test_the_router_pod_the_operator_builds_is_scraped_on_its_api_port():
+    """The router's series (what clients see) are read from the pod the builder makes, on the port
+    `spec.router.service.port` names, not a fixed one."""
+    pod = router_pod(9321)
+    pod["status"]["podIP"] = "10.0.0.8"
+    assert pod_target(pod) == PodTarget("tiny-router-7d9f-x2x", "router", "http://10.0.0.8:9321/metrics")
 
 
 @pytest.fixture

@@ -28,9 +28,9 @@ def test_defaults_match_the_crd():
         (
             "prefill",
             {"maxReplicas": 2, "target": {"itlMilliseconds": 5}},
-            "spec.prefill.autoscaling.target.itlMilliseconds",
+            "spec.prefill.autoscaling.target",
         ),
-        ("decode", {"maxReplicas": 2, "target": {}}, "spec.decode.autoscaling.target.itlMilliseconds"),
+        ("decode", {"maxReplicas": 2, "target": {}}, "spec.decode.autoscaling.target"),
         (
             "decode",
             {"maxReplicas": 2, "target": {"itlMilliseconds": 0}},

@@ -285,5 +285,5 @@ async def test_invalid_section_is_reported_not_acted_on(router_metrics):
             stop.set()
             await asyncio.wait_for(task, 15)
             await kube.close()
-    assert warned[0]["message"].startswith("spec.prefill.autoscaling.target.itlMilliseconds:")
+    assert warned[0]["message"].startswith("spec.prefill.autoscaling.target: prefill autoscales on time to")
     assert world.replicas("prefill") == 1

@@ -32,6 +32,7 @@ from disagg.operator.reconcile import Reconciler
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
+CHILD_VERBS = ["list", "watch", "get", "patch", "create", "delete"]
 RESOURCES = {
     "v1/namespaces": {"kind": "Namespace", "namespaced": False, "verbs": ["list", "watch", "get"]},
     "apiextensions.k8s.io/v1/customresourcedefinitions": {
@@ -55,17 +56,30 @@ RESOURCES = {
         "namespaced": True,
         "verbs": ["list", "watch", "get", "patch", "create", "delete"],
     },
-    "v1/services": {"kind": "Service", "namespaced": True, "verbs": ["get", "patch", "create", "delete"]},
-    "v1/configmaps": {"kind": "ConfigMap", "namespaced": True, "verbs": ["get", "patch", "create", "delete"]},
-    "v1/serviceaccounts": {"kind": "ServiceAccount", "namespaced": True, "verbs": ["get", "patch", "create"]},
+    "v1/services": {"kind": "Service", "namespaced": True, "verbs": CHILD_VERBS},
+    "v1/configmaps": {"kind": "ConfigMap", "namespaced": True, "verbs": CHILD_VERBS},
+    "v1/serviceaccounts": {"kind": "ServiceAccount", "namespaced": True, "verbs": CHILD_VERBS},
     "v1/secrets": {"kind": "Secret", "namespaced": True, "verbs": ["get"]},
     "v1/pods": {"kind": "Pod", "namespaced": True, "verbs": ["list", "get"]},
     "v1/events": {"kind": "Event", "namespaced": True, "verbs": ["create", "list"]},
     "policy/v1/poddisruptionbudgets": {
         "kind": "PodDisruptionBudget",
         "namespaced": True,
-        "verbs": ["get", "patch", "create"],
+        "verbs": CHILD_VERBS,
     },
+    "autoscaling/v2/horizontalpodautoscalers": {
+        "kind": "HorizontalPodAutoscaler",
+        "namespaced": True,
+        "verbs": CHILD_VERBS,
+    },
+}
+# Served only when a test asks for it (as a cluster with the Prometheus Operator would).
+SERVICE_MONITORS = {
+    "monitoring.coreos.com/v1/servicemonitors": {
+        "kind": "ServiceMonitor",
+        "namespaced": True,
+        "verbs": CHILD_VERBS,
+    }
 }
 
 
@@ -75,6 +89,10 @@ DEFAULTS = {"statefulsets": {("spec", "replicas"): 1}}
 
 class ApiServerEmulator(kmock.KubernetesEmulator):
     _revision = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.requests_seen: list[tuple[str, str]] = []
 
     def _next_revision(self) -> str:
         type(self)._revision += 1
@@ -152,6 +170,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
             update_ownership(live.raw, request.data, manager)
 
     async def _handle(self, request):
+        if request.resource is not None:
+            # (action, plural) of every resource request, for tests that count calls.
+            self.requests_seen.append((str(request.action.value).lower(), request.resource.plural))
         if request.resource is not None and request.action == enums.action.UPDATE and request.name:
             self._check_revision_test(request)
             key = (request.resource, request.namespace, request.name)
@@ -286,7 +307,7 @@ async def emulated_api():
 
 
 @contextlib.asynccontextmanager
-async def running_operator(autoscaler_settings=None):
+async def running_operator(autoscaler_settings=None, extra_resources: dict | None = None):
     """The operator (and, given its settings, the autoscaler sharing the operator's API client)
     in the real kopf runtime against the emulated API server.
 
@@ -294,7 +315,7 @@ async def running_operator(autoscaler_settings=None):
     (kopf cancels every task started after it, which would include the test's own teardown).
     """
     async with ApiServerEmulator() as k8s, kmock.Server(k8s) as server:
-        for key, info in RESOURCES.items():
+        for key, info in {**RESOURCES, **(extra_resources or {})}.items():
             k8s.resources[key] = info
         conn = kopf.ConnectionInfo(server=str(server.url), insecure=True)
         registry = kopf.OperatorRegistry()

@@ -13,6 +13,7 @@ from kube_emulator import ROOT, load_example
 from disagg.operator import spec as specs
 from disagg.operator.autoscaling.handlers import API_ACCESS as AUTOSCALER_ACCESS
 from disagg.operator.builders import build_children
+from disagg.operator.handlers import CHILD_RESOURCES
 from disagg.operator.kube import PLURALS
 
 CHART = ROOT / "charts" / "disagg"
@@ -89,13 +90,17 @@ def _needed() -> set[tuple[str, str, str]]:
     needed = set()
     for api_version, kind in kinds:
         group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
-        needed |= {(group, PLURALS[kind], verb) for verb in ("get", "list", "patch")}
+        # get (a child not seen yet), list+watch (the child cache), patch (apply), delete (pruning)
+        needed |= {(group, PLURALS[kind], verb) for verb in ("get", "list", "watch", "patch", "delete")}
+    # Every kind the builders emit is one the operator watches (HPAs too, in hpa mode).
+    assert {(g, p) for g, p, _ in needed} <= {(g, p) for g, _, p in CHILD_RESOURCES}
+    needed |= {
+        ("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "list", "watch", "patch", "delete")
+    }
     needed |= {("disagg.dev", "inferencedeployments", v) for v in ("get", "list", "watch", "patch")}
     needed |= {
         ("disagg.dev", "inferencedeployments/status", "patch"),
         ("", "events", "create"),
-        ("apps", "statefulsets", "watch"),
-        ("apps", "deployments", "watch"),
         ("", "secrets", "get"),
     }
     return needed | AUTOSCALER_ACCESS

@@ -11,6 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from kube_emulator import ROOT, load_example
+from structural_schema import problems
 
 from disagg.operator import rules
 from disagg.operator import spec as specs
@@ -63,9 +64,10 @@ def test_crd_is_a_valid_kubernetes_object_and_the_chart_ships_the_same_file():
 
 
 def test_schema_is_structural_and_every_field_is_described():
+    assert problems(SCHEMA) == []
     for path, node in walk(SCHEMA):
-        if path.endswith("{}"):
-            continue  # map values are not fields
+        if path.endswith("{}") or path == "metadata":
+            continue  # map values are not fields; the API server allows nothing but `type` on metadata
         assert node.get("description"), f"{path or '<root>'} has no description"
         typed = (
             "type" in node
@@ -73,6 +75,49 @@ def test_schema_is_structural_and_every_field_is_described():
             or node.get("x-kubernetes-preserve-unknown-fields")
         )
         assert typed, f"{path} has no type"
+
+
+def _mutated(change) -> dict:
+    schema = copy.deepcopy(SCHEMA)
+    change(schema)
+    return schema
+
+
+# Schemas a real API server refuses (each seen from kube-apiserver 1.36), and the rule each breaks.
+REFUSED = [
+    (lambda s: s["properties"]["metadata"].update(description="Standard object metadata."), "metadata"),
+    (lambda s: s["properties"]["metadata"].update(properties={"labels": {"type": "object"}}), "metadata"),
+    (lambda s: s["properties"]["spec"]["properties"]["model"].pop("type"), "type: must not be empty"),
+    (
+        lambda s: s["properties"]["spec"]["properties"]["router"].update(
+            additionalProperties={"type": "string"}
+        ),
+        "additionalProperties: must not be used if properties is set",
+    ),
+    (
+        lambda s: s["properties"]["spec"]["properties"]["kvTransfer"]["properties"]["ucxTransports"].update(
+            uniqueItems=True
+        ),
+        "uniqueItems",
+    ),
+    (
+        lambda s: s["properties"]["status"]["properties"]["conditions"]["items"]["required"].remove("type"),
+        "map keys must be required or defaulted",
+    ),
+    (
+        lambda s: s["properties"]["spec"]["properties"]["router"]["properties"]["resources"]["properties"][
+            "limits"
+        ]["additionalProperties"]["anyOf"][0].update(description="x"),
+        "logical junctor",
+    ),
+    (lambda s: s["properties"]["spec"].update({"$ref": "#/definitions/x"}), "$ref: is forbidden"),
+]
+
+
+@pytest.mark.parametrize(("change", "rule"), REFUSED)
+def test_the_structural_check_refuses_what_the_api_server_refuses(change, rule):
+    found = problems(_mutated(change))
+    assert any(rule in p for p in found), found
 
 
 @pytest.mark.parametrize("example", EXAMPLES)
@@ -170,17 +215,17 @@ CEL_BAD = [
         lambda s: _swap_to_autoscaling(
             s, "decode", {"minReplicas": 5, "maxReplicas": 2, "target": {"itlMilliseconds": 40}}
         ),
-        "spec.decode.autoscaling",
+        "spec.decode.autoscaling.minReplicas",
         "minReplicas must not exceed maxReplicas",
     ),
     (
         lambda s: _swap_to_autoscaling(s, "prefill", _autoscaling({"itlMilliseconds": 40})),
-        "spec",
+        "spec.prefill.autoscaling.target",
         "prefill autoscales on time to first token",
     ),
     (
         lambda s: _swap_to_autoscaling(s, "decode", _autoscaling({"ttftMilliseconds": 300})),
-        "spec",
+        "spec.decode.autoscaling.target",
         "decode autoscales on inter-token latency",
     ),
     (
@@ -250,11 +295,11 @@ def crd_rules() -> list[tuple[str, str]]:
 def test_every_cel_rule_has_exactly_one_mirror():
     mirrored = sorted((r.at, r.cel) for r in rules.RULES)
     assert mirrored == crd_rules()
-    messages = {}
+    described = {}
     for _path, node in walk(SCHEMA):
         for rule in node.get("x-kubernetes-validations") or []:
-            messages[rule["rule"]] = rule["message"]
-    assert {r.cel: r.message for r in rules.RULES} == messages
+            described[rule["rule"]] = (rule["message"], rule.get("fieldPath", ""))
+    assert {r.cel: (r.message, r.field_path) for r in rules.RULES} == described
 
 
 def _node_at(resource: dict, path: str):

@@ -170,6 +170,9 @@ async def test_invalid_spec_is_reported_and_builds_nothing(cluster):
     message = condition(cluster.live(IDEP, "tiny"), "Degraded")["message"]
     assert message.startswith("spec.decode: ")
     assert cluster.live(STS, "tiny-decode") is None
+    # Nothing is being rolled out: Progressing says so rather than "creating decode, prefill, router".
+    progressing = condition(cluster.live(IDEP, "tiny"), "Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("False", "InvalidSpec")
 
 
 @pytest.mark.parametrize("reachable", [True, False])

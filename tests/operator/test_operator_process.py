@@ -16,6 +16,7 @@ import time
 import aiohttp
 import kmock
 import kopf
+import pytest
 import yaml
 from kube_emulator import RESOURCES, ApiServerEmulator, load_example
 
@@ -99,3 +100,35 @@ async def test_operator_process_reconciles_serves_liveness_and_stops_cleanly(tmp
                 proc.kill()
                 proc.wait()
             await api.close()
+
+
+async def test_peering_without_the_peering_crd_is_refused_with_the_reason(tmp_path):
+    """kopf would pause every watch waiting for its peering CRD, reconciling nothing, silently."""
+    async with ApiServerEmulator() as k8s, kmock.Server(k8s) as server:
+        for key, info in RESOURCES.items():
+            k8s.resources[key] = info
+        env = dict(os.environ, KUBECONFIG=kubeconfig(tmp_path / "kubeconfig", str(server.url).rstrip("/")))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "disagg.worker.cli", "operator", "--all-namespaces", "--peering", "team",
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        output, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 2, output.decode()[-2000:]
+        assert "--peering needs kopf's peering CRD (clusterkopfpeerings.kopf.dev)" in output.decode()
+
+        # With the CRD served, the same flags start the operator (it keeps running).
+        k8s.resources["kopf.dev/v1/clusterkopfpeerings"] = {
+            "kind": "ClusterKopfPeering",
+            "namespaced": False,
+            "verbs": ["list", "watch", "get", "patch"],
+        }
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "disagg.worker.cli", "operator", "--all-namespaces", "--peering", "team",
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(proc.wait(), 8)
+        finally:
+            proc.terminate()
+            await proc.wait()

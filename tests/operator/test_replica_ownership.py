@@ -55,6 +55,8 @@ async def change_template(k8s, api, reconciler: Reconciler, body: dict) -> dict:
         idep = await api.get("disagg.dev/v1alpha1", "InferenceDeployment", "default", "tiny")
         await reconciler.reconcile(idep, LOG)
         await cluster.mark_ready("StatefulSet", "tiny-decode")
+        # No kopf runtime here: hand the reconciler the watch event a cluster would send.
+        reconciler.children.seen(await api.get(*STS, "tiny-decode"))
     return idep
 
 
@@ -140,3 +142,28 @@ async def test_a_changed_count_is_restored_once_with_the_reason():
         assert (record["from"], record["to"], record["code"]) == (7, 3, "ReplicasReverted")
         assert await owner.revert_hand_edit("default", "tiny-prefill") is None  # once
         assert len(posted) == 1
+
+
+async def test_a_count_changed_before_the_first_decision_is_restored_not_adopted():
+    """`kubectl scale` in the first seconds, before the autoscaler decided anything (its first tick
+    found no StatefulSet yet): restored to the count the pool was created with, with the reason."""
+    async with emulated_api() as (_, api):
+        await create_autoscaled(api, min_replicas=2)
+        posted = []
+        owner = ReplicaOwner(api, post=lambda obj, *event: posted.append(event))
+        assert await owner.revert_hand_edit("default", "tiny-prefill") is None  # as created: nothing to do
+
+        await api.request(
+            "PATCH",
+            "/apis/apps/v1/namespaces/default/statefulsets/tiny-prefill",
+            body={"spec": {"replicas": 5}},
+            content_type="application/merge-patch+json",
+            params={"fieldManager": "kubectl"},
+        )
+        decision = await owner.revert_hand_edit("default", "tiny-prefill")
+        assert decision is not None and (decision.previous, decision.replicas) == (5, 2)
+        assert (await prefill(api))["spec"]["replicas"] == 2
+        (event,) = posted
+        assert event[:2] == ("Warning", "ReplicasReverted") and "changed to 5" in event[2]
+        idep = await api.get("disagg.dev/v1alpha1", "InferenceDeployment", "default", "tiny")
+        assert idep["status"]["prefill"]["autoscaling"]["desiredReplicas"] == 2

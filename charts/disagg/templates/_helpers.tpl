@@ -29,7 +29,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
-{{/* Rules on the objects an InferenceDeployment owns: the same whether cluster-wide or namespaced. */}}
+{{/* Rules on the objects an InferenceDeployment owns: the same whether cluster-wide or namespaced.
+Every owned kind is watched (children are read from watch events) and deleted when pruned. */}}
 {{- define "disagg.workloadRules" -}}
 - apiGroups: [disagg.dev]
   resources: [inferencedeployments]
@@ -45,7 +46,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   verbs: [get, list, watch, create, patch, update, delete]
 - apiGroups: [""]
   resources: [services, configmaps, serviceaccounts]
-  verbs: [get, list, create, patch, update, delete]
+  verbs: [get, list, watch, create, patch, update, delete]
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch]
@@ -57,13 +58,13 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
   verbs: [create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, list, create, patch, update, delete]
+  verbs: [get, list, watch, create, patch, update, delete]
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
   verbs: [get, list, watch, create, patch, update, delete]
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors]
-  verbs: [get, list, create, patch, update, delete]
+  verbs: [get, list, watch, create, patch, update, delete]
 {{- end -}}
 
 {{/* What kopf needs cluster-wide even when it serves one namespace: resource and namespace discovery. */}}
