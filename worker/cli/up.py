@@ -42,8 +42,12 @@ DEMO_MESSAGE = (
 )
 
 
+# A checkpoint trained on the generated corpus: the demo's answer reads like text.
+DEMO_PRESET = "tiny-trained"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="model directory (default: make the tiny model under .models/tiny)")
+    p.add_argument("--model", help=f"model directory (default: make the {DEMO_PRESET} model under .models/)")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument("--both", type=int, default=0, help="number of colocated workers (role both)")
@@ -118,12 +122,15 @@ class Deployment:
             if not path.is_dir():
                 raise SystemExit(f"disagg up: --model {path}: no such directory")
             return path
-        path = Path(".models/tiny")
+        path = Path(".models") / DEMO_PRESET
         if not (path / "config.json").is_file():
             from disagg.worker.tools.make_model import make_model
 
-            print(f"making the tiny model under {path} ...", flush=True)
-            make_model(path, preset="tiny")
+            print(
+                f"making the {DEMO_PRESET} model under {path} (about a minute of training, once) ...",
+                flush=True,
+            )
+            make_model(path, preset=DEMO_PRESET, progress=lambda message: print(f"  {message}", flush=True))
         return path
 
     def plan(self) -> None:

@@ -52,11 +52,16 @@ class Preset:
     num_key_value_heads: int
     vocab_size: int
     max_position_embeddings: int
+    train_steps: int = 0  # > 0: trained on the generated corpus (train_lm.py) instead of left random
 
 
 PRESETS = {
-    # Loads in milliseconds: for tests and the demo.
+    # Loads in milliseconds: for tests.
     "tiny": Preset(128, 384, 4, 4, 2, 1024, 2048),
+    # The tiny shape trained for about a minute on CPU: its text reads like the corpus (the demo).
+    "tiny-trained": Preset(128, 384, 4, 4, 2, 1024, 2048, train_steps=800),
+    # A draft-sized sibling with the same tokenizer, for speculative decoding.
+    "tiny-trained-draft": Preset(64, 192, 2, 2, 1, 1024, 2048, train_steps=600),
     # About 100M parameters with realistic shapes: for benchmarks.
     "small": Preset(768, 2048, 12, 12, 4, 32000, 4096),
 }
@@ -364,7 +369,8 @@ def count_parameters(preset: Preset) -> int:
 
 
 def random_weights(preset: Preset, seed: int, dtype, progress=None) -> dict:
-    """Norms at 1, embeddings normal(0, 1), projections normal(0, 1/sqrt(fan_in)).
+    """Norms at 1, embeddings normal(0, 1), projections normal(0, 1/sqrt(fan_in)); a preset to be
+    trained starts from the usual normal(0, 0.02) instead.
 
     Unit-variance activations make attention sharp and position-dependent, so greedy
     continuations wander through the vocabulary; with the small 0.02 init of trained models'
@@ -380,6 +386,8 @@ def random_weights(preset: Preset, seed: int, dtype, progress=None) -> dict:
             t = torch.ones(shape)
         else:
             std = 1.0 if name == "model.embed_tokens.weight" else shape[1] ** -0.5
+            if preset.train_steps:
+                std = 0.02
             t = torch.empty(shape).normal_(0.0, std, generator=gen)
         tensors[name] = t.to(dtype)
         if progress and name.endswith("down_proj.weight"):
@@ -416,6 +424,27 @@ def save_weights(path: Path, tensors: dict, shard_bytes: int, progress=None) -> 
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return names
+
+
+def trained(path: Path, config: dict, tensors: dict, preset: Preset, seed: int, progress=None) -> dict:
+    """`tensors` trained for the preset's steps on chat turns and sentences of the corpus, tokenized
+    with the checkpoint's own tokenizer and chat template (already written into `path`)."""
+    from disagg.worker.engine.tokenizer import Tokenizer
+    from disagg.worker.tools.train_lm import train, training_text
+
+    tok = Tokenizer.from_pretrained(path)
+
+    def render(messages: list[dict]) -> str:
+        return tok.apply_chat_template(messages, add_generation_prompt=False)
+
+    docs = training_text(training_corpus(seed), render, seed, documents=4000)
+    end = tok.encode(EOS_TOKEN, add_special_tokens=False)
+    token_docs = [
+        tok.encode(d, add_special_tokens=False) if d.startswith(BOS_TOKEN) else tok.encode(d) + end
+        for d in docs
+    ]
+    train(tensors, config, token_docs, preset.train_steps, seed, progress=progress)
+    return tensors
 
 
 # ----------------------------------------------------------------------------- the command
@@ -485,7 +514,12 @@ def make_model(
         "eos_token_id": [token_ids["eos_token_id"], token_ids["eot_token_id"]],
     }
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    tensors = random_weights(spec, seed, dtypes[dtype], progress)
+    tensors = random_weights(spec, seed, torch.float32 if spec.train_steps else dtypes[dtype], progress)
+    if spec.train_steps:
+        tensors = {
+            name: t.to(dtypes[dtype])
+            for name, t in trained(path, config, tensors, spec, seed, progress).items()
+        }
     save_weights(path, tensors, shard_size or DEFAULT_SHARD_BYTES, progress)
     (path / MARKER_FILE).write_text(json.dumps(recipe) + "\n")
     return path
