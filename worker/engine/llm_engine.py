@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from disagg.worker.engine import prompt_logprobs
 from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.batch_builder import build_batch
 from disagg.worker.engine.block_manager import BlockManager
@@ -281,10 +282,15 @@ class LLMEngine:
         return Reservation(blocks, req.num_cached_tokens // self.block_size)
 
     def commit_remote_prefill(
-        self, request_id: str, first_token: int, first_logprob: TokenLogprob | None = None
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprob: TokenLogprob | None = None,
+        prompt_logprobs: Sequence[TokenLogprob | None] | None = None,
     ) -> RequestOutput:
-        """The reserved request's prompt K/V is in place: decode from `first_token` on.
-        Returns the output for the first token (already finished if it ends the request)."""
+        """The reserved request's prompt K/V is in place: decode from `first_token` on (with the
+        prompt logprobs the prefill side computed, when asked for). Returns the output for the
+        first token (already finished if it ends the request)."""
         req = self.requests.get(request_id)
         if req is None or req.status != RequestStatus.RESERVED:
             raise KeyError(f"no reserved request {request_id!r}")
@@ -293,6 +299,8 @@ class LLMEngine:
                 f"first_token {first_token} is outside the vocabulary [0, {self.config.vocab_size})"
             )
         self.scheduler.commit_reserved(req)
+        if prompt_logprobs is not None:
+            req.prompt_logprobs = list(prompt_logprobs)
         if req.generator is not None:
             # the prefill side drew the first token from this seed: skip that draw so a seeded
             # request continues exactly as it would have on one worker
@@ -308,9 +316,13 @@ class LLMEngine:
         self.scheduled = out
         if out is None:
             return []
-        logits = self.runner.forward(build_batch(out, self.block_size), layer_hook)
+        spans = prompt_logprobs.plan(out)
+        logits = self.runner.forward(build_batch(out, self.block_size, spans), layer_hook)
         self.scheduler.advance(out)
         reqs = [c.request for c in out.chunks if c.samples]
+        if spans:
+            prompt_logprobs.record(logits[len(reqs) :], spans)
+            logits = logits[: len(reqs)]
         if not reqs:
             return []
         sampled = self.sampler(logits, reqs)
@@ -411,4 +423,5 @@ class LLMEngine:
             new_text=new_text,
             new_logprobs=new_lp,
             num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
         )

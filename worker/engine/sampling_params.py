@@ -24,7 +24,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: chosen only)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (0: the prompt token only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stop_strings: list[str] = field(init=False, repr=False)
@@ -96,7 +96,12 @@ class SamplingParams:
             "logprobs",
             "in [0, 20]",
         )
-        need(self.prompt_logprobs is None, "prompt_logprobs", "None (prompt logprobs are not supported)")
+        need(
+            self.prompt_logprobs is None
+            or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+            "prompt_logprobs",
+            "in [0, 20]",
+        )
 
     @property
     def greedy(self) -> bool:
