@@ -23,7 +23,7 @@ from aiohttp import web
 from disagg.proto import worker_pb2
 from disagg.worker.engine.block_hash import block_hashes
 from disagg.worker.router.errors import APIError, invalid
-from disagg.worker.router.fanout import ChoiceState, plan_choices, total_usage
+from disagg.worker.router.fanout import ChoiceState, Echo, plan_choices, total_usage
 from disagg.worker.router.openai_format import SSE_DONE, ResponseBuilder, sse
 from disagg.worker.router.policy import WorkerView, choose_decode, rank_prefill
 from disagg.worker.router.validation import (
@@ -214,6 +214,8 @@ class Router:
             p.seed = seed
         if s.logprobs is not None:
             p.logprobs = s.logprobs
+        if s.prompt_logprobs is not None:
+            p.prompt_logprobs = s.prompt_logprobs
         return p
 
     def token_text(self, token_id: int) -> str:
@@ -264,7 +266,10 @@ class Router:
                     prefill_targets=targets,
                 )
                 self.pool.begin(decode.worker_id)
-                choices.append(_Choice(ChoiceState(plan), req, decode, [decode], len(hashes[p]), matches[p]))
+                state = ChoiceState(
+                    plan, self._echo(spec, p, prompts[p]), score_only=spec.sampling.max_tokens == 0
+                )
+                choices.append(_Choice(state, req, decode, [decode], len(hashes[p]), matches[p]))
             if spec.stream:
                 return await self._stream(request, spec, choices, builder, arrival)
             return await self._unary(choices, builder, [len(ids) for ids in prompts], arrival)
@@ -273,6 +278,13 @@ class Router:
             for c in choices:
                 for d in c.used:
                     self.pool.end(d.worker_id)
+
+    def _echo(self, spec: GenerationSpec, prompt_index: int, ids: list[int]) -> Echo | None:
+        if not spec.echo:
+            return None
+        prompt = spec.prompts[prompt_index]
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+        return Echo(text, ids[0])
 
     def _fit(self, spec: GenerationSpec, prompt_index: int, prompt_tokens: int) -> int:
         try:
@@ -411,7 +423,9 @@ class Router:
         states = [c.state for c in choices]
         body = builder.response(
             [
-                builder.choice(s.plan.index, "".join(s.text), s.logprobs, s.finish_reason or "stop")
+                builder.choice(
+                    s.plan.index, s.response_text(), s.response_logprobs(), s.finish_reason or "stop"
+                )
                 for s in states
             ],
             total_usage(states, prompt_lengths),
@@ -466,13 +480,14 @@ class Router:
                     pending -= 1
                     self._record(arrival, c.state, c.state.finish_reason or "stop")
                     continue
-                lps = c.state.add(item, time.monotonic())
+                delta = c.state.add(item, time.monotonic())
                 # tokens whose text is held back (an incomplete UTF-8 character, a possible stop
                 # string) produce no chunk unless their logprobs were asked for
-                if item.text or item.finish_reason or (lps and builder.want_logprobs):
+                if delta.text or delta.finish_reason or (delta.logprobs and builder.want_logprobs):
                     chunk = builder.chunk(
-                        item.text, lps, item.finish_reason or None, spec.include_usage, c.state.plan.index
-                    )
+                        delta.text, delta.logprobs, delta.finish_reason or None, spec.include_usage,
+                        c.state.plan.index,
+                    )  # fmt: skip
                     await resp.write(sse(chunk))
             if error is not None:
                 await resp.write(sse(error.body()))

@@ -16,7 +16,7 @@ def new_id(kind: str) -> str:
 @dataclass
 class Logprob:
     token_id: int
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token, which has no context
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
@@ -30,14 +30,19 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 
 
 def completion_logprobs(items: list[Logprob], token_text: Callable[[int], str], text_offset: int) -> dict:
-    """The legacy completions shape: parallel lists plus a dict of alternatives per position."""
+    """The legacy completions shape: parallel lists plus a dict of alternatives per position, which
+    always holds the chosen token too (as OpenAI's does; with logprobs=0 it is the only entry)."""
     tokens, lps, tops, offsets = [], [], [], []
     pos = text_offset
     for it in items:
         t = token_text(it.token_id)
         tokens.append(t)
         lps.append(it.logprob)
-        tops.append({token_text(tid): lp for tid, lp in it.top} if it.top else None)
+        top = None
+        if it.logprob is not None:
+            top = {token_text(tid): lp for tid, lp in it.top}
+            top.setdefault(t, it.logprob)
+        tops.append(top)
         offsets.append(pos)
         pos += len(t)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -52,7 +57,8 @@ def chat_logprobs(items: list[Logprob], token_text: Callable[[int], str]) -> dic
         "content": [
             {**entry(it.token_id, it.logprob), "top_logprobs": [entry(tid, lp) for tid, lp in it.top]}
             for it in items
-        ]
+        ],
+        "refusal": None,
     }
 
 
@@ -123,7 +129,7 @@ class ResponseBuilder:
         if self.kind == "chat":
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
+                "message": {"role": "assistant", "content": text, "refusal": None},
                 "logprobs": lp,
                 "finish_reason": finish_reason,
             }

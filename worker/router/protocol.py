@@ -189,7 +189,7 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: Any
-    max_tokens: Int = Field(16, ge=1)
+    max_tokens: Int = Field(16, ge=0)  # 0: score the prompt only (with echo and logprobs)
     logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: Text | None = None

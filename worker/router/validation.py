@@ -32,6 +32,7 @@ class SamplingSpec:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k alternatives per token; None = no logprobs at all
+    prompt_logprobs: int | None = None  # the same for every prompt token (completions' echo)
     skip_special_tokens: bool = True
 
 
@@ -149,10 +150,13 @@ def _sampling(req: protocol._Sampling, max_tokens: int | None, logprobs: int | N
 def parse_completion(body: Any) -> GenerationSpec:
     """A completion request (raw JSON bytes, or the decoded object) -> its `GenerationSpec`."""
     req = _parse(protocol.CompletionRequest, body)
+    sampling = _sampling(req, req.max_tokens, req.logprobs)
+    if req.echo and req.logprobs is not None:
+        sampling.prompt_logprobs = req.logprobs
     return GenerationSpec(
         kind="completion",
         model=req.model,
-        sampling=_sampling(req, req.max_tokens, req.logprobs),
+        sampling=sampling,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         n=req.n,
@@ -190,6 +194,9 @@ def fit_to_context(sampling: SamplingSpec, prompt_tokens: int, max_model_len: in
         )
     if sampling.max_tokens is None:
         return max_model_len - prompt_tokens
+    if sampling.max_tokens == 0:
+        # scoring: a prefill always samples a token; the router leaves it out of the response
+        return 1
     if prompt_tokens + sampling.max_tokens > max_model_len:
         raise APIError(
             400,

@@ -38,6 +38,7 @@ def sampling_params(p: pb.SamplingParams, *, prefill_only: bool = False) -> Samp
         stop_token_ids=stop_ids,
         ignore_eos=ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         skip_special_tokens=p.skip_special_tokens,
     )
 
@@ -52,6 +53,15 @@ def logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:
 
 def logprob_from_proto(lp: pb.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(lp.token_id, lp.logprob, {t.token_id: t.logprob for t in lp.top})
+
+
+def prompt_logprobs_to_proto(lps: list[TokenLogprob | None]) -> list[pb.TokenLogprob]:
+    """The wire form drops the first prompt token's entry, which is always None."""
+    return [logprob_to_proto(lp) for lp in lps[1:]]
+
+
+def prompt_logprobs_from_proto(lps) -> list[TokenLogprob | None]:
+    return [None, *(logprob_from_proto(lp) for lp in lps)]
 
 
 def error(code: str, message: str) -> pb.Error:
