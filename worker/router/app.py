@@ -78,6 +78,7 @@ class Router:
         self.prefix_lookup = prefix_lookup
         self.metrics = metrics or ServingMetrics("router", config.model_name)
         self.inflight = 0
+        self.created = int(time.time())  # the model card's `created`: when this router started serving it
         self._prefix_warned = False
         self._token_text_cache: dict[int, str] = {}
 
@@ -128,7 +129,12 @@ class Router:
 
     async def models(self, request: web.Request) -> web.Response:
         self._check_key(request)
-        card = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "disagg"}
+        card = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "disagg",
+        }
         return web.json_response({"object": "list", "data": [card]})
 
     async def health(self, _request: web.Request) -> web.Response:
@@ -209,6 +215,7 @@ class Router:
             stop_token_ids=s.stop_token_ids,
             ignore_eos=s.ignore_eos,
             skip_special_tokens=s.skip_special_tokens,
+            include_stop_str_in_output=s.include_stop_str_in_output,
         )
         if seed is not None:
             p.seed = seed

@@ -11,7 +11,7 @@ OpenAI's API does.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
@@ -20,10 +20,16 @@ MAX_TOP_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the range of the seed on the wire
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
-# Accepted and deliberately not acted on.
+# Accepted and deliberately not acted on (README lists them too). Every other field OpenAI
+# defines is either acted on or refused with a 400 naming it.
 IGNORED_FIELDS = {
     "user": "an end-user identifier for the caller's own abuse monitoring; not used",
+    "safety_identifier": "as `user`: an identifier for the caller's abuse monitoring; not used",
     "messages[].name": "participant names are not rendered by the chat templates served here",
+    "metadata": "tags for stored completions; nothing is stored here",
+    "store": "only false (the default) is accepted: completions are never stored",
+    "service_tier": "one tier only: every request is served alike",
+    "prompt_cache_key": "prefix caching is automatic (block hashes), no key needed",
 }
 
 
@@ -127,6 +133,7 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string in the text
     user: Text | None = None  # see IGNORED_FIELDS
 
     @field_validator("seed")
@@ -216,6 +223,19 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # see IGNORED_FIELDS
+    safety_identifier: Text | None = None
+    metadata: dict[str, Text] | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: Text | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, v):
+        if v:
+            raise ValueError("'store' is not supported: this server does not store completions")
+        return v
 
     @model_validator(mode="after")
     def _logprobs(self):

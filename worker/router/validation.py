@@ -34,6 +34,7 @@ class SamplingSpec:
     logprobs: int | None = None  # top-k alternatives per token; None = no logprobs at all
     prompt_logprobs: int | None = None  # the same for every prompt token (completions' echo)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
 
 @dataclass
@@ -144,6 +145,7 @@ def _sampling(req: protocol._Sampling, max_tokens: int | None, logprobs: int | N
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
     )
 
 
@@ -176,9 +178,14 @@ def parse_chat(body: Any) -> GenerationSpec:
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         n=req.n,
-        messages=[{"role": m.role, "content": m.text()} for m in req.messages],
+        messages=[{"role": _ROLES.get(m.role, m.role), "content": m.text()} for m in req.messages],
         user=req.user,
     )
+
+
+# OpenAI's `developer` messages are what chat templates call `system` (as OpenAI maps them for
+# models without a developer role)
+_ROLES = {"developer": "system"}
 
 
 def fit_to_context(sampling: SamplingSpec, prompt_tokens: int, max_model_len: int, kind: str) -> int:

@@ -40,6 +40,7 @@ def sampling_params(p: pb.SamplingParams, *, prefill_only: bool = False) -> Samp
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         skip_special_tokens=p.skip_special_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output,
     )
 
 
