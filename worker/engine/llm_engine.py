@@ -38,6 +38,7 @@ from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.engine.sampler import Sampler
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.engine.scheduler import Scheduler, SchedulerOutput
+from disagg.worker.engine.structured_output import Grammars
 from disagg.worker.model.runner import ModelRunner, plan_num_blocks
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class LLMEngine:
             cuda_graphs=args.cuda_graphs,
         )
         self.sampler = Sampler()
+        self.grammars: Grammars | None = None
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(args.seed)
         # what the current (or last) step computes; read by layer hooks
@@ -224,6 +226,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             generator=generator,
         )
+        if params.structured_output is not None:
+            req.grammar = self._grammars().matcher(params.structured_output)
         if self.tokenizer is not None:
             from disagg.worker.engine.detokenizer import IncrementalDetokenizer
 
@@ -231,6 +235,16 @@ class LLMEngine:
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens
             )
         return req
+
+    def _grammars(self) -> Grammars:
+        """The grammar compiler, built on first use (it reads the whole vocabulary)."""
+        if self.grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the engine's tokenizer")
+            self.grammars = Grammars(
+                self.tokenizer.backend.to_str(), self.config.vocab_size, sorted(self.eos_token_ids)
+            )
+        return self.grammars
 
     def add_request(
         self,
@@ -333,6 +347,9 @@ class LLMEngine:
 
     def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         req.output_token_ids.append(token)
+        if req.grammar is not None and not req.grammar.consume_token(token):
+            log.warning("request %s: token %d is outside its grammar: %s", req.request_id, token,
+                        req.grammar.get_error())  # fmt: skip
         if logprob is not None:
             req.logprobs.append(logprob)
         text_before = len(req.text)

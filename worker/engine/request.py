@@ -43,6 +43,7 @@ class Request:
     prefill_only: bool = False
     eos_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
+    grammar: object | None = None  # the structured output matcher (llguidance), fed every output token
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

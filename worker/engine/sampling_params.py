@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from disagg.worker.engine.structured_output_params import StructuredOutputParams
+
 _EPS = 1e-5
 
 
@@ -27,6 +29,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top logprobs per prompt token (0: the prompt token only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutputParams | None = None  # a grammar the output must match
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -95,6 +98,11 @@ class SamplingParams:
             self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             "logprobs",
             "in [0, 20]",
+        )
+        need(
+            self.structured_output is None or isinstance(self.structured_output, StructuredOutputParams),
+            "structured_output",
+            "None or a StructuredOutputParams",
         )
         need(
             self.prompt_logprobs is None
