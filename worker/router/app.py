@@ -34,6 +34,7 @@ from disagg.worker.router.validation import (
     parse_completion,
 )
 from disagg.worker.router.workers import WorkerPool
+from disagg.worker.serving.convert import structured_output_to_proto
 from disagg.worker.serving.metrics import CONTENT_TYPE, ServingMetrics
 
 log = logging.getLogger("disagg.router")
@@ -223,6 +224,8 @@ class Router:
             p.logprobs = s.logprobs
         if s.prompt_logprobs is not None:
             p.prompt_logprobs = s.prompt_logprobs
+        if s.structured_output is not None:
+            p.structured_output.CopyFrom(structured_output_to_proto(s.structured_output))
         return p
 
     def token_text(self, token_id: int) -> str:

@@ -73,6 +73,27 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Strict):
+    name: Text = Field(min_length=1, max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise _FieldError(
+                "response_format.json_schema.schema",
+                "'response_format' of type 'json_schema' needs its schema",
+            )
+        return self
+
+
 class TextPart(_Strict):
     type: str
     text: Text
@@ -134,6 +155,12 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None
     include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string in the text
+    # structured output: OpenAI's response_format, or one of vLLM's guided_* extras
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(None, min_length=1)
+    guided_grammar: Text | None = None
     user: Text | None = None  # see IGNORED_FIELDS
 
     @field_validator("seed")

@@ -7,11 +7,13 @@ choices: `n` samples of each of its prompts (completions take a batch of prompts
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from disagg.worker.engine.structured_output_params import StructuredOutputParams, check
 from disagg.worker.router import protocol
 from disagg.worker.router.errors import APIError, invalid
 
@@ -35,6 +37,7 @@ class SamplingSpec:
     prompt_logprobs: int | None = None  # the same for every prompt token (completions' echo)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutputParams | None = None
 
 
 @dataclass
@@ -100,9 +103,9 @@ _BOUNDS = {
 _FIELDS = {
     name
     for model in (protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.ChatMessage,
-                  protocol.TextPart, protocol.StreamOptions)
+                  protocol.TextPart, protocol.StreamOptions, protocol.ResponseFormat, protocol.JSONSchemaFormat)
     for name in model.model_fields
-}  # fmt: skip
+} | {"schema"}  # fmt: skip
 
 
 def _field_path(loc: tuple) -> list:
@@ -146,7 +149,48 @@ def _sampling(req: protocol._Sampling, max_tokens: int | None, logprobs: int | N
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        structured_output=_structured_output(req),
     )
+
+
+def _structured_output(req: protocol._Sampling) -> StructuredOutputParams | None:
+    """The grammar a request asks for (at most one way), checked here so that an invalid schema or
+    regex is a 400 naming its field rather than a worker error."""
+    asked: list[tuple[str, StructuredOutputParams]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        asked.append(("response_format", StructuredOutputParams(json_object=True)))
+    elif rf is not None and rf.type == "json_schema":
+        schema = json.dumps(rf.json_schema.schema_)
+        asked.append(("response_format.json_schema.schema", StructuredOutputParams(json=schema)))
+    if req.guided_json is not None:
+        schema = req.guided_json
+        if isinstance(schema, str):
+            try:
+                json.loads(schema)
+            except ValueError as e:
+                raise invalid("guided_json", f"'guided_json' is not valid JSON: {e}") from None
+        else:
+            schema = json.dumps(schema)
+        asked.append(("guided_json", StructuredOutputParams(json=schema)))
+    if req.guided_regex is not None:
+        asked.append(("guided_regex", StructuredOutputParams(regex=req.guided_regex)))
+    if req.guided_choice is not None:
+        asked.append(("guided_choice", StructuredOutputParams(choice=tuple(req.guided_choice))))
+    if req.guided_grammar is not None:
+        asked.append(("guided_grammar", StructuredOutputParams(grammar=req.guided_grammar)))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        names = ", ".join(f"'{name.split('.')[0]}'" for name, _ in asked)
+        raise invalid(
+            asked[1][0].split(".")[0], f"only one structured output constraint is allowed, got {names}"
+        )
+    param, so = asked[0]
+    error = check(so)
+    if error is not None:
+        raise invalid(param, f"'{param}' is invalid: {error.strip()}")
+    return so
 
 
 def parse_completion(body: Any) -> GenerationSpec:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from disagg.proto import worker_pb2 as pb
 from disagg.worker.engine.outputs import TokenLogprob
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.engine.structured_output_params import StructuredOutputParams
 
 
 def sampling_params(p: pb.SamplingParams, *, prefill_only: bool = False) -> SamplingParams:
@@ -41,7 +42,36 @@ def sampling_params(p: pb.SamplingParams, *, prefill_only: bool = False) -> Samp
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         skip_special_tokens=p.skip_special_tokens,
         include_stop_str_in_output=p.include_stop_str_in_output,
+        # P constrains the first token with it too: it is the one token P samples
+        structured_output=structured_output_from_proto(p.structured_output)
+        if p.HasField("structured_output")
+        else None,
     )
+
+
+def structured_output_to_proto(so: StructuredOutputParams) -> pb.StructuredOutput:
+    if so.json is not None:
+        return pb.StructuredOutput(json_schema=so.json)
+    if so.json_object:
+        return pb.StructuredOutput(json_object=True)
+    if so.regex is not None:
+        return pb.StructuredOutput(regex=so.regex)
+    if so.choice is not None:
+        return pb.StructuredOutput(choice=pb.StructuredOutput.Choices(values=so.choice))
+    return pb.StructuredOutput(grammar=so.grammar)
+
+
+def structured_output_from_proto(m: pb.StructuredOutput) -> StructuredOutputParams:
+    kind = m.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_output names no grammar")
+    if kind == "json_schema":
+        return StructuredOutputParams(json=m.json_schema)
+    if kind == "json_object":
+        return StructuredOutputParams(json_object=True)
+    if kind == "choice":
+        return StructuredOutputParams(choice=tuple(m.choice.values))
+    return StructuredOutputParams(**{kind: getattr(m, kind)})
 
 
 def logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:
