@@ -39,6 +39,7 @@ def api_cluster(tiny_model, tmp_path_factory, redis_server):
         prefill=1,
         decode=1,
         worker_args=("--disagg-threshold", str(API_THRESHOLD)),
+        router_args=("--tool-call-parser", "llama3_json"),
         deployment="api",
     )
     try:

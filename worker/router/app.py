@@ -26,6 +26,7 @@ from disagg.worker.router.errors import APIError, invalid
 from disagg.worker.router.fanout import ChoiceState, Echo, plan_choices, total_usage
 from disagg.worker.router.openai_format import SSE_DONE, ResponseBuilder, sse
 from disagg.worker.router.policy import WorkerView, choose_decode, rank_prefill
+from disagg.worker.router.tools import ToolCalls
 from disagg.worker.router.validation import (
     GenerationSpec,
     check_choice_count,
@@ -50,6 +51,7 @@ class RouterConfig:
     max_choices: int = 64  # generations one request may fan out to (n x prompts)
     prefill_candidates: int = 2  # the first is tried, the next one on failure
     request_timeout: float = 600.0
+    tool_call_parser: str | None = None  # how `tool_choice: auto` finds calls (router/tool_parsers.py)
 
 
 @dataclass
@@ -169,7 +171,10 @@ class Router:
     def _tokenize(self, spec: GenerationSpec, prompt_index: int) -> list[int]:
         if spec.kind == "chat":
             try:
-                text = self.tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True)
+                tools = spec.tools.tools if spec.tools is not None else None
+                text = self.tokenizer.apply_chat_template(
+                    spec.messages, add_generation_prompt=True, tools=tools
+                )
             except Exception as e:  # template errors (raise_exception in the template) are the caller's
                 raise invalid("messages", f"the chat template rejected the messages: {e}") from e
             return self.tokenizer.encode(text, add_special_tokens=False)
@@ -253,7 +258,10 @@ class Router:
         hashes = [block_hashes(ids, self.config.block_size) for ids in prompts]
         matches = await asyncio.gather(*(self._prefix_match(h) for h in hashes))
         base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        builder = ResponseBuilder(spec.kind, spec.model, self.token_text, spec.sampling.logprobs is not None)
+        tools = ToolCalls(spec.tools, self.config.tool_call_parser) if spec.tools is not None else None
+        builder = ResponseBuilder(
+            spec.kind, spec.model, self.token_text, spec.sampling.logprobs is not None, tools
+        )
         choices: list[_Choice] = []
         self.inflight += len(plans)
         try:

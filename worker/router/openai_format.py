@@ -8,6 +8,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from disagg.worker.router.tools import ToolCalls
+
 
 def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -65,8 +67,16 @@ def chat_logprobs(items: list[Logprob], token_text: Callable[[int], str]) -> dic
 class ResponseBuilder:
     """Builds the JSON objects of one request, streamed or not, for any number of choices."""
 
-    def __init__(self, kind: str, model: str, token_text: Callable[[int], str], want_logprobs: bool):
+    def __init__(
+        self,
+        kind: str,
+        model: str,
+        token_text: Callable[[int], str],
+        want_logprobs: bool,
+        tools: ToolCalls | None = None,
+    ):
         self.kind = kind
+        self.tools = tools  # chat with tools: calls parsed out of the text
         self.model = model
         self.id = new_id(kind)
         self.created = int(time.time())
@@ -103,9 +113,12 @@ class ResponseBuilder:
         offset = self._text_offset.get(index, 0)
         lp = self._logprobs(logprobs, offset)
         if self.kind == "chat":
-            delta: dict = {"content": text}
+            fields: dict = {}
+            if self.tools is not None:
+                text, fields, finish_reason = self.tools.stream(index, text, finish_reason)
+            delta: dict = {"content": text, **fields}
             if index not in self._sent_role:
-                delta = {"role": "assistant", "content": text}
+                delta = {"role": "assistant", **delta}
                 self._sent_role.add(index)
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             body = self._envelope("chat.completion.chunk", [choice])
@@ -127,9 +140,12 @@ class ResponseBuilder:
     def choice(self, index: int, text: str, logprobs: list[Logprob], finish_reason: str) -> dict:
         lp = self._logprobs(logprobs, 0)
         if self.kind == "chat":
+            message = {"role": "assistant", "content": text, "refusal": None}
+            if self.tools is not None:
+                message, finish_reason = self.tools.message(text, finish_reason)
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": text, "refusal": None},
+                "message": message,
                 "logprobs": lp,
                 "finish_reason": finish_reason,
             }

@@ -18,7 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the range of the seed on the wire
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 # Accepted and deliberately not acted on (README lists them too). Every other field OpenAI
 # defines is either acted on or refused with a 400 naming it.
@@ -106,10 +106,45 @@ class TextPart(_Strict):
         return v
 
 
+class FunctionDef(_Strict):
+    name: Text = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the parameters schema is enforced when the call is forced
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_Strict):
+    name: Text
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    id: Text
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: str
     content: Text | list[TextPart] | None = None
     name: Text | None = None  # see IGNORED_FIELDS
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message's answer to that call
+    function_call: ToolCallFunction | None = None  # legacy form of tool_calls
 
     @field_validator("role")
     @classmethod
@@ -122,6 +157,8 @@ class ChatMessage(_Strict):
     def _content_present(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError("'content' is required for this role")
+        if (self.tool_calls or self.function_call) and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool calls")
         return self
 
     def text(self) -> str:
@@ -250,6 +287,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[FunctionDef] | None = None  # legacy tools
+    function_call: Literal["none", "auto"] | FunctionName | None = None  # legacy tool_choice
     # see IGNORED_FIELDS
     safety_identifier: Text | None = None
     metadata: dict[str, Text] | None = None

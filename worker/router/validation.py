@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from disagg.worker.engine.structured_output_params import StructuredOutputParams, check
 from disagg.worker.router import protocol
 from disagg.worker.router.errors import APIError, invalid
+from disagg.worker.router.tools import ToolSpec, tool_spec
 
 
 @dataclass
@@ -50,6 +51,7 @@ class GenerationSpec:
     n: int = 1  # samples per prompt
     prompts: list[str | list[int]] = field(default_factory=list)  # completion: texts or token ids
     messages: list[dict] | None = None  # chat, content flattened to text
+    tools: ToolSpec | None = None  # chat: tools, tool_choice (or the legacy functions)
     echo: bool = False
     user: str | None = None
 
@@ -103,7 +105,9 @@ _BOUNDS = {
 _FIELDS = {
     name
     for model in (protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.ChatMessage,
-                  protocol.TextPart, protocol.StreamOptions, protocol.ResponseFormat, protocol.JSONSchemaFormat)
+                  protocol.TextPart, protocol.StreamOptions, protocol.ResponseFormat, protocol.JSONSchemaFormat,
+                  protocol.Tool, protocol.FunctionDef, protocol.NamedToolChoice, protocol.FunctionName,
+                  protocol.ToolCall, protocol.ToolCallFunction)
     for name in model.model_fields
 } | {"schema"}  # fmt: skip
 
@@ -215,21 +219,59 @@ def parse_completion(body: Any) -> GenerationSpec:
 def parse_chat(body: Any) -> GenerationSpec:
     """A chat request (raw JSON bytes, or the decoded object) -> its `GenerationSpec`."""
     req = _parse(protocol.ChatCompletionRequest, body)
+    sampling = _sampling(req, req.max_output_tokens(), (req.top_logprobs or 0) if req.logprobs else None)
+    tools = tool_spec(req)
+    forced = tools.structured_output() if tools is not None else None
+    if forced is not None:
+        if sampling.structured_output is not None:
+            raise invalid(
+                "tool_choice", "a forced tool call cannot be combined with another structured output"
+            )
+        sampling.structured_output = forced
     return GenerationSpec(
         kind="chat",
         model=req.model,
-        sampling=_sampling(req, req.max_output_tokens(), (req.top_logprobs or 0) if req.logprobs else None),
+        sampling=sampling,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         n=req.n,
-        messages=[{"role": _ROLES.get(m.role, m.role), "content": m.text()} for m in req.messages],
+        messages=[_message(m) for m in req.messages],
+        tools=tools,
         user=req.user,
     )
 
 
+def _message(m: protocol.ChatMessage) -> dict:
+    """A chat message as the templates take it: content as text, earlier tool calls' arguments as
+    objects (templates serialize them), the legacy function_call as a tool call."""
+    out: dict = {"role": _ROLES.get(m.role, m.role), "content": m.text()}
+    calls = list(m.tool_calls or [])
+    if m.function_call is not None:
+        calls.append(protocol.ToolCall(id="call_0", type="function", function=m.function_call))
+    if calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _arguments(c)},
+            }
+            for c in calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _arguments(call: protocol.ToolCall):
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments  # not JSON: the template gets the text
+
+
 # OpenAI's `developer` messages are what chat templates call `system` (as OpenAI maps them for
 # models without a developer role)
-_ROLES = {"developer": "system"}
+_ROLES = {"developer": "system", "function": "tool"}
 
 
 def fit_to_context(sampling: SamplingSpec, prompt_tokens: int, max_model_len: int, kind: str) -> int:
