@@ -27,6 +27,7 @@ from disagg.worker.router.fanout import ChoiceState, Echo, plan_choices, total_u
 from disagg.worker.router.openai_format import SSE_DONE, ResponseBuilder, sse
 from disagg.worker.router.policy import WorkerView, choose_decode, rank_prefill
 from disagg.worker.router.tools import ToolCalls
+from disagg.worker.router.unsupported import unsupported_endpoint
 from disagg.worker.router.validation import (
     GenerationSpec,
     check_choice_count,
@@ -93,6 +94,7 @@ class Router:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_route("*", "/v1/{endpoint:.*}", unsupported_endpoint)  # after every served route
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -411,11 +413,13 @@ class Router:
         return None
 
     def _record(self, arrival: float, state: ChoiceState, finish: str) -> None:
-        first, n = state.first_token_at, state.num_tokens
-        if first is not None:
-            self.metrics.ttft.observe(first - arrival)
-            if n > 1:
-                self.metrics.itl.observe((state.last_at - first) / (n - 1))
+        """One generation as its client saw it: TTFT, each later token's gap, its tokens."""
+        if state.first_token_at is not None:
+            self.metrics.ttft.observe(state.first_token_at - arrival)
+        for gap in state.itl:
+            self.metrics.itl.observe(gap)
+        self.metrics.prompt_tokens.inc(state.prompt_tokens or 0)
+        self.metrics.generation_tokens.inc(state.output_tokens)
         self.metrics.e2e.observe((state.last_at or time.monotonic()) - arrival)
         self.metrics.request_finished(finish)
 

@@ -79,7 +79,9 @@ class ChoiceState:
     completion_tokens: int | None = None
     cached_tokens: int = 0
     prefill_worker: str = ""
+    itl: list[float] = field(default_factory=list)  # per output token after the first: its gap
     _echoed: bool = False
+    _last_token_at: float = 0.0
 
     def add(self, msg, now: float) -> Delta:
         """Fold in one `GenerateResponse` (not an error); returns what it adds to the response."""
@@ -87,6 +89,12 @@ class ChoiceState:
             self.prefill_worker = msg.served_by.prefill_worker
         if msg.token_ids and self.first_token_at is None:
             self.first_token_at = now
+        elif msg.token_ids:
+            # tokens that arrive together share the gap since the previous ones
+            k = len(msg.token_ids)
+            self.itl.extend([(now - self._last_token_at) / k] * k)
+        if msg.token_ids:
+            self._last_token_at = now
         self.last_at = now
         self.num_tokens += len(msg.token_ids)
         lps = [_logprob(x) for x in msg.logprobs]
