@@ -37,8 +37,10 @@ def released(api_cluster, redis_server):
 
 def test_100_sampled_json_schema_outputs_validate(api_cluster, client):
     def batch(seed: int):
+        # a prompt no cache holds yet, so the decode worker has it prefilled remotely
+        ask = [{"role": "user", "content": f"Describe city number {seed} of the hundred as JSON."}]
         return client.chat.completions.with_raw_response.create(
-            model=api_cluster.model_name, messages=ASK, response_format=FORMAT, n=25, temperature=1.0,
+            model=api_cluster.model_name, messages=ask, response_format=FORMAT, n=25, temperature=1.0,
             seed=seed, max_tokens=60,
         )  # fmt: skip
 
