@@ -46,7 +46,8 @@ def req(params: SamplingParams, prompt=(1, 2, 3), output=(), seed_gen: int | Non
         (dict(seed="x"), "seed"),
         (dict(temperature="hot"), "temperature"),
         (dict(max_tokens=True), "max_tokens"),
-        (dict(prompt_logprobs=1), "prompt_logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
     ],
 )
 def test_invalid_params_name_the_field(kwargs, field):

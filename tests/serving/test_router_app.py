@@ -82,3 +82,18 @@ async def test_queue_full_is_429_with_retry_after(tokenizer):
         assert (await r.json())["error"]["code"] == "queue_full"
     finally:
         await client.close()
+
+
+async def test_unsupported_endpoints_are_404s_naming_them(tokenizer):
+    client = await _client(tokenizer)
+    try:
+        for method, path in [("POST", "/v1/embeddings"), ("POST", "/v1/images/generations"),
+                             ("GET", "/v1/files"), ("POST", "/v1/audio/speech")]:  # fmt: skip
+            r = await client.request(method, path, json={"model": "tiny", "input": "x"})
+            body = await r.json()
+            assert r.status == 404 and body["error"]["code"] == "unsupported_endpoint", body
+            assert path in body["error"]["message"] and body["error"]["type"] == "not_found_error"
+        r = await client.get("/v1/chat/completions")  # a served endpoint, wrong method: not a 404
+        assert r.status == 405
+    finally:
+        await client.close()

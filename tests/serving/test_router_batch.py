@@ -107,11 +107,12 @@ def test_choice_state_and_usage_count_each_prompt_once():
     states = [ChoiceState(p) for p in plans]
     for s in states:
         p = s.plan.prompt_index
-        assert s.add(_msg("a", [1], prefill="p0" if p == 0 else ""), now=1.0)[0].token_id == 1
+        assert s.add(_msg("a", [1], prefill="p0" if p == 0 else ""), now=1.0).logprobs[0].token_id == 1
         s.add(_msg("bc", [2, 3], finish="length", usage=(10 + p, 3, 16 * p)), now=2.0)
     assert states[0].prefill_worker == "p0" and states[3].prefill_worker == ""
     assert "".join(states[1].text) == "abc" and states[1].finish_reason == "length"
     assert states[2].first_token_at == 1.0 and states[2].last_at == 2.0 and states[2].num_tokens == 3
+    assert states[2].itl == [0.5, 0.5]  # two tokens arrived together, 1 s after the first
     usage = total_usage(states, prompt_lengths=[10, 11])
     assert usage["prompt_tokens"] == 21 and usage["completion_tokens"] == 12 and usage["total_tokens"] == 33
     assert usage["prompt_tokens_details"] == {"cached_tokens": 16}

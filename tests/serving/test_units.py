@@ -54,7 +54,7 @@ def test_completion_bodies_and_logprob_offsets():
     assert choice["logprobs"] == {
         "tokens": ["<1>", "<2>"],
         "token_logprobs": [-0.1, -0.2],
-        "top_logprobs": [None, {"<2>": -0.2}],
+        "top_logprobs": [{"<1>": -0.1}, {"<2>": -0.2}],  # the chosen token is always among them
         "text_offset": [0, 3],
     }
     plain = ResponseBuilder("completion", "m", _text, want_logprobs=False).chunk(

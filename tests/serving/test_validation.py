@@ -39,7 +39,6 @@ def test_completion_defaults_and_fields():
         ({"model": "m", "prompt": ["a", 2]}, "prompt"),
         ({"model": "m", "prompt": [1, -2]}, "prompt"),
         ({"model": "m", "prompt": "x", "max_tokens": -1}, "max_tokens"),
-        ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"model": "m", "prompt": "x", "max_tokens": "ten"}, "max_tokens"),
         ({"model": "m", "prompt": "x", "max_tokens": 2.5}, "max_tokens"),
         ({"model": "m", "prompt": "x", "temperature": 3}, "temperature"),

@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN") and int(_env("MAX_MODEL_LEN")))
     p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", engine_args.default("block_size"))),
                    help="the workers' KV block size: prompts are hashed per block for prefix-aware routing")  # fmt: skip
+    p.add_argument("--tool-call-parser", default=_env("TOOL_CALL_PARSER"), choices=["llama3_json", "hermes"],
+                   help="the model family's tool-call format, parsed for tool_choice 'auto' (as vLLM's flag)")  # fmt: skip
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
 
 
@@ -121,6 +123,7 @@ def build_router(args):
         api_keys=api_keys(args),
         max_queue=args.max_queue,
         max_choices=choices,
+        tool_call_parser=args.tool_call_parser,
     )
     return Router(config, tokenizer, pool, lookup)
 

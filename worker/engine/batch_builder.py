@@ -3,15 +3,25 @@ the model runner moves the batch to its device)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from disagg.worker.engine.prompt_logprobs import PromptSpan
 from disagg.worker.engine.scheduler import SchedulerOutput
 from disagg.worker.model.forward_batch import ForwardBatch
 
 
-def build_batch(out: SchedulerOutput, block_size: int) -> ForwardBatch:
+def build_batch(
+    out: SchedulerOutput, block_size: int, prompt_spans: Sequence[PromptSpan] = ()
+) -> ForwardBatch:
+    """The step's batch; its logits rows are the sampling chunks' last tokens, in chunk order, then
+    the rows of `prompt_spans` (prefill steps only), in span order."""
     one_each = not out.is_prefill and all(c.num_tokens == 1 for c in out.chunks)
-    return build_decode(out, block_size) if one_each else build_packed(out, block_size)
+    if one_each:
+        assert not prompt_spans, "prompt logprobs are computed in prefill steps"
+        return build_decode(out, block_size)
+    return build_packed(out, block_size, prompt_spans)
 
 
 def build_decode(out: SchedulerOutput, block_size: int) -> ForwardBatch:
@@ -36,7 +46,9 @@ def build_decode(out: SchedulerOutput, block_size: int) -> ForwardBatch:
     )
 
 
-def build_packed(out: SchedulerOutput, block_size: int) -> ForwardBatch:
+def build_packed(
+    out: SchedulerOutput, block_size: int, prompt_spans: Sequence[PromptSpan] = ()
+) -> ForwardBatch:
     bs = block_size
     chunks = out.chunks
     ids: list[int] = []
@@ -59,6 +71,9 @@ def build_packed(out: SchedulerOutput, block_size: int) -> ForwardBatch:
         cu.append(cu[-1] + c.num_tokens)
         if c.samples:
             logits_rows.append(cu[-1] - 1)
+    for span in prompt_spans:
+        row0 = cu[span.chunk_index] - chunks[span.chunk_index].start
+        logits_rows.extend(range(row0 + span.first, row0 + span.end))
     width = max(len(c.request.block_ids) for c in chunks)
     table = torch.zeros(len(chunks), width, dtype=torch.int32)
     for b, c in enumerate(chunks):

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from disagg.worker.engine import prompt_logprobs
 from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.batch_builder import build_batch
 from disagg.worker.engine.block_manager import BlockManager
@@ -37,6 +38,7 @@ from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.engine.sampler import Sampler
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.engine.scheduler import Scheduler, SchedulerOutput
+from disagg.worker.engine.structured_output import Grammars
 from disagg.worker.model.runner import ModelRunner, plan_num_blocks
 
 log = logging.getLogger(__name__)
@@ -128,6 +130,7 @@ class LLMEngine:
             cuda_graphs=args.cuda_graphs,
         )
         self.sampler = Sampler()
+        self.grammars: Grammars | None = None
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(args.seed)
         # what the current (or last) step computes; read by layer hooks
@@ -223,6 +226,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             generator=generator,
         )
+        if params.structured_output is not None:
+            req.grammar = self._grammars().matcher(params.structured_output)
         if self.tokenizer is not None:
             from disagg.worker.engine.detokenizer import IncrementalDetokenizer
 
@@ -230,6 +235,16 @@ class LLMEngine:
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens
             )
         return req
+
+    def _grammars(self) -> Grammars:
+        """The grammar compiler, built on first use (it reads the whole vocabulary)."""
+        if self.grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the engine's tokenizer")
+            self.grammars = Grammars(
+                self.tokenizer.backend.to_str(), self.config.vocab_size, sorted(self.eos_token_ids)
+            )
+        return self.grammars
 
     def add_request(
         self,
@@ -281,10 +296,15 @@ class LLMEngine:
         return Reservation(blocks, req.num_cached_tokens // self.block_size)
 
     def commit_remote_prefill(
-        self, request_id: str, first_token: int, first_logprob: TokenLogprob | None = None
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprob: TokenLogprob | None = None,
+        prompt_logprobs: Sequence[TokenLogprob | None] | None = None,
     ) -> RequestOutput:
-        """The reserved request's prompt K/V is in place: decode from `first_token` on.
-        Returns the output for the first token (already finished if it ends the request)."""
+        """The reserved request's prompt K/V is in place: decode from `first_token` on (with the
+        prompt logprobs the prefill side computed, when asked for). Returns the output for the
+        first token (already finished if it ends the request)."""
         req = self.requests.get(request_id)
         if req is None or req.status != RequestStatus.RESERVED:
             raise KeyError(f"no reserved request {request_id!r}")
@@ -293,6 +313,8 @@ class LLMEngine:
                 f"first_token {first_token} is outside the vocabulary [0, {self.config.vocab_size})"
             )
         self.scheduler.commit_reserved(req)
+        if prompt_logprobs is not None:
+            req.prompt_logprobs = list(prompt_logprobs)
         if req.generator is not None:
             # the prefill side drew the first token from this seed: skip that draw so a seeded
             # request continues exactly as it would have on one worker
@@ -308,9 +330,13 @@ class LLMEngine:
         self.scheduled = out
         if out is None:
             return []
-        logits = self.runner.forward(build_batch(out, self.block_size), layer_hook)
+        spans = prompt_logprobs.plan(out)
+        logits = self.runner.forward(build_batch(out, self.block_size, spans), layer_hook)
         self.scheduler.advance(out)
         reqs = [c.request for c in out.chunks if c.samples]
+        if spans:
+            prompt_logprobs.record(logits[len(reqs) :], spans)
+            logits = logits[: len(reqs)]
         if not reqs:
             return []
         sampled = self.sampler(logits, reqs)
@@ -321,6 +347,9 @@ class LLMEngine:
 
     def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         req.output_token_ids.append(token)
+        if req.grammar is not None and not req.grammar.consume_token(token):
+            log.warning("request %s: token %d is outside its grammar: %s", req.request_id, token,
+                        req.grammar.get_error())  # fmt: skip
         if logprob is not None:
             req.logprobs.append(logprob)
         text_before = len(req.text)
@@ -411,4 +440,5 @@ class LLMEngine:
             new_text=new_text,
             new_logprobs=new_lp,
             num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
         )

@@ -45,6 +45,8 @@ class RequestOutput:
     new_text: str = ""
     new_logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
+    # when asked for: one per prompt token (None for the first, which has no context)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -43,10 +43,13 @@ class Request:
     prefill_only: bool = False
     eos_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
+    grammar: object | None = None  # the structured output matcher (llguidance), fed every output token
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # one entry per prompt token once prefilled (None for the first), when params ask for them
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
@@ -80,6 +83,11 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are still missing."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

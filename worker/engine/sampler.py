@@ -2,8 +2,8 @@
 
 Order of processing (as vLLM and transformers do): penalties on the raw logits
 (repetition over prompt + output, presence/frequency over the output), EOS/stop ids masked
-until `min_tokens`, then either argmax (greedy: exactly `torch.argmax`, so it matches
-transformers) or temperature, top-k, top-p, min-p and a draw from the request's own
+until `min_tokens`, tokens a structured output grammar forbids masked (`structured_output.py`),
+then either argmax (greedy: exactly `torch.argmax`, so it matches transformers) or temperature, top-k, top-p, min-p and a draw from the request's own
 generator. A request's generator only advances on its own draws, so a seeded request samples
 the same tokens whatever else shares its batch. Logprobs come from the final distribution
 (for greedy rows: the penalised logits at temperature 1).
@@ -18,6 +18,7 @@ import torch
 
 from disagg.worker.engine.outputs import TokenLogprob
 from disagg.worker.engine.request import Request
+from disagg.worker.engine.structured_output import apply_bitmask, fill_bitmasks
 
 
 @dataclass
@@ -104,10 +105,17 @@ class Sampler:
             or r.num_output_tokens < r.params.min_tokens
             for r in reqs
         )
-        if needs_edit:
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:
+            # the grammars' masks are computed (in parallel threads) before the logits are copied
+            bitmask = fill_bitmasks([reqs[i].grammar for i in constrained], logits.shape[-1])
+        if needs_edit or constrained:
             logits = logits.clone()
             apply_penalties(logits, reqs)
             mask_until_min_tokens(logits, reqs)
+            if constrained:
+                apply_bitmask(logits, constrained, bitmask)
+            needs_edit = True
 
         n = len(reqs)
         if not needs_edit and all(r.params.greedy and r.params.logprobs is None for r in reqs):

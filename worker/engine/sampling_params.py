@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from disagg.worker.engine.structured_output_params import StructuredOutputParams
+
 _EPS = 1e-5
 
 
@@ -24,9 +26,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: chosen only)
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (0: the prompt token only)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_output: StructuredOutputParams | None = None  # a grammar the output must match
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -96,7 +99,17 @@ class SamplingParams:
             "logprobs",
             "in [0, 20]",
         )
-        need(self.prompt_logprobs is None, "prompt_logprobs", "None (prompt logprobs are not supported)")
+        need(
+            self.structured_output is None or isinstance(self.structured_output, StructuredOutputParams),
+            "structured_output",
+            "None or a StructuredOutputParams",
+        )
+        need(
+            self.prompt_logprobs is None
+            or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+            "prompt_logprobs",
+            "in [0, 20]",
+        )
 
     @property
     def greedy(self) -> bool:

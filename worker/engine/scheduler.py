@@ -201,8 +201,9 @@ class Scheduler:
         chunk length, or 0 (nothing taken) when its blocks do not fit now."""
         bs = self.block_size
         hashes = req.update_block_hashes(bs)
-        # the last token is always computed: its logits give the next token
-        max_hit = (req.num_tokens - 1) // bs
+        # the last token is always computed: its logits give the next token; prompt logprobs need
+        # the logits of every prompt position, so such a request takes nothing from the cache
+        max_hit = 0 if req.needs_prompt_logprobs else (req.num_tokens - 1) // bs
         hits = self.bm.lookup(hashes[:max_hit])
         self.bm.acquire(hits)
         num_cached = len(hits) * bs

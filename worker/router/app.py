@@ -23,9 +23,11 @@ from aiohttp import web
 from disagg.proto import worker_pb2
 from disagg.worker.engine.block_hash import block_hashes
 from disagg.worker.router.errors import APIError, invalid
-from disagg.worker.router.fanout import ChoiceState, plan_choices, total_usage
+from disagg.worker.router.fanout import ChoiceState, Echo, plan_choices, total_usage
 from disagg.worker.router.openai_format import SSE_DONE, ResponseBuilder, sse
 from disagg.worker.router.policy import WorkerView, choose_decode, rank_prefill
+from disagg.worker.router.tools import ToolCalls
+from disagg.worker.router.unsupported import unsupported_endpoint
 from disagg.worker.router.validation import (
     GenerationSpec,
     check_choice_count,
@@ -34,6 +36,7 @@ from disagg.worker.router.validation import (
     parse_completion,
 )
 from disagg.worker.router.workers import WorkerPool
+from disagg.worker.serving.convert import structured_output_to_proto
 from disagg.worker.serving.metrics import CONTENT_TYPE, ServingMetrics
 
 log = logging.getLogger("disagg.router")
@@ -49,6 +52,7 @@ class RouterConfig:
     max_choices: int = 64  # generations one request may fan out to (n x prompts)
     prefill_candidates: int = 2  # the first is tried, the next one on failure
     request_timeout: float = 600.0
+    tool_call_parser: str | None = None  # how `tool_choice: auto` finds calls (router/tool_parsers.py)
 
 
 @dataclass
@@ -78,6 +82,7 @@ class Router:
         self.prefix_lookup = prefix_lookup
         self.metrics = metrics or ServingMetrics("router", config.model_name)
         self.inflight = 0
+        self.created = int(time.time())  # the model card's `created`: when this router started serving it
         self._prefix_warned = False
         self._token_text_cache: dict[int, str] = {}
 
@@ -89,6 +94,7 @@ class Router:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_route("*", "/v1/{endpoint:.*}", unsupported_endpoint)  # after every served route
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -128,7 +134,12 @@ class Router:
 
     async def models(self, request: web.Request) -> web.Response:
         self._check_key(request)
-        card = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "disagg"}
+        card = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "disagg",
+        }
         return web.json_response({"object": "list", "data": [card]})
 
     async def health(self, _request: web.Request) -> web.Response:
@@ -162,7 +173,10 @@ class Router:
     def _tokenize(self, spec: GenerationSpec, prompt_index: int) -> list[int]:
         if spec.kind == "chat":
             try:
-                text = self.tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True)
+                tools = spec.tools.tools if spec.tools is not None else None
+                text = self.tokenizer.apply_chat_template(
+                    spec.messages, add_generation_prompt=True, tools=tools
+                )
             except Exception as e:  # template errors (raise_exception in the template) are the caller's
                 raise invalid("messages", f"the chat template rejected the messages: {e}") from e
             return self.tokenizer.encode(text, add_special_tokens=False)
@@ -209,11 +223,16 @@ class Router:
             stop_token_ids=s.stop_token_ids,
             ignore_eos=s.ignore_eos,
             skip_special_tokens=s.skip_special_tokens,
+            include_stop_str_in_output=s.include_stop_str_in_output,
         )
         if seed is not None:
             p.seed = seed
         if s.logprobs is not None:
             p.logprobs = s.logprobs
+        if s.prompt_logprobs is not None:
+            p.prompt_logprobs = s.prompt_logprobs
+        if s.structured_output is not None:
+            p.structured_output.CopyFrom(structured_output_to_proto(s.structured_output))
         return p
 
     def token_text(self, token_id: int) -> str:
@@ -241,7 +260,10 @@ class Router:
         hashes = [block_hashes(ids, self.config.block_size) for ids in prompts]
         matches = await asyncio.gather(*(self._prefix_match(h) for h in hashes))
         base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        builder = ResponseBuilder(spec.kind, spec.model, self.token_text, spec.sampling.logprobs is not None)
+        tools = ToolCalls(spec.tools, self.config.tool_call_parser) if spec.tools is not None else None
+        builder = ResponseBuilder(
+            spec.kind, spec.model, self.token_text, spec.sampling.logprobs is not None, tools
+        )
         choices: list[_Choice] = []
         self.inflight += len(plans)
         try:
@@ -264,7 +286,10 @@ class Router:
                     prefill_targets=targets,
                 )
                 self.pool.begin(decode.worker_id)
-                choices.append(_Choice(ChoiceState(plan), req, decode, [decode], len(hashes[p]), matches[p]))
+                state = ChoiceState(
+                    plan, self._echo(spec, p, prompts[p]), score_only=spec.sampling.max_tokens == 0
+                )
+                choices.append(_Choice(state, req, decode, [decode], len(hashes[p]), matches[p]))
             if spec.stream:
                 return await self._stream(request, spec, choices, builder, arrival)
             return await self._unary(choices, builder, [len(ids) for ids in prompts], arrival)
@@ -273,6 +298,13 @@ class Router:
             for c in choices:
                 for d in c.used:
                     self.pool.end(d.worker_id)
+
+    def _echo(self, spec: GenerationSpec, prompt_index: int, ids: list[int]) -> Echo | None:
+        if not spec.echo:
+            return None
+        prompt = spec.prompts[prompt_index]
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids, skip_special_tokens=False)
+        return Echo(text, ids[0])
 
     def _fit(self, spec: GenerationSpec, prompt_index: int, prompt_tokens: int) -> int:
         try:
@@ -381,11 +413,13 @@ class Router:
         return None
 
     def _record(self, arrival: float, state: ChoiceState, finish: str) -> None:
-        first, n = state.first_token_at, state.num_tokens
-        if first is not None:
-            self.metrics.ttft.observe(first - arrival)
-            if n > 1:
-                self.metrics.itl.observe((state.last_at - first) / (n - 1))
+        """One generation as its client saw it: TTFT, each later token's gap, its tokens."""
+        if state.first_token_at is not None:
+            self.metrics.ttft.observe(state.first_token_at - arrival)
+        for gap in state.itl:
+            self.metrics.itl.observe(gap)
+        self.metrics.prompt_tokens.inc(state.prompt_tokens or 0)
+        self.metrics.generation_tokens.inc(state.output_tokens)
         self.metrics.e2e.observe((state.last_at or time.monotonic()) - arrival)
         self.metrics.request_finished(finish)
 
@@ -411,7 +445,9 @@ class Router:
         states = [c.state for c in choices]
         body = builder.response(
             [
-                builder.choice(s.plan.index, "".join(s.text), s.logprobs, s.finish_reason or "stop")
+                builder.choice(
+                    s.plan.index, s.response_text(), s.response_logprobs(), s.finish_reason or "stop"
+                )
                 for s in states
             ],
             total_usage(states, prompt_lengths),
@@ -466,13 +502,14 @@ class Router:
                     pending -= 1
                     self._record(arrival, c.state, c.state.finish_reason or "stop")
                     continue
-                lps = c.state.add(item, time.monotonic())
+                delta = c.state.add(item, time.monotonic())
                 # tokens whose text is held back (an incomplete UTF-8 character, a possible stop
                 # string) produce no chunk unless their logprobs were asked for
-                if item.text or item.finish_reason or (lps and builder.want_logprobs):
+                if delta.text or delta.finish_reason or (delta.logprobs and builder.want_logprobs):
                     chunk = builder.chunk(
-                        item.text, lps, item.finish_reason or None, spec.include_usage, c.state.plan.index
-                    )
+                        delta.text, delta.logprobs, delta.finish_reason or None, spec.include_usage,
+                        c.state.plan.index,
+                    )  # fmt: skip
                     await resp.write(sse(chunk))
             if error is not None:
                 await resp.write(sse(error.body()))

@@ -40,13 +40,37 @@ def plan_choices(num_prompts: int, n: int, seed: int | None) -> list[ChoicePlan]
     ]
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, repeated before its output (`echo`)."""
+
+    text: str
+    first_token_id: int  # has no logprob; the worker sends the prompt logprobs from the second on
+
+
+@dataclass
+class Delta:
+    """What one worker message adds to a choice's response (echo included)."""
+
+    text: str
+    logprobs: list[Logprob]
+    finish_reason: str
+
+
 @dataclass
 class ChoiceState:
-    """What one generation's worker stream has delivered so far."""
+    """What one generation's worker stream has delivered so far.
+
+    `score_only` (max_tokens=0): the worker still samples one token, since a prefill always does;
+    it is left out of the response and its usage, so only the prompt (with `echo`) is returned.
+    """
 
     plan: ChoicePlan
+    echo: Echo | None = None
+    score_only: bool = False
     text: list[str] = field(default_factory=list)
     logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)  # echo: the prompt's, first one null
     finish_reason: str = ""
     num_tokens: int = 0
     first_token_at: float | None = None
@@ -55,29 +79,59 @@ class ChoiceState:
     completion_tokens: int | None = None
     cached_tokens: int = 0
     prefill_worker: str = ""
+    itl: list[float] = field(default_factory=list)  # per output token after the first: its gap
+    _echoed: bool = False
+    _last_token_at: float = 0.0
 
-    def add(self, msg, now: float) -> list[Logprob]:
-        """Fold in one `GenerateResponse` (not an error); returns the logprobs it carried."""
+    def add(self, msg, now: float) -> Delta:
+        """Fold in one `GenerateResponse` (not an error); returns what it adds to the response."""
         if msg.HasField("served_by"):
             self.prefill_worker = msg.served_by.prefill_worker
         if msg.token_ids and self.first_token_at is None:
             self.first_token_at = now
+        elif msg.token_ids:
+            # tokens that arrive together share the gap since the previous ones
+            k = len(msg.token_ids)
+            self.itl.extend([(now - self._last_token_at) / k] * k)
+        if msg.token_ids:
+            self._last_token_at = now
         self.last_at = now
         self.num_tokens += len(msg.token_ids)
-        self.text.append(msg.text)
-        lps = [Logprob(x.token_id, x.logprob, [(t.token_id, t.logprob) for t in x.top]) for x in msg.logprobs]
+        lps = [_logprob(x) for x in msg.logprobs]
+        text = msg.text
+        if self.score_only:
+            text, lps = "", []
+        self.text.append(text)
         self.logprobs.extend(lps)
         if msg.finish_reason:
-            self.finish_reason = msg.finish_reason
+            self.finish_reason = "length" if self.score_only else msg.finish_reason
         if msg.HasField("usage"):
             self.prompt_tokens = msg.usage.prompt_tokens
-            self.completion_tokens = msg.usage.completion_tokens
+            self.completion_tokens = 0 if self.score_only else msg.usage.completion_tokens
             self.cached_tokens = msg.usage.cached_tokens
-        return lps
+        if self.echo is not None and not self._echoed:
+            self._echoed = True
+            if msg.prompt_logprobs:
+                first = Logprob(self.echo.first_token_id, None)
+                self.prompt_logprobs = [first, *(_logprob(x) for x in msg.prompt_logprobs)]
+            text, lps = self.echo.text + text, self.prompt_logprobs + lps
+        return Delta(text, lps, self.finish_reason if msg.finish_reason else "")
+
+    def response_text(self) -> str:
+        return (self.echo.text if self.echo else "") + "".join(self.text)
+
+    def response_logprobs(self) -> list[Logprob]:
+        return self.prompt_logprobs + self.logprobs
 
     @property
     def output_tokens(self) -> int:
+        if self.score_only:
+            return 0
         return self.completion_tokens if self.completion_tokens is not None else self.num_tokens
+
+
+def _logprob(x) -> Logprob:
+    return Logprob(x.token_id, x.logprob, [(t.token_id, t.logprob) for t in x.top])
 
 
 def total_usage(states: list[ChoiceState], prompt_lengths: list[int]) -> dict:

@@ -8,6 +8,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from disagg.worker.router.tools import ToolCalls
+
 
 def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -16,7 +18,7 @@ def new_id(kind: str) -> str:
 @dataclass
 class Logprob:
     token_id: int
-    logprob: float
+    logprob: float | None  # None: an echoed prompt's first token, which has no context
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
@@ -30,14 +32,19 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 
 
 def completion_logprobs(items: list[Logprob], token_text: Callable[[int], str], text_offset: int) -> dict:
-    """The legacy completions shape: parallel lists plus a dict of alternatives per position."""
+    """The legacy completions shape: parallel lists plus a dict of alternatives per position, which
+    always holds the chosen token too (as OpenAI's does; with logprobs=0 it is the only entry)."""
     tokens, lps, tops, offsets = [], [], [], []
     pos = text_offset
     for it in items:
         t = token_text(it.token_id)
         tokens.append(t)
         lps.append(it.logprob)
-        tops.append({token_text(tid): lp for tid, lp in it.top} if it.top else None)
+        top = None
+        if it.logprob is not None:
+            top = {token_text(tid): lp for tid, lp in it.top}
+            top.setdefault(t, it.logprob)
+        tops.append(top)
         offsets.append(pos)
         pos += len(t)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
@@ -52,15 +59,24 @@ def chat_logprobs(items: list[Logprob], token_text: Callable[[int], str]) -> dic
         "content": [
             {**entry(it.token_id, it.logprob), "top_logprobs": [entry(tid, lp) for tid, lp in it.top]}
             for it in items
-        ]
+        ],
+        "refusal": None,
     }
 
 
 class ResponseBuilder:
     """Builds the JSON objects of one request, streamed or not, for any number of choices."""
 
-    def __init__(self, kind: str, model: str, token_text: Callable[[int], str], want_logprobs: bool):
+    def __init__(
+        self,
+        kind: str,
+        model: str,
+        token_text: Callable[[int], str],
+        want_logprobs: bool,
+        tools: ToolCalls | None = None,
+    ):
         self.kind = kind
+        self.tools = tools  # chat with tools: calls parsed out of the text
         self.model = model
         self.id = new_id(kind)
         self.created = int(time.time())
@@ -97,9 +113,12 @@ class ResponseBuilder:
         offset = self._text_offset.get(index, 0)
         lp = self._logprobs(logprobs, offset)
         if self.kind == "chat":
-            delta: dict = {"content": text}
+            fields: dict = {}
+            if self.tools is not None:
+                text, fields, finish_reason = self.tools.stream(index, text, finish_reason)
+            delta: dict = {"content": text, **fields}
             if index not in self._sent_role:
-                delta = {"role": "assistant", "content": text}
+                delta = {"role": "assistant", **delta}
                 self._sent_role.add(index)
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
             body = self._envelope("chat.completion.chunk", [choice])
@@ -121,9 +140,12 @@ class ResponseBuilder:
     def choice(self, index: int, text: str, logprobs: list[Logprob], finish_reason: str) -> dict:
         lp = self._logprobs(logprobs, 0)
         if self.kind == "chat":
+            message = {"role": "assistant", "content": text, "refusal": None}
+            if self.tools is not None:
+                message, finish_reason = self.tools.message(text, finish_reason)
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": lp,
                 "finish_reason": finish_reason,
             }

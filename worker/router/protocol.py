@@ -11,7 +11,7 @@ OpenAI's API does.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -26,12 +26,18 @@ from pydantic import (
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the range of the seed on the wire
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
-# Accepted and deliberately not acted on.
+# Accepted and deliberately not acted on (README lists them too). Every other field OpenAI
+# defines is either acted on or refused with a 400 naming it.
 IGNORED_FIELDS = {
     "user": "an end-user identifier for the caller's own abuse monitoring; not used",
+    "safety_identifier": "as `user`: an identifier for the caller's abuse monitoring; not used",
     "messages[].name": "participant names are not rendered by the chat templates served here",
+    "metadata": "tags for stored completions; nothing is stored here",
+    "store": "only false (the default) is accepted: completions are never stored",
+    "service_tier": "one tier only: every request is served alike",
+    "prompt_cache_key": "prefix caching is automatic (block hashes), no key needed",
 }
 
 
@@ -75,6 +81,27 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Strict):
+    name: Text = Field(min_length=1, max_length=64)
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise _FieldError(
+                "response_format.json_schema.schema",
+                "'response_format' of type 'json_schema' needs its schema",
+            )
+        return self
+
+
 class TextPart(_Strict):
     type: str
     text: Text
@@ -87,10 +114,45 @@ class TextPart(_Strict):
         return v
 
 
+class FunctionDef(_Strict):
+    name: Text = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the parameters schema is enforced when the call is forced
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_Strict):
+    name: Text
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class ToolCall(_Strict):
+    id: Text
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: str
     content: Text | list[TextPart] | None = None
     name: Text | None = None  # see IGNORED_FIELDS
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message's answer to that call
+    function_call: ToolCallFunction | None = None  # legacy form of tool_calls
 
     @field_validator("role")
     @classmethod
@@ -103,6 +165,8 @@ class ChatMessage(_Strict):
     def _content_present(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError("'content' is required for this role")
+        if (self.tool_calls or self.function_call) and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool calls")
         return self
 
     def text(self) -> str:
@@ -135,6 +199,13 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, Any] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string in the text
+    # structured output: OpenAI's response_format, or one of vLLM's guided_* extras
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(None, min_length=1)
+    guided_grammar: Text | None = None
     user: Text | None = None  # see IGNORED_FIELDS
 
     @field_validator("seed")
@@ -197,7 +268,7 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: Any
-    max_tokens: Int = Field(16, ge=1)
+    max_tokens: Int = Field(16, ge=0)  # 0: score the prompt only (with echo and logprobs)
     logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: Text | None = None
@@ -217,6 +288,24 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[FunctionDef] | None = None  # legacy tools
+    function_call: Literal["none", "auto"] | FunctionName | None = None  # legacy tool_choice
+    # see IGNORED_FIELDS
+    safety_identifier: Text | None = None
+    metadata: dict[str, Text] | None = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: Text | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, v):
+        if v:
+            raise ValueError("'store' is not supported: this server does not store completions")
+        return v
 
     @model_validator(mode="after")
     def _logprobs(self):

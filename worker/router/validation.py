@@ -7,13 +7,16 @@ choices: `n` samples of each of its prompts (completions take a batch of prompts
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from disagg.worker.engine.structured_output_params import StructuredOutputParams, check
 from disagg.worker.router import protocol
 from disagg.worker.router.errors import APIError, invalid
+from disagg.worker.router.tools import ToolSpec, tool_spec
 
 
 @dataclass
@@ -32,7 +35,10 @@ class SamplingSpec:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k alternatives per token; None = no logprobs at all
+    prompt_logprobs: int | None = None  # the same for every prompt token (completions' echo)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    structured_output: StructuredOutputParams | None = None
 
 
 @dataclass
@@ -45,6 +51,7 @@ class GenerationSpec:
     n: int = 1  # samples per prompt
     prompts: list[str | list[int]] = field(default_factory=list)  # completion: texts or token ids
     messages: list[dict] | None = None  # chat, content flattened to text
+    tools: ToolSpec | None = None  # chat: tools, tool_choice (or the legacy functions)
     echo: bool = False
     user: str | None = None
 
@@ -98,9 +105,11 @@ _BOUNDS = {
 _FIELDS = {
     name
     for model in (protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.ChatMessage,
-                  protocol.TextPart, protocol.StreamOptions)
+                  protocol.TextPart, protocol.StreamOptions, protocol.ResponseFormat, protocol.JSONSchemaFormat,
+                  protocol.Tool, protocol.FunctionDef, protocol.NamedToolChoice, protocol.FunctionName,
+                  protocol.ToolCall, protocol.ToolCallFunction)
     for name in model.model_fields
-}  # fmt: skip
+} | {"schema"}  # fmt: skip
 
 
 def _field_path(loc: tuple) -> list:
@@ -143,16 +152,61 @@ def _sampling(req: protocol._Sampling, max_tokens: int | None, logprobs: int | N
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        structured_output=_structured_output(req),
     )
+
+
+def _structured_output(req: protocol._Sampling) -> StructuredOutputParams | None:
+    """The grammar a request asks for (at most one way), checked here so that an invalid schema or
+    regex is a 400 naming its field rather than a worker error."""
+    asked: list[tuple[str, StructuredOutputParams]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        asked.append(("response_format", StructuredOutputParams(json_object=True)))
+    elif rf is not None and rf.type == "json_schema":
+        schema = json.dumps(rf.json_schema.schema_)
+        asked.append(("response_format.json_schema.schema", StructuredOutputParams(json=schema)))
+    if req.guided_json is not None:
+        schema = req.guided_json
+        if isinstance(schema, str):
+            try:
+                json.loads(schema)
+            except ValueError as e:
+                raise invalid("guided_json", f"'guided_json' is not valid JSON: {e}") from None
+        else:
+            schema = json.dumps(schema)
+        asked.append(("guided_json", StructuredOutputParams(json=schema)))
+    if req.guided_regex is not None:
+        asked.append(("guided_regex", StructuredOutputParams(regex=req.guided_regex)))
+    if req.guided_choice is not None:
+        asked.append(("guided_choice", StructuredOutputParams(choice=tuple(req.guided_choice))))
+    if req.guided_grammar is not None:
+        asked.append(("guided_grammar", StructuredOutputParams(grammar=req.guided_grammar)))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        names = ", ".join(f"'{name.split('.')[0]}'" for name, _ in asked)
+        raise invalid(
+            asked[1][0].split(".")[0], f"only one structured output constraint is allowed, got {names}"
+        )
+    param, so = asked[0]
+    error = check(so)
+    if error is not None:
+        raise invalid(param, f"'{param}' is invalid: {error.strip()}")
+    return so
 
 
 def parse_completion(body: Any) -> GenerationSpec:
     """A completion request (raw JSON bytes, or the decoded object) -> its `GenerationSpec`."""
     req = _parse(protocol.CompletionRequest, body)
+    sampling = _sampling(req, req.max_tokens, req.logprobs)
+    if req.echo and req.logprobs is not None:
+        sampling.prompt_logprobs = req.logprobs
     return GenerationSpec(
         kind="completion",
         model=req.model,
-        sampling=_sampling(req, req.max_tokens, req.logprobs),
+        sampling=sampling,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         n=req.n,
@@ -165,16 +219,59 @@ def parse_completion(body: Any) -> GenerationSpec:
 def parse_chat(body: Any) -> GenerationSpec:
     """A chat request (raw JSON bytes, or the decoded object) -> its `GenerationSpec`."""
     req = _parse(protocol.ChatCompletionRequest, body)
+    sampling = _sampling(req, req.max_output_tokens(), (req.top_logprobs or 0) if req.logprobs else None)
+    tools = tool_spec(req)
+    forced = tools.structured_output() if tools is not None else None
+    if forced is not None:
+        if sampling.structured_output is not None:
+            raise invalid(
+                "tool_choice", "a forced tool call cannot be combined with another structured output"
+            )
+        sampling.structured_output = forced
     return GenerationSpec(
         kind="chat",
         model=req.model,
-        sampling=_sampling(req, req.max_output_tokens(), (req.top_logprobs or 0) if req.logprobs else None),
+        sampling=sampling,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         n=req.n,
-        messages=[{"role": m.role, "content": m.text()} for m in req.messages],
+        messages=[_message(m) for m in req.messages],
+        tools=tools,
         user=req.user,
     )
+
+
+def _message(m: protocol.ChatMessage) -> dict:
+    """A chat message as the templates take it: content as text, earlier tool calls' arguments as
+    objects (templates serialize them), the legacy function_call as a tool call."""
+    out: dict = {"role": _ROLES.get(m.role, m.role), "content": m.text()}
+    calls = list(m.tool_calls or [])
+    if m.function_call is not None:
+        calls.append(protocol.ToolCall(id="call_0", type="function", function=m.function_call))
+    if calls:
+        out["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.function.name, "arguments": _arguments(c)},
+            }
+            for c in calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _arguments(call: protocol.ToolCall):
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments  # not JSON: the template gets the text
+
+
+# OpenAI's `developer` messages are what chat templates call `system` (as OpenAI maps them for
+# models without a developer role)
+_ROLES = {"developer": "system", "function": "tool"}
 
 
 def fit_to_context(sampling: SamplingSpec, prompt_tokens: int, max_model_len: int, kind: str) -> int:
@@ -190,6 +287,9 @@ def fit_to_context(sampling: SamplingSpec, prompt_tokens: int, max_model_len: in
         )
     if sampling.max_tokens is None:
         return max_model_len - prompt_tokens
+    if sampling.max_tokens == 0:
+        # scoring: a prefill always samples a token; the router leaves it out of the response
+        return 1
     if prompt_tokens + sampling.max_tokens > max_model_len:
         raise APIError(
             400,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from disagg.proto import worker_pb2 as pb
 from disagg.worker.engine.outputs import TokenLogprob
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.engine.structured_output_params import StructuredOutputParams
 
 
 def sampling_params(p: pb.SamplingParams, *, prefill_only: bool = False) -> SamplingParams:
@@ -38,8 +39,39 @@ def sampling_params(p: pb.SamplingParams, *, prefill_only: bool = False) -> Samp
         stop_token_ids=stop_ids,
         ignore_eos=ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         skip_special_tokens=p.skip_special_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        # P constrains the first token with it too: it is the one token P samples
+        structured_output=structured_output_from_proto(p.structured_output)
+        if p.HasField("structured_output")
+        else None,
     )
+
+
+def structured_output_to_proto(so: StructuredOutputParams) -> pb.StructuredOutput:
+    if so.json is not None:
+        return pb.StructuredOutput(json_schema=so.json)
+    if so.json_object:
+        return pb.StructuredOutput(json_object=True)
+    if so.regex is not None:
+        return pb.StructuredOutput(regex=so.regex)
+    if so.choice is not None:
+        return pb.StructuredOutput(choice=pb.StructuredOutput.Choices(values=so.choice))
+    return pb.StructuredOutput(grammar=so.grammar)
+
+
+def structured_output_from_proto(m: pb.StructuredOutput) -> StructuredOutputParams:
+    kind = m.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_output names no grammar")
+    if kind == "json_schema":
+        return StructuredOutputParams(json=m.json_schema)
+    if kind == "json_object":
+        return StructuredOutputParams(json_object=True)
+    if kind == "choice":
+        return StructuredOutputParams(choice=tuple(m.choice.values))
+    return StructuredOutputParams(**{kind: getattr(m, kind)})
 
 
 def logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:
@@ -52,6 +84,15 @@ def logprob_to_proto(lp: TokenLogprob) -> pb.TokenLogprob:
 
 def logprob_from_proto(lp: pb.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(lp.token_id, lp.logprob, {t.token_id: t.logprob for t in lp.top})
+
+
+def prompt_logprobs_to_proto(lps: list[TokenLogprob | None]) -> list[pb.TokenLogprob]:
+    """The wire form drops the first prompt token's entry, which is always None."""
+    return [logprob_to_proto(lp) for lp in lps[1:]]
+
+
+def prompt_logprobs_from_proto(lps) -> list[TokenLogprob | None]:
+    return [None, *(logprob_from_proto(lp) for lp in lps)]
 
 
 def error(code: str, message: str) -> pb.Error:

@@ -36,6 +36,7 @@ class PrefillJob:
     done: Callable[[dict], None]  # called once with the result (first token or error)
     token_id: int = -1
     logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int = 0
     handles: list = field(default_factory=list)
     layers_sent: int = 0
@@ -163,11 +164,17 @@ class WorkerCore:
             del self.kv_waits[transfer_id]
             self.transport.forget(transfer_id)
 
-    def on_loop_commit(self, request_id: str, token_id: int, logprob: TokenLogprob | None) -> bool:
+    def on_loop_commit(
+        self,
+        request_id: str,
+        token_id: int,
+        logprob: TokenLogprob | None,
+        prompt_logprobs: list[TokenLogprob | None] | None = None,
+    ) -> bool:
         if request_id not in self.reserved:
             return False  # aborted meanwhile (client gone): the abort freed the blocks
         self.reserved.discard(request_id)
-        self._dispatch(self.engine.commit_remote_prefill(request_id, token_id, logprob))
+        self._dispatch(self.engine.commit_remote_prefill(request_id, token_id, logprob, prompt_logprobs))
         return True
 
     def poll_receiver(self) -> bool:
@@ -220,6 +227,7 @@ class WorkerCore:
         comp = out.outputs[0]
         job.token_id = comp.token_ids[0]
         job.logprob = comp.logprobs[0] if comp.logprobs else None
+        job.prompt_logprobs = out.prompt_logprobs
         job.cached_tokens = out.num_cached_tokens
         job.state = "sending"  # from here on the blocks are pinned until `release`
         try:
@@ -273,6 +281,7 @@ class WorkerCore:
                     {
                         "token_id": job.token_id,
                         "logprob": job.logprob,
+                        "prompt_logprobs": job.prompt_logprobs,
                         "cached_tokens": job.cached_tokens,
                         "kv_bytes": nbytes,
                         "seconds": time.monotonic() - job.started,

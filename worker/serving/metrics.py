@@ -112,7 +112,11 @@ def _families(registry: CollectorRegistry) -> _Families:
 
 
 class ServingMetrics:
-    """The metric families bound to one process's role and model."""
+    """The metric families bound to one process's role and model.
+
+    A router has no engine: it publishes no queue, running, KV or prefill-retry series (they
+    would read 0 forever); its latencies and token counts are what its clients saw.
+    """
 
     def __init__(self, role: str, model: str, registry: CollectorRegistry | None = None):
         self.registry = registry or REGISTRY
@@ -123,18 +127,19 @@ class ServingMetrics:
         self.ttft = f.ttft.labels(**lab)
         self.itl = f.itl.labels(**lab)
         self.e2e = f.e2e.labels(**lab)
-        self.queue_time = f.queue_time.labels(**lab)
         self.prompt_tokens = f.prompt_tokens.labels(**lab)
         self.generation_tokens = f.generation_tokens.labels(**lab)
         self.prefix_hits = f.prefix_hits.labels(**lab)
         self.prefix_queries = f.prefix_queries.labels(**lab)
-        self.running = f.running.labels(**lab)
-        self.waiting = f.waiting.labels(**lab)
-        self.kv_usage = f.kv_usage.labels(**lab)
-        self.kv_free = f.kv_free.labels(**lab)
-        self.kv_used = f.kv_used.labels(**lab)
         self.prefix_routing_unavailable = f.prefix_routing_disabled.labels(**lab)
-        self.prefill_retries = f.prefill_retries.labels(**lab)
+        if role != "router":
+            self.queue_time = f.queue_time.labels(**lab)
+            self.running = f.running.labels(**lab)
+            self.waiting = f.waiting.labels(**lab)
+            self.kv_usage = f.kv_usage.labels(**lab)
+            self.kv_free = f.kv_free.labels(**lab)
+            self.kv_used = f.kv_used.labels(**lab)
+            self.prefill_retries = f.prefill_retries.labels(**lab)
         self._requests = f.requests
         self._decisions = f.decisions
         self._rejected = f.rejected

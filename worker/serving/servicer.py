@@ -18,7 +18,14 @@ import grpc
 from disagg.proto import worker_pb2 as pb
 from disagg.proto import worker_pb2_grpc as pb_grpc
 from disagg.worker.engine.block_manager import NoFreeBlocksError
-from disagg.worker.serving.convert import error, logprob_from_proto, logprob_to_proto, sampling_params
+from disagg.worker.serving.convert import (
+    error,
+    logprob_from_proto,
+    logprob_to_proto,
+    prompt_logprobs_from_proto,
+    prompt_logprobs_to_proto,
+    sampling_params,
+)
 from disagg.worker.serving.core import PrefillJob, WorkerCore
 from disagg.worker.serving.disagg_policy import should_disaggregate
 from disagg.worker.serving.engine_loop import EngineLoop
@@ -175,6 +182,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                     self.metrics.generation_tokens.inc(len(out.new_token_ids))
                 if first:
                     msg.served_by.CopyFrom(served)
+                    if out.prompt_logprobs is not None:
+                        msg.prompt_logprobs.extend(prompt_logprobs_to_proto(out.prompt_logprobs))
                     first = False
                 if out.finished:
                     finished = True
@@ -297,7 +306,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         finally:
             renew.cancel()
         lp = logprob_from_proto(resp.first_token) if request.params.HasField("logprobs") else None
-        committed = await self._call(self.core.on_loop_commit, rid, resp.first_token.token_id, lp)
+        prompt_lps = None
+        if request.params.HasField("prompt_logprobs"):
+            prompt_lps = prompt_logprobs_from_proto(resp.prompt_logprobs)
+        committed = await self._call(self.core.on_loop_commit, rid, resp.first_token.token_id, lp, prompt_lps)
         if not committed:
             raise RequestGone(rid)  # aborted while the KV was moving
 
@@ -378,6 +390,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         if r["logprob"] is not None:
             first = logprob_to_proto(r["logprob"])
         return pb.PrefillResponse(
+            prompt_logprobs=prompt_logprobs_to_proto(r["prompt_logprobs"] or []),
             first_token=first,
             prompt_tokens=n,
             cached_tokens=r["cached_tokens"],

@@ -21,7 +21,9 @@ HEADER_END = "<|end_header_id|>"
 SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, HEADER_START, HEADER_END, EOT_TOKEN]
 
 # Llama-3 shaped: a header per message, <|eot_id|> closes each turn. Tools, when given, are
-# listed as JSON in a system turn of their own so a model can be prompted with them.
+# listed as JSON in a system turn of their own so a model can be prompted with them; an
+# assistant's earlier calls are written as Llama 3.1 writes them ({"name", "parameters"}, `; `
+# between calls), and tool results are ordinary turns of the `tool` role.
 CHAT_TEMPLATE = (
     "{{- bos_token }}"
     "{%- if tools %}"
@@ -34,7 +36,14 @@ CHAT_TEMPLATE = (
     "{{- raise_exception('unknown role: ' + message['role']) }}"
     "{%- endif %}"
     "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
-    "{{- message['content'] | trim }}"
+    "{%- if message.get('tool_calls') %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{{- {'name': call['function']['name'], 'parameters': call['function']['arguments']} | tojson }}"
+    "{%- if not loop.last %}{{- '; ' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- else %}"
+    "{{- (message['content'] or '') | trim }}"
+    "{%- endif %}"
     "{{- '<|eot_id|>' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
