@@ -306,6 +306,22 @@ class WorkerCore:
             return True
         return self.on_loop_abort(transfer_or_request_id)
 
+    def on_loop_fail_all(self, error: BaseException) -> None:
+        """The engine is unusable: every request this worker holds ends now, with `error`."""
+        reason = str(error)
+        for job in list(self.prefills.values()):
+            self.prefills.pop(job.engine_id, None)
+            self.sinks.pop(job.engine_id, None)
+            job.state = "released"
+            job.done({"error": ("engine_failed", reason)})
+        for tid, waiter in list(self.kv_waits.items()):
+            del self.kv_waits[tid]
+            waiter.done(reason)
+        sinks, self.sinks = list(self.sinks.values()), {}
+        self.reserved.clear()
+        for sink in sinks:
+            sink(error)
+
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> None:
         hook = self._layer_hook if any(j.state == "prefilling" for j in self.prefills.values()) else None
