@@ -133,7 +133,7 @@ class WorkerCore:
     def on_loop_cached_tokens(self, prompt_ids: list[int]) -> int:
         """Leading prompt tokens this worker's prefix cache holds (what a local prefill would skip)."""
         hashes = block_hashes(prompt_ids, self.block_size)
-        return len(self.engine.block_manager.lookup(hashes)) * self.block_size
+        return len(self.engine.block_manager.lookup(hashes, prompt_ids)) * self.block_size
 
     def on_loop_evicted(self, hashes: list[int]) -> list[int]:
         """Which of `hashes` the prefix cache no longer holds (their blocks were reused)."""
