@@ -65,6 +65,11 @@ def _build_transport(cfg: WorkerConfig, engine, address: str):
 
     layout = KVLayout.from_tensor(engine.kv_cache, cfg.model_name)
     options = {}
+    if cfg.kv_transfer == "nixl":
+        from disagg.worker.kv_transfer.nixl_transport import restrict_ucx_to
+
+        # UCX would otherwise listen on every interface, whatever --host says
+        restrict_ucx_to(cfg.host)
     if cfg.kv_transfer == "grpc":
         options = {"advertise_address": address, "connect": cfg.auth.channel, "wrap_stub": cfg.auth.wrap}
     return create_transport(cfg.kv_transfer, engine.kv_cache, layout, cfg.worker_id, **options)
