@@ -95,7 +95,9 @@ def test_refuses_to_overwrite_unless_forced(tmp_path, capsys):
 
 
 def test_bad_arguments(tmp_path):
-    with pytest.raises(ValueError, match="preset must be one of tiny, tiny-trained, tiny-trained-draft, small, got 'huge'"):
+    with pytest.raises(
+        ValueError, match="preset must be one of tiny, tiny-trained, tiny-trained-draft, small, got 'huge'"
+    ):
         make_model(tmp_path / "x", preset="huge")
     with pytest.raises(ValueError, match="dtype must be one of"):
         make_model(tmp_path / "x", dtype="int4")

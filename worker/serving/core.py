@@ -134,7 +134,7 @@ class WorkerCore:
     def on_loop_cached_tokens(self, prompt_ids: list[int]) -> int:
         """Leading prompt tokens this worker's prefix cache holds (what a local prefill would skip)."""
         hashes = block_hashes(prompt_ids, self.block_size)
-        return len(self.engine.block_manager.lookup(hashes)) * self.block_size
+        return len(self.engine.block_manager.lookup(hashes, prompt_ids)) * self.block_size
 
     def on_loop_evicted(self, hashes: list[int]) -> list[int]:
         """Which of `hashes` the prefix cache no longer holds (their blocks were reused)."""
@@ -150,12 +150,14 @@ class WorkerCore:
         return blocks
 
     def on_loop_expect_kv(
-        self, transfer_id: str, request_id: str, done: Callable[[str | None], None]
+        self, transfer_id: str, request_id: str, done: Callable[[str | None], None], block_ids: list[int]
     ) -> bool:
-        """Register interest in a transfer into `request_id`'s blocks; False if the request is gone."""
+        """Register interest in a transfer into `request_id`'s blocks `block_ids` (the only ones
+        it may write); False if the request is gone."""
         if request_id not in self.reserved:
             return False
         self.kv_waits[transfer_id] = KVWait(request_id, done)
+        self.transport.accept(transfer_id, block_ids)
         return True
 
     def on_loop_forget_kv(self, transfer_id: str) -> None:
@@ -312,6 +314,22 @@ class WorkerCore:
             self._drop_prefill(job, "transfer lease expired")
             return True
         return self.on_loop_abort(transfer_or_request_id)
+
+    def on_loop_fail_all(self, error: BaseException) -> None:
+        """The engine is unusable: every request this worker holds ends now, with `error`."""
+        reason = str(error)
+        for job in list(self.prefills.values()):
+            self.prefills.pop(job.engine_id, None)
+            self.sinks.pop(job.engine_id, None)
+            job.state = "released"
+            job.done({"error": ("engine_failed", reason)})
+        for tid, waiter in list(self.kv_waits.items()):
+            del self.kv_waits[tid]
+            waiter.done(reason)
+        sinks, self.sinks = list(self.sinks.values()), {}
+        self.reserved.clear()
+        for sink in sinks:
+            sink(error)
 
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> None:

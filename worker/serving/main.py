@@ -13,6 +13,7 @@ from aiohttp import web
 
 from disagg.proto import worker_pb2_grpc as pb_grpc
 from disagg.worker.engine.args import EngineArgs
+from disagg.worker.serving.auth import INSECURE, REFUSED, InternalAuth
 from disagg.worker.serving.core import WorkerCore
 from disagg.worker.serving.engine_loop import EngineLoop
 from disagg.worker.serving.metrics import CONTENT_TYPE, ServingMetrics
@@ -32,7 +33,7 @@ class WorkerConfig:
     role: str
     worker_id: str
     model_name: str
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     advertise_host: str = "127.0.0.1"
     port: int = 0
     metrics_port: int = 0
@@ -43,6 +44,8 @@ class WorkerConfig:
     prefill_timeout: float = 120.0
     lease_seconds: float = 30.0
     drain_timeout: float = 30.0
+    auth: InternalAuth = INSECURE
+    redis_password: str | None = None
 
     @property
     def model(self) -> str:
@@ -61,7 +64,14 @@ def _build_transport(cfg: WorkerConfig, engine, address: str):
     from disagg.worker.kv_transfer import KVLayout, create_transport
 
     layout = KVLayout.from_tensor(engine.kv_cache, cfg.model_name)
-    options = {"advertise_address": address} if cfg.kv_transfer == "grpc" else {}
+    options = {}
+    if cfg.kv_transfer == "nixl":
+        from disagg.worker.kv_transfer.nixl_transport import restrict_ucx_to
+
+        # UCX would otherwise listen on every interface, whatever --host says
+        restrict_ucx_to(cfg.host)
+    if cfg.kv_transfer == "grpc":
+        options = {"advertise_address": address, "connect": cfg.auth.channel, "wrap_stub": cfg.auth.wrap}
     return create_transport(cfg.kv_transfer, engine.kv_cache, layout, cfg.worker_id, **options)
 
 
@@ -73,7 +83,13 @@ def _kv_state(cfg: WorkerConfig, address: str, metrics_url: str):
     info = WorkerInfo(
         id=cfg.worker_id, role=cfg.role, address=address, metrics_url=metrics_url, model=cfg.model_name
     )
-    return KVState(cfg.redis_url, cfg.deployment, cfg.worker_id), info
+    return KVState(cfg.redis_url, cfg.deployment, cfg.worker_id, password=cfg.redis_password), info
+
+
+def quarantine_seconds(cfg: WorkerConfig) -> float:
+    """How long a decode worker holds the blocks of an aborted transfer whose KV may still land:
+    longer than the prefill worker can keep writing (its Prefill call's timeout) plus a lease."""
+    return cfg.prefill_timeout + cfg.lease_seconds
 
 
 class WorkerProcess:
@@ -89,6 +105,7 @@ class WorkerProcess:
         self.metrics_port = cfg.metrics_port
         self._stop = asyncio.Event()
         self._drain_deadline: float | None = None
+        self.exit_code = 0
 
     @property
     def address(self) -> str:
@@ -99,8 +116,9 @@ class WorkerProcess:
         self.server = grpc.aio.server(
             migration_thread_pool=concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="grpc-sync"),
             options=GRPC_OPTIONS,
+            interceptors=self.cfg.auth.interceptors(),
         )
-        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        self.port = self.cfg.auth.add_port(self.server, f"{self.cfg.host}:{self.cfg.port}")
         if self.port == 0:
             raise RuntimeError(f"cannot bind the gRPC port {self.cfg.host}:{self.cfg.port}")
 
@@ -123,9 +141,13 @@ class WorkerProcess:
             alive = self.service is None or self.loop.alive
             return web.json_response({"alive": alive}, status=200 if alive else 503)
 
-        async def drain(_r):
-            # Kubernetes' preStop hook: stop admitting and answer once in-flight streams are done,
-            # so the SIGTERM that follows finds nothing to cut off.
+        async def drain(request):
+            # Kubernetes' preStop hook (`disagg drain` in the pod): stop admitting and answer once
+            # in-flight streams are done, so the SIGTERM that follows finds nothing to cut off.
+            # Taking a worker out of rotation is internal: it needs the deployment's credential.
+            if not self.cfg.auth.check(request.headers.get("Authorization")):
+                REFUSED.labels("drain").inc()
+                return web.json_response({"error": "missing or wrong internal credential"}, status=401)
             s = self.service
             if s is None:
                 return web.json_response({"drained": True, "streams": 0})
@@ -175,8 +197,12 @@ class WorkerProcess:
             self.metrics,
             on_publish=self.state.publish,
         )
+        # aborted transfers' blocks stay held until no late write can come: the prefill worker
+        # gives up within the prefill timeout, or its lease is reclaimed
+        core.quarantine_seconds = quarantine_seconds(self.cfg)
         self.loop.engine = engine
         self.loop.step_fn = core.step
+        self.loop.on_fatal = lambda e: self._engine_failed(core, e, aio)
         self.loop.has_work = core.has_work
         self.loop.on_iteration = core.refresh_load
         self.loop.add_poller(core.poll_sender)
@@ -191,7 +217,9 @@ class WorkerProcess:
             prefill_timeout=self.cfg.prefill_timeout,
             lease_seconds=self.cfg.lease_seconds,
         )
-        self.service = WorkerService(opts, self.loop, core, self.state, self.metrics, engine.max_model_len)
+        self.service = WorkerService(
+            opts, self.loop, core, self.state, self.metrics, engine.max_model_len, auth=self.cfg.auth
+        )
         pb_grpc.add_WorkerServicer_to_server(self.service, self.server)
         if holder["transport"] is not None and hasattr(holder["transport"], "servicer"):
             from disagg.proto import kv_transfer_pb2_grpc
@@ -213,7 +241,14 @@ class WorkerProcess:
         )
         await self._stop.wait()
         await self.drain()
-        return 0
+        return self.exit_code
+
+    def _engine_failed(self, core, error: BaseException, aio) -> None:
+        """On the engine thread, after the step kept failing: answer every request, then exit
+        (non-zero, so a supervisor restarts the worker)."""
+        core.on_loop_fail_all(error)
+        self.exit_code = 1
+        aio.call_soon_threadsafe(self._stop.set)
 
     async def drain(self) -> None:
         """Stop admitting, let in-flight requests finish (bounded), deregister, stop."""
@@ -226,7 +261,7 @@ class WorkerProcess:
         await s.close()
         await self._shutdown_servers()
         transport = s.core.transport
-        if transport is not None:
+        if transport is not None and self.loop.alive:
             await asyncio.wrap_future(self.loop.call(transport.close))
         self.loop.stop()
         log.info("worker %s stopped", self.cfg.worker_id)

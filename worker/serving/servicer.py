@@ -18,6 +18,7 @@ import grpc
 from disagg.proto import worker_pb2 as pb
 from disagg.proto import worker_pb2_grpc as pb_grpc
 from disagg.worker.engine.block_manager import NoFreeBlocksError
+from disagg.worker.serving.auth import INSECURE, InternalAuth
 from disagg.worker.serving.convert import (
     error,
     logprob_from_proto,
@@ -56,6 +57,10 @@ class RequestGone(Exception):
     """The request was aborted while its prefill was in progress."""
 
 
+class PrefillAborted(PrefillFailed):
+    """The request went away during its remote prefill: nothing to prefill locally."""
+
+
 class WorkerService(pb_grpc.WorkerServicer):
     def __init__(
         self,
@@ -65,6 +70,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         state: StateLink,
         metrics: ServingMetrics,
         max_model_len: int,
+        auth: InternalAuth = INSECURE,
     ):
         self.opts = opts
         self.loop = loop
@@ -75,7 +81,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.ready = False
         self.draining = False
         self.streams = 0  # Generate and Prefill calls in progress (drain waits for zero)
-        self._stubs = WorkerStubs()
+        self._stubs = WorkerStubs(auth)
         self._handshaken: set[str] = set()  # prefill workers whose KV handshake we hold
         self._handshake_locks: dict[str, asyncio.Lock] = {}
 
@@ -143,6 +149,15 @@ class WorkerService(pb_grpc.WorkerServicer):
                         # no room to reserve the whole prompt now: a local prefill waits in the
                         # scheduler's queue for blocks instead of failing
                         remote = False
+                    except PrefillAborted:
+                        raise
+                    except PrefillFailed as e:
+                        # no prefill worker could do it (dead, draining, gone from the registry):
+                        # this worker prefills the prompt itself rather than failing the request.
+                        # The failed attempts' blocks were freed and their sink ended the old queue.
+                        log.warning("remote prefill of %s failed (%s): prefilling locally", rid, e)
+                        queue = asyncio.Queue()
+                        remote = False
                 if not remote:
                     await self._call(self.core.on_loop_add, rid, prompt, params, sink, arrival)
                 self.metrics.disaggregation_decision(remote)
@@ -162,6 +177,11 @@ class WorkerService(pb_grpc.WorkerServicer):
             last_token_at = None
             while True:
                 out = await queue.get()
+                if isinstance(out, BaseException):  # the engine failed for good
+                    finished = True
+                    yield pb.GenerateResponse(error=error("engine_failed", str(out)))
+                    self.metrics.request_finished("error")
+                    return
                 if out is None:  # aborted on the engine thread (Abort RPC, lease reclaim)
                     finished = True
                     yield pb.GenerateResponse(
@@ -249,7 +269,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 # aborted meanwhile (Abort RPC, lease reclaim): the abort owns the blocks now
                 await self._cleanup_attempt(target, rid, transfer_id, "aborted")
                 await self.state.finish_transfer(rid, gen)
-                raise PrefillFailed(f"request {rid} was aborted") from None
+                raise PrefillAborted(f"request {rid} was aborted") from None
             except (PrefillFailed, grpc.aio.AioRpcError, TimeoutError) as e:
                 reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                 log.warning(
@@ -277,7 +297,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         def on_landed(reason):
             aio.call_soon_threadsafe(lambda: landed.done() or landed.set_result(reason))
 
-        if not await self._call(self.core.on_loop_expect_kv, transfer_id, rid, on_landed):
+        if not await self._call(
+            self.core.on_loop_expect_kv, transfer_id, rid, on_landed, dst.fresh_block_ids
+        ):
             raise RequestGone(rid)
         stub = self._stub(target.address)
         req = pb.PrefillRequest(
