@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pytest
 
 from disagg.worker.engine.sampling_params import SamplingParams
@@ -161,3 +162,13 @@ def test_legacy_functions(api_cluster, client):
     choice = resp.choices[0]
     assert choice.finish_reason == "function_call" and choice.message.function_call.name == "get_weather"
     jsonschema.validate(json.loads(choice.message.function_call.arguments), WEATHER)
+
+
+def test_tool_schemas_count_toward_the_prompt_size_limit(api_cluster, client):
+    """Tool definitions are rendered into the prompt, so a huge one is refused before tokenizing."""
+    huge = [
+        {"type": "function", "function": {"name": "f", "description": "x" * (1 << 20), "parameters": WEATHER}}
+    ]
+    with pytest.raises(openai.BadRequestError) as info:
+        _chat(client, api_cluster, tools=huge, tool_choice="none")
+    assert info.value.body["param"] == "messages" and info.value.body["code"] == "prompt_too_large"

@@ -212,7 +212,7 @@ class Router:
         limit = self.config.max_prompt_bytes
         if spec.kind == "chat":
             # the tools' schemas are rendered into the prompt too
-            tools = len(json.dumps(spec.tools).encode()) if spec.tools else 0
+            tools = len(json.dumps(spec.tools.tools).encode()) if spec.tools else 0
             sizes = [("messages", tools + sum(len(m["content"].encode()) for m in spec.messages))]
         else:
             sizes = [(f"prompt[{i}]" if spec.num_prompts > 1 else "prompt", len(p.encode()))
