@@ -25,6 +25,7 @@ from disagg.worker.engine.block_hash import block_hashes
 from disagg.worker.router.errors import APIError, invalid
 from disagg.worker.router.fanout import ChoiceState, Echo, plan_choices, total_usage
 from disagg.worker.router.openai_format import ResponseBuilder
+from disagg.worker.router.openapi import openapi_spec
 from disagg.worker.router.policy import WorkerView, choose_decode, rank_prefill
 from disagg.worker.router.responses_format import ResponsesBuilder
 from disagg.worker.router.responses_request import parse_responses
@@ -96,6 +97,7 @@ class Router:
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_route("*", "/v1/{endpoint:.*}", unsupported_endpoint)  # after every served route
         app.on_startup.append(self._on_startup)
@@ -144,6 +146,9 @@ class Router:
             "owned_by": "disagg",
         }
         return web.json_response({"object": "list", "data": [card]})
+
+    async def openapi(self, _request: web.Request) -> web.Response:
+        return web.json_response(openapi_spec(self.config.model_name))
 
     async def health(self, _request: web.Request) -> web.Response:
         views = self.pool.views()
