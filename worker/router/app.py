@@ -26,8 +26,11 @@ from disagg.proto import worker_pb2
 from disagg.worker.engine.block_hash import block_hashes
 from disagg.worker.router.errors import APIError, invalid
 from disagg.worker.router.fanout import ChoiceState, Echo, plan_choices, total_usage
-from disagg.worker.router.openai_format import SSE_DONE, ResponseBuilder, sse
+from disagg.worker.router.openai_format import ResponseBuilder
+from disagg.worker.router.openapi import openapi_spec
 from disagg.worker.router.policy import WorkerView, choose_decode, rank_prefill
+from disagg.worker.router.responses_format import ResponsesBuilder
+from disagg.worker.router.responses_request import parse_responses
 from disagg.worker.router.tools import ToolCalls
 from disagg.worker.router.unsupported import unsupported_endpoint
 from disagg.worker.router.validation import (
@@ -105,9 +108,11 @@ class Router:
         app = web.Application(middlewares=[self._errors_middleware], client_max_size=32 << 20)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/internal/workers", self.internal_workers)
+        app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/metrics", self.metrics_page)
         app.on_response_prepare.append(self._echo_headers)
         app.router.add_route("*", "/v1/{endpoint:.*}", unsupported_endpoint)  # after every served route
@@ -163,6 +168,9 @@ class Router:
         }
         return web.json_response({"object": "list", "data": [card]})
 
+    async def openapi(self, _request: web.Request) -> web.Response:
+        return web.json_response(openapi_spec(self.config.model_name))
+
     async def health(self, _request: web.Request) -> web.Response:
         """Readiness for clients and probes: counts only, no worker ids or internal addresses."""
         views = self.pool.views()
@@ -206,6 +214,9 @@ class Router:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_chat)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_responses, ResponsesBuilder)
 
     def _check_prompt_size(self, spec: GenerationSpec) -> None:
         """Refuse, before any tokenizing, text larger than --max-prompt-bytes (400, not a stall)."""
@@ -306,7 +317,7 @@ class Router:
             self._token_text_cache[token_id] = t
         return t
 
-    async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, parse, builder_cls=ResponseBuilder) -> web.StreamResponse:
         arrival = time.monotonic()
         self._check_key(request)
         spec = parse(await request.read())  # JSON decoding and validation in one pass (protocol.py)
@@ -333,9 +344,7 @@ class Router:
             client_id = request.headers.get("X-Request-Id")
             request[ECHO_HEADERS] = {"X-Request-Id": client_id or base_id}
             tools = ToolCalls(spec.tools, self.config.tool_call_parser) if spec.tools is not None else None
-            builder = ResponseBuilder(
-                spec.kind, spec.model, self.token_text, spec.sampling.logprobs is not None, tools
-            )
+            builder = builder_cls.for_spec(spec, self.token_text, tools)
             for plan in plans:
                 p = plan.prompt_index
                 # one routing decision per generation; each `begin` below weighs on the next choice
@@ -573,6 +582,8 @@ class Router:
                 }  # fmt: skip
             )
             await resp.prepare(request)
+            if start := builder.stream_start():
+                await resp.write(start)
             pending = len(choices)
             error = None
             while pending:
@@ -589,21 +600,21 @@ class Router:
                 # tokens whose text is held back (an incomplete UTF-8 character, a possible stop
                 # string) produce no chunk unless their logprobs were asked for
                 if delta.text or delta.finish_reason or (delta.logprobs and builder.want_logprobs):
-                    chunk = builder.chunk(
+                    chunk = builder.stream_chunk(
                         delta.text, delta.logprobs, delta.finish_reason or None, spec.include_usage,
                         c.state.plan.index,
                     )  # fmt: skip
-                    await resp.write(sse(chunk))
+                    await resp.write(chunk)
             if error is not None:
-                await resp.write(sse(error.body()))
+                await resp.write(builder.stream_error(error))
             else:
+                usage = None
                 if spec.include_usage:
                     lengths = [0] * spec.num_prompts
                     for c in choices:
                         lengths[c.state.plan.prompt_index] = len(c.req.prompt_token_ids)
                     usage = total_usage([c.state for c in choices], lengths)
-                    await resp.write(sse(builder.usage_chunk(usage)))
-                await resp.write(SSE_DONE)
+                await resp.write(builder.stream_end(usage))
             await resp.write_eof()
             return resp
         finally:

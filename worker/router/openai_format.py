@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from disagg.worker.router.errors import APIError
 from disagg.worker.router.tools import ToolCalls
 
 
@@ -85,6 +86,10 @@ class ResponseBuilder:
         self._text_offset: dict[int, int] = {}  # per choice: where its next streamed text starts
         self._sent_role: set[int] = set()  # chat choices whose first chunk (with the role) went out
 
+    @classmethod
+    def for_spec(cls, spec, token_text: Callable[[int], str], tools: ToolCalls | None) -> ResponseBuilder:
+        return cls(spec.kind, spec.model, token_text, spec.sampling.logprobs is not None, tools)
+
     def _logprobs(self, items: list[Logprob], text_offset: int) -> dict | None:
         if not self.want_logprobs:
             return None
@@ -135,6 +140,19 @@ class ResponseBuilder:
         body = self._envelope(obj, [])
         body["usage"] = usage
         return body
+
+    # the stream as bytes: the router writes these (the Responses API's builder has its own)
+    def stream_start(self) -> bytes:
+        return b""
+
+    def stream_chunk(self, text, logprobs, finish_reason, include_usage: bool, index: int = 0) -> bytes:
+        return sse(self.chunk(text, logprobs, finish_reason, include_usage, index))
+
+    def stream_end(self, usage: dict | None) -> bytes:
+        return (sse(self.usage_chunk(usage)) if usage is not None else b"") + SSE_DONE
+
+    def stream_error(self, err: APIError) -> bytes:
+        return sse(err.body())
 
     # ---- whole response ---------------------------------------------------------------
     def choice(self, index: int, text: str, logprobs: list[Logprob], finish_reason: str) -> dict:

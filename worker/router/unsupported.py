@@ -7,7 +7,7 @@ from aiohttp import web
 
 from disagg.worker.router.errors import APIError
 
-SERVED = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+SERVED = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models")
 
 
 async def unsupported_endpoint(request: web.Request) -> web.Response:

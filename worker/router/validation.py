@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from disagg.worker.engine.structured_output_params import StructuredOutputParams, check
-from disagg.worker.router import protocol
+from disagg.worker.router import protocol, responses_protocol
 from disagg.worker.router.errors import APIError, invalid
 from disagg.worker.router.tools import ToolSpec, tool_spec
 
@@ -107,7 +107,7 @@ _FIELDS = {
     for model in (protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.ChatMessage,
                   protocol.TextPart, protocol.StreamOptions, protocol.ResponseFormat, protocol.JSONSchemaFormat,
                   protocol.Tool, protocol.FunctionDef, protocol.NamedToolChoice, protocol.FunctionName,
-                  protocol.ToolCall, protocol.ToolCallFunction)
+                  protocol.ToolCall, protocol.ToolCallFunction, *responses_protocol.MODELS)
     for name in model.model_fields
 } | {"schema"}  # fmt: skip
 
