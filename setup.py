@@ -53,5 +53,5 @@ setup(
     cmdclass={"build_py": BuildWithProtos},
     packages=packages,
     package_dir=package_dir,
-    package_data={"disagg.proto": ["*.proto"], "disagg.kernels": ["*.c"]},
+    package_data={"disagg.proto": ["*.proto"], "disagg.kernels": ["*.c", "*.h"]},
 )

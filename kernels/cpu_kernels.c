@@ -7,6 +7,8 @@
  *
  * KV cache layout (one layer): kv[num_blocks][2][block_size][Hkv][D], K at index 0 of dim 1.
  */
+#include "cpu_kernels.h"
+
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -14,23 +16,6 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-/* exp for the vectorized loops (a call to expf would keep them scalar): 2^n * e^r with
- * |r| <= ln2/2 and a degree-6 polynomial, relative error below 1e-6; x is clamped to [-87, 88]. */
-static inline float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = __builtin_roundf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
-    return p * scale.f;
-}
 
 /* out[t] = rms_norm(x[t] (+ residual[t])) * weight, for rows of `hidden` floats. With a
  * residual, the sum is also stored back into it (the next layer's residual). */
@@ -142,6 +127,20 @@ DEFINE_HEAD_ATTENTION(head_attention_d64, 64)
 DEFINE_HEAD_ATTENTION(head_attention_d128, 128)
 DEFINE_HEAD_ATTENTION(head_attention_any, head_dim)
 
+void decode_attention_head_f32(const float *q, const float *kv, const int32_t *table, int64_t len,
+                               int64_t group, int64_t head_dim, int64_t kv_head, int64_t num_kv_heads,
+                               int64_t block_size, float scale, float *scores, float *out) {
+    if (head_dim == 64)
+        head_attention_d64(q, kv, table, len, group, head_dim, kv_head, num_kv_heads, block_size, scale,
+                           scores, out);
+    else if (head_dim == 128)
+        head_attention_d128(q, kv, table, len, group, head_dim, kv_head, num_kv_heads, block_size, scale,
+                            scores, out);
+    else
+        head_attention_any(q, kv, table, len, group, head_dim, kv_head, num_kv_heads, block_size, scale,
+                           scores, out);
+}
+
 /* Paged decode attention of the B sequences, each query reading its own cached K/V.
  * q: B rows of Hq * D floats, q_row_stride apart (a slice of the fused qkv output); out: [B][Hq][D].
  * block_tables: [B][table_stride] int32. seq_lens: [B] int32.
@@ -172,15 +171,8 @@ int paged_decode_attention_f32(const float *q, int64_t q_row_stride, const float
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const float *qh = q + b * q_row_stride + h * group * head_dim;
             const int64_t first = (b * num_q_heads + h * group) * head_dim;
-            if (head_dim == 64)
-                head_attention_d64(qh, kv, table, len, group, head_dim, h, num_kv_heads, block_size,
-                                   scale, scores, out + first);
-            else if (head_dim == 128)
-                head_attention_d128(qh, kv, table, len, group, head_dim, h, num_kv_heads, block_size,
-                                    scale, scores, out + first);
-            else
-                head_attention_any(qh, kv, table, len, group, head_dim, h, num_kv_heads, block_size,
-                                   scale, scores, out + first);
+            decode_attention_head_f32(qh, kv, table, len, group, head_dim, h, num_kv_heads, block_size,
+                                      scale, scores, out + first);
         }
     }
     return bad ? -1 : 0;

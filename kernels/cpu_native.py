@@ -29,7 +29,11 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# Built together into one shared object; the header is shared by all three.
+_SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_gemv.c", "cpu_decode_step.c")
+)
+_HEADER = Path(__file__).with_name("cpu_kernels.h")
 _BASE_FLAGS = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared"]
 # The whole cache streams through once per layer, so the widest vectors pay (x86: AVX-512 where present).
 _TUNE_FLAGS = {
@@ -107,7 +111,9 @@ def _cpu_signature() -> str:
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
-        "\0".join([_SOURCE.read_text(), compiler, version, *_FLAGS, _cpu_signature()]).encode()
+        "\0".join(
+            [*(f.read_text() for f in (*_SOURCES, _HEADER)), compiler, version, *_FLAGS, _cpu_signature()]
+        ).encode()
     ).hexdigest()[:16]
     last_error: Exception | None = None
     for directory in _cache_dirs():
@@ -121,7 +127,7 @@ def _build(compiler: str) -> Path:
             os.close(fd)
             try:
                 subprocess.run(
-                    [compiler, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"],
+                    [compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES), "-lm"],
                     capture_output=True,
                     text=True,
                     check=True,
@@ -155,6 +161,11 @@ def _load() -> ctypes.CDLL:
         "add_rms_norm_f32": ([p, p, p, p, i64, i64, f32], None),
         "silu_and_mul_f32": ([p, p, i64, i64], None),
         "rotary_write_kv_f32": ([p, i64, p, p, p, p, i64, i64, i64, i64, i64], None),
+        "gemv_f32": ([p, p, p, p, i64, i64, i64, i64], None),
+        "gemv_silu_f32": ([p, p, p, p, i64, i64, i64, i64], None),
+        "decode_step_f32": ([p, p, i64, p, p, p, i64, i64, p, i64, p, i64, p, p, i64, p], ctypes.c_int),
+        "decode_step_work_floats": ([p, i64, i64, i64], i64),
+        "decode_step_phases": ([], i64),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
@@ -175,6 +186,11 @@ def available() -> bool:
                 _error = str(exc)
                 log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
     return _lib is not None
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernels (raises when unavailable), for the modules that bind more of them."""
+    return _require()
 
 
 def _require() -> ctypes.CDLL:
@@ -214,6 +230,35 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     inter = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
     _require().silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.numel() // (2 * inter), inter)
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for x [B, K], as the decode step computes it: memory-bound
+    matrix-vector products for small B, rows of the weight split over torch's threads."""
+    _check_f32(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
+    (b, k), n = x.shape, weight.shape[0]
+    if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: shapes do not match")
+    y = torch.empty(b, n, dtype=torch.float32)
+    _require().gemv_f32(
+        weight.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr(), b, n, k,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def gemv_silu(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu_and_mul(F.linear(x, gate_up, bias))` in one pass over gate_up [2I, K] (gate rows first)."""
+    _check_f32(x=x, gate_up=gate_up, **({} if bias is None else {"bias": bias}))
+    (b, k), n = x.shape, gate_up.shape[0]
+    if gate_up.shape[1] != k or n % 2 or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}: shapes do not match")
+    out = torch.empty(b, n // 2, dtype=torch.float32)
+    _require().gemv_silu_f32(
+        gate_up.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(), out.data_ptr(), b,
+        n // 2, k, torch.get_num_threads(),
+    )  # fmt: skip
     return out
 
 

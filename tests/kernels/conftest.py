@@ -11,4 +11,10 @@ TESTS_DIR = str(Path(__file__).resolve().parents[1])
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
 
-from engine.conftest import paged, tiny_llama_dir  # noqa: E402, F401
+from engine.conftest import (  # noqa: E402, F401
+    paged,
+    tiny_llama_dir,
+    tiny_mistral_dir,
+    tiny_model_dir,
+    tiny_qwen2_dir,
+)

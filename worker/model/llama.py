@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from disagg.kernels import cpu_native, get_ops, torch_ops
+from disagg.kernels import cpu_decode_step, cpu_native, get_ops, torch_ops
 from disagg.worker.model.config import ModelConfig, RopeConfig
 from disagg.worker.model.forward_batch import ForwardBatch
 
@@ -129,6 +129,7 @@ class LlamaForCausalLM:
         ).to(self.device)
         self._q_size = self.num_heads * self.head_dim
         self._kv_size = self.num_kv_heads * self.head_dim
+        self._native_decode_step: cpu_decode_step.NativeDecodeStep | None = None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of the whole model's KV cache: [layers, blocks, 2 (K, V), block_size, Hkv, D]."""
@@ -251,13 +252,32 @@ class LlamaForCausalLM:
             and cpu_native.available()
         )
 
+    def native_decode_step(self) -> cpu_decode_step.NativeDecodeStep:
+        """The whole-step native decode of small batches, bound to this model's weights once."""
+        if self._native_decode_step is None:
+            w = self.weights
+            layers = [cpu_decode_step.DecodeLayer(**vars(layer)) for layer in w.layers]
+            self._native_decode_step = cpu_decode_step.NativeDecodeStep(
+                layers, w.norm, w.lm_head, self.cos_sin_cache, num_q_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, eps=self.config.rms_norm_eps, scale=self.scale,
+            )  # fmt: skip
+        return self._native_decode_step
+
     def _forward_native(
         self, batch: ForwardBatch, kv_caches: torch.Tensor, layer_hook: Callable[[int], None] | None
     ) -> torch.Tensor:
         """`forward` with the small per-layer ops (add + norm, rotary + cache write, activation,
-        decode attention) in the native CPU kernels; matmuls and prefill attention stay in torch."""
+        decode attention) in the native CPU kernels; matmuls and prefill attention stay in torch.
+        Decode steps of a few sequences run whole in one native call (`native_decode_step`)."""
         w, eps = self.weights, self.config.rms_norm_eps
         num_tokens = batch.input_ids.shape[0]
+        if not batch.is_prefill and layer_hook is None and num_tokens <= cpu_decode_step.MAX_BATCH:
+            logits = self.native_decode_step()(
+                F.embedding(batch.input_ids, w.embed), batch.positions, batch.slot_mapping, kv_caches,
+                batch.block_tables, batch.seq_lens,
+            )  # fmt: skip
+            idx = batch.logits_indices
+            return logits if idx.shape[0] == num_tokens else logits.index_select(0, idx)
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = self._q_size, self._q_size + self._kv_size
         num_blocks, block_size = kv_caches.shape[1], kv_caches.shape[3]

@@ -1,0 +1,173 @@
+"""A whole decode step of a float32 Llama-family model in one native call (`cpu_decode_step.c`).
+
+For small batches only: there a step is bound by reading the weights once, and the per-layer
+torch matmuls and small ops cost more than the reading (dispatch, temporaries, threads idling
+between ops). Larger batches are matrix-matrix work, better left to torch's GEMM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from disagg.kernels import cpu_native
+
+# Up to here the kernel, one weight row against up to four inputs, beats torch's GEMM clearly
+# (one thread, small preset: 2.8x at 2 sequences, 1.6x at 4, par at 8); beyond, the step is
+# no longer bound by reading the weights once.
+MAX_BATCH = 4
+
+PHASES = ("add + rms norm", "qkv", "rotary + KV write + attention", "o", "gate/up + SiLU", "down", "LM head")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in (
+            "input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
+            "down_bias",
+        )
+    ]  # fmt: skip
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("num_layers", "hidden", "inter", "num_q_heads", "num_kv_heads",
+                                              "head_dim", "vocab")),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("layers", ctypes.POINTER(_Layer)),
+        ("final_norm", ctypes.c_void_p),
+        ("lm_head", ctypes.c_void_p),
+        ("cos_sin", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
+@dataclass
+class DecodeLayer:
+    """One layer's float32 weights, torch Linear layout; gate_up is [gate; up]."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeDecodeStep:
+    """The model's weights bound once (pointers into tensors this object keeps alive); each call
+    runs one decode step of up to MAX_BATCH sequences and returns float32 logits [B, vocab]."""
+
+    def __init__(
+        self,
+        layers: list[DecodeLayer],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        eps: float,
+        scale: float,
+    ):
+        self._lib = cpu_native.library()
+        hidden = final_norm.shape[0]
+        inter = layers[0].down.shape[1]
+        head_dim = cos_sin_cache.shape[1]
+        if num_q_heads % num_kv_heads:
+            raise ValueError(
+                f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        expect = {
+            "qkv": ((num_q_heads + 2 * num_kv_heads) * head_dim, hidden),
+            "o": (hidden, num_q_heads * head_dim),
+            "gate_up": (2 * inter, hidden),
+            "down": (hidden, inter),
+            "input_norm": (hidden,),
+            "post_norm": (hidden,),
+        }
+        tensors = [final_norm, lm_head, cos_sin_cache]
+        for i, layer in enumerate(layers):
+            for name, shape in expect.items():
+                t = getattr(layer, name)
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"layer {i} {name}: shape {tuple(t.shape)}, expected {shape}")
+                bias = getattr(layer, f"{name}_bias", None)
+                if bias is not None and tuple(bias.shape) != shape[:1]:
+                    raise ValueError(
+                        f"layer {i} {name}_bias: shape {tuple(bias.shape)}, expected {shape[:1]}"
+                    )
+            tensors += [t for t in vars(layer).values() if t is not None]
+        if lm_head.shape[1] != hidden:
+            raise ValueError(f"lm_head: shape {tuple(lm_head.shape)} does not match hidden size {hidden}")
+        cpu_native._check_f32(**{f"weight {i}": t for i, t in enumerate(tensors)})
+        self._tensors = tensors  # the pointers below stay valid while these live
+        self._layers = (_Layer * len(layers))(
+            *(_Layer(*(_ptr(getattr(layer, f)) for f, _ in _Layer._fields_)) for layer in layers)
+        )
+        self._model = _Model(
+            len(layers), hidden, inter, num_q_heads, num_kv_heads, head_dim, lm_head.shape[0], eps, scale,
+            self._layers, final_norm.data_ptr(), lm_head.data_ptr(), cos_sin_cache.data_ptr(),
+        )  # fmt: skip
+        self.vocab_size = lm_head.shape[0]
+        self.hidden = hidden
+        self.max_positions = cos_sin_cache.shape[0]
+        self._work = torch.empty(0)
+        # Per-phase seconds, accumulated over calls while not None (see `PHASES`).
+        self.phase_seconds: torch.Tensor | None = None
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_caches: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """hidden [B, H]: the tokens' embeddings (overwritten: the residual stream). kv_caches:
+        the whole model's cache [layers, blocks, 2, block_size, Hkv, D], contiguous float32.
+        block_tables [B, W] and seq_lens [B] as for decode attention (any int dtype)."""
+        cpu_native._check_f32(hidden=hidden, kv_caches=kv_caches)
+        b = hidden.shape[0]
+        if hidden.shape[1] != self.hidden or not 0 < b <= MAX_BATCH:
+            raise ValueError(f"hidden {tuple(hidden.shape)}: need [1..{MAX_BATCH}, {self.hidden}]")
+        m = self._model
+        if kv_caches.shape[0] != m.num_layers or kv_caches.shape[4:] != (m.num_kv_heads, m.head_dim):
+            raise ValueError(f"kv_caches {tuple(kv_caches.shape)} do not match the model")
+        num_blocks, block_size = kv_caches.shape[1], kv_caches.shape[3]
+        cpu_native.check_step_bounds(positions, slot_mapping, self.max_positions, num_blocks * block_size)
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
+            raise IndexError(f"block_tables: a block id is outside [0, {num_blocks})")
+        max_len = tables.shape[1] * block_size
+        positions = positions.to(torch.int64).contiguous()
+        slot_mapping = slot_mapping.to(torch.int64).contiguous()
+        threads = torch.get_num_threads()
+        need = self._lib.decode_step_work_floats(ctypes.byref(m), b, max_len, threads)
+        if self._work.numel() < need:
+            self._work = torch.empty(need, dtype=torch.float32)
+        logits = torch.empty(b, self.vocab_size, dtype=torch.float32)
+        if self.phase_seconds is not None and self.phase_seconds.dtype != torch.float64:
+            raise TypeError("phase_seconds must be float64")
+        code = self._lib.decode_step_f32(
+            ctypes.byref(m), hidden.data_ptr(), b, positions.data_ptr(), slot_mapping.data_ptr(),
+            kv_caches.data_ptr(), kv_caches.stride(0), block_size, tables.data_ptr(), tables.stride(0),
+            lens.data_ptr(), max_len, logits.data_ptr(), self._work.data_ptr(), threads,
+            None if self.phase_seconds is None else self.phase_seconds.data_ptr(),
+        )  # fmt: skip
+        if code:
+            raise ValueError(f"seq_lens: every length must be in [1, {max_len}]")
+        return logits

@@ -1,0 +1,53 @@
+/* Shared by the native CPU kernel sources (cpu_kernels.c, cpu_gemv.c, cpu_decode_step.c), which
+ * are built into one shared object. */
+#ifndef DISAGG_CPU_KERNELS_H
+#define DISAGG_CPU_KERNELS_H
+
+#include <stdint.h>
+
+/* exp for the vectorized loops (a call to expf would keep them scalar): 2^n * e^r with
+ * |r| <= ln2/2 and a degree-6 polynomial, relative error below 1e-6; x is clamped to [-87, 88]. */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = __builtin_roundf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+static inline float silu_mul(float gate, float up) { return gate / (1.0f + exp_approx(-gate)) * up; }
+
+void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows,
+                      int64_t hidden, float eps);
+void rotary_write_kv_f32(float *qkv, int64_t row_stride, const float *cos_sin, const int64_t *positions,
+                         float *kv, const int64_t *slot_mapping, int64_t tokens, int64_t num_q_heads,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size);
+/* Decode attention of one sequence and one KV head for its group of query heads (q: the group's
+ * heads, contiguous; out: the same); scores holds group * len floats. */
+void decode_attention_head_f32(const float *q, const float *kv, const int32_t *table, int64_t len,
+                               int64_t group, int64_t head_dim, int64_t kv_head, int64_t num_kv_heads,
+                               int64_t block_size, float scale, float *scores, float *out);
+
+/* Weight rows handed out to a thread at a time: small enough that a late thread catches up on a
+ * shared machine, large enough that taking one (an atomic increment) costs nothing next to
+ * reading the rows. */
+#define GEMV_CHUNK 32
+
+/* y[b][r] = W[r] . x[b] (+ bias[r]) for weight rows [r0, r1) of W [N][K] and `batch` inputs
+ * x [batch][K] (rows x_stride apart; y rows y_stride apart). Called from inside a parallel region
+ * by the thread that owns those rows. */
+void gemv_rows_f32(const float *w, const float *bias, int64_t k, const float *x, int64_t x_stride,
+                   float *y, int64_t y_stride, int64_t batch, int64_t r0, int64_t r1);
+/* For W = [gate; up] [2I][K]: out[b][i] = silu(gate_i . x[b] + bias) * (up_i . x[b] + bias) for
+ * i in [i0, i1), each weight row read once. */
+void gemv_silu_rows_f32(const float *w, const float *bias, int64_t k, int64_t inter, const float *x,
+                        float *out, int64_t batch, int64_t i0, int64_t i1);
+
+#endif

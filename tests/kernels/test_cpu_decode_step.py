@@ -1,0 +1,163 @@
+"""The native GEMV kernels and the whole-step native decode against their torch twins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine.conftest import llama_config, save_hf_model
+from triton_cases import TOLERANCE, case_id
+
+from disagg.kernels import cpu_decode_step, cpu_native, torch_ops
+from disagg.worker.model.loader import load_model
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
+
+# K sums of products of randn: the error grows with K; this is float32 rounding over K <= 768.
+GEMV_TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 8], ids=case_id)
+@pytest.mark.parametrize("n,k", [(1, 1), (3, 15), (31, 16), (32, 17), (33, 100), (130, 768)], ids=case_id)
+@pytest.mark.parametrize("bias", [False, True], ids=case_id)
+def test_gemv_matches_linear(batch, n, k, bias):
+    """Edge shapes: fewer rows than a block of four, one past a chunk, K below, on and past a
+    vector of 16, and batches that leave a partial group of four inputs."""
+    g = torch.Generator().manual_seed(batch * 1000 + n + k)
+    x, w = torch.randn(batch, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    torch.testing.assert_close(cpu_native.gemv(x, w, b), F.linear(x, w, b), **GEMV_TOL)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4, 6], ids=case_id)
+@pytest.mark.parametrize("inter,k", [(1, 16), (5, 7), (32, 64), (33, 48), (200, 130)], ids=case_id)
+@pytest.mark.parametrize("bias", [False, True], ids=case_id)
+def test_gemv_silu_matches_linear_then_silu_and_mul(batch, inter, k, bias):
+    g = torch.Generator().manual_seed(batch * 1000 + inter + k)
+    x, w = torch.randn(batch, k, generator=g), torch.randn(2 * inter, k, generator=g)
+    b = torch.randn(2 * inter, generator=g) if bias else None
+    want = torch_ops.silu_and_mul(F.linear(x, w, b))
+    torch.testing.assert_close(cpu_native.gemv_silu(x, w, b), want, **GEMV_TOL)
+
+
+def test_gemv_split_over_threads_equals_one_thread():
+    """Rows are handed to threads whole, so the split cannot change a single sum."""
+    g = torch.Generator().manual_seed(7)
+    x, w, b = (
+        torch.randn(3, 200, generator=g),
+        torch.randn(1000, 200, generator=g),
+        torch.randn(1000, generator=g),
+    )
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, one_silu = cpu_native.gemv(x, w, b), cpu_native.gemv_silu(x, w, b)
+        torch.set_num_threads(3)
+        assert torch.equal(cpu_native.gemv(x, w, b), one)
+        assert torch.equal(cpu_native.gemv_silu(x, w, b), one_silu)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_gemv_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match="shapes"):
+        cpu_native.gemv(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(ValueError, match="shapes"):
+        cpu_native.gemv(torch.randn(2, 8), torch.randn(4, 8), torch.randn(3))
+    with pytest.raises(ValueError, match="shapes"):
+        cpu_native.gemv_silu(torch.randn(2, 8), torch.randn(5, 8))
+    with pytest.raises(ValueError, match="float32"):
+        cpu_native.gemv(torch.randn(2, 8).double(), torch.randn(4, 8))
+
+
+@pytest.fixture(scope="module")
+def head_dim_64_dir(tmp_path_factory):
+    """The small preset's head size (the kernel's unrolled D = 64 attention), with q/k/v biases."""
+    config = llama_config(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, attention_bias=True)
+    return save_hf_model(config, tmp_path_factory.mktemp("llama-d64"), seed=3)
+
+
+def decode_both_ways(model_dir, paged, monkeypatch, num_seqs: int, steps: int = 4, block: int = 4):
+    """Prefill num_seqs prompts, then decode `steps` tokens each through the whole-step kernel and
+    through the torch path, each with its own cache; returns both paths' logits per step, and the caches."""
+    model, config = load_model(model_dir)
+    g = torch.Generator().manual_seed(num_seqs)
+    prompts = [
+        torch.randint(10, config.vocab_size, (3 + 5 * i,), generator=g).tolist() for i in range(num_seqs)
+    ]
+    caches = [model.allocate_kv_cache(num_blocks=64, block_size=block) for _ in range(2)]
+    seqs = [paged(block), paged(block)]
+    monkeypatch.setenv("DISAGG_CPU_NATIVE", "0")
+    logits = model.forward(seqs[1].prefill(list(enumerate(prompts))), caches[1])
+    caches[0].copy_(caches[1])
+    seqs[0].prefill(list(enumerate(prompts)))
+    steps_out = []
+    for _ in range(steps):
+        step = list(enumerate(logits.argmax(-1).tolist()))
+        monkeypatch.setenv("DISAGG_CPU_NATIVE", "1")
+        native = model.forward(seqs[0].decode(step), caches[0])
+        monkeypatch.setenv("DISAGG_CPU_NATIVE", "0")
+        logits = model.forward(seqs[1].decode(step), caches[1])
+        steps_out.append((native, logits))
+    return steps_out, caches, model
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, cpu_decode_step.MAX_BATCH], ids=case_id)
+def test_decode_step_matches_the_torch_path(tiny_model_dir, paged, monkeypatch, num_seqs):
+    """Llama (llama3 rope), Qwen2 (q/k/v biases), Mistral: logits within float32 rounding, same
+    greedy tokens, and the same K/V written into the cache."""
+    steps, caches, _ = decode_both_ways(tiny_model_dir, paged, monkeypatch, num_seqs)
+    for native, torch_path in steps:
+        torch.testing.assert_close(native, torch_path, atol=1e-4, rtol=1e-4)
+        assert torch.equal(native.argmax(-1), torch_path.argmax(-1))
+    torch.testing.assert_close(caches[0], caches[1], **TOLERANCE[torch.float32])
+
+
+def test_decode_step_with_head_dim_64_and_one_kv_head(head_dim_64_dir, paged, monkeypatch):
+    steps, caches, _ = decode_both_ways(head_dim_64_dir, paged, monkeypatch, num_seqs=3, block=16)
+    for native, torch_path in steps:
+        torch.testing.assert_close(native, torch_path, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(caches[0], caches[1], **TOLERANCE[torch.float32])
+
+
+def test_decode_step_runs_whole_in_the_kernel_for_small_batches_only(tiny_llama_dir, paged, monkeypatch):
+    """Batches up to MAX_BATCH take the whole-step kernel (its phase clock moves), larger ones not."""
+    model, _ = load_model(tiny_llama_dir)
+    step = model.native_decode_step()
+    step.phase_seconds = torch.zeros(len(cpu_decode_step.PHASES), dtype=torch.float64)
+    cache = model.allocate_kv_cache(num_blocks=64, block_size=4)
+    seqs = paged(4)
+    n = cpu_decode_step.MAX_BATCH + 1
+    model.forward(seqs.prefill([(i, [10 + i, 11, 12]) for i in range(n)]), cache)
+    model.forward(seqs.decode([(i, 20) for i in range(n)]), cache)
+    assert not step.phase_seconds.any()
+    model.forward(seqs.decode([(i, 20) for i in range(n - 1)]), cache)
+    assert (step.phase_seconds > 0).all()
+
+
+def test_decode_step_refuses_what_it_cannot_run(tiny_llama_dir):
+    model, _ = load_model(tiny_llama_dir)
+    step = model.native_decode_step()
+    cache = model.allocate_kv_cache(num_blocks=4, block_size=4)
+    hidden = torch.randn(1, model.config.hidden_size)
+    pos, slots = torch.tensor([2]), torch.tensor([2])
+    tables, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="hidden"):
+        step(
+            torch.randn(cpu_decode_step.MAX_BATCH + 1, model.config.hidden_size),
+            pos,
+            slots,
+            cache,
+            tables,
+            lens,
+        )
+    with pytest.raises(ValueError, match="seq_lens"):
+        step(hidden.clone(), pos, slots, cache, tables, torch.tensor([5], dtype=torch.int32))
+    with pytest.raises(IndexError, match="block_tables"):
+        step(hidden.clone(), pos, slots, cache, torch.tensor([[4]], dtype=torch.int32), lens)
+    with pytest.raises(IndexError, match="slot_mapping"):
+        step(hidden.clone(), pos, torch.tensor([16]), cache, tables, lens)
+    with pytest.raises(ValueError, match="kv_caches"):
+        step(hidden.clone(), pos, slots, cache[:1].contiguous(), tables, lens)
+    logits = step(hidden.clone(), pos, slots, cache, tables, lens)
+    assert logits.shape == (1, model.vocab_size) and torch.isfinite(logits).all()
