@@ -67,6 +67,7 @@ def _receiver(kind: str, num_blocks: int, block_size: int, commands, replies) ->
 
         server = grpc.server(ThreadPoolExecutor(2), options=[("grpc.max_receive_message_length", 64 << 20)])
         options["advertise_address"] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        options["reserved_only"] = False  # measures the wire, with no worker reserving blocks
     transport = create_transport(kind, cache, KVLayout.from_tensor(cache, MODEL), "bench-decode", **options)
     if server is not None:
         pb_grpc.add_KVTransferServicer_to_server(transport.servicer(), server)

@@ -18,17 +18,19 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 from disagg.worker.cli.ports import free_port  # noqa: E402
-from disagg.worker.cli.up import redis_command  # noqa: E402
+from disagg.worker.cli.up import redis_command, write_redis_config  # noqa: E402
 
 
 class RedisServer:
     """A throwaway redis-server process; `restart()` keeps the port (for fault tests)."""
 
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, password: str | None = None):
+        """password: protected mode and AUTH, from a 0600 config file (as `disagg up` runs it)."""
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server not found: run `make install` (installs Debian's redis-server)")
         self.port = free_port()
         self.dir = tmp_path
+        self.password = password
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -37,8 +39,11 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
+        config = None
+        if self.password is not None:
+            config = write_redis_config(self.dir / "redis.conf", self.port, self.password, self.dir)
         self.proc = subprocess.Popen(
-            redis_command(self.port, self.dir),
+            redis_command(self.port, self.dir, config),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -47,7 +52,7 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):
                         return
             except OSError:
                 time.sleep(0.05)
@@ -79,3 +84,13 @@ def redis_url(redis_server):
     client.flushdb()
     client.close()
     return redis_server.url
+
+
+@pytest.fixture(scope="module")
+def secure_redis(tmp_path_factory):
+    """A redis-server in protected mode with a password (`.password`), as `disagg up` runs it."""
+    import secrets
+
+    server = RedisServer(tmp_path_factory.mktemp("redis-secure"), password=f"planted-{secrets.token_hex(8)}")
+    yield server
+    server.stop()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -31,12 +33,14 @@ class Proc:
     health: str
     grpc_address: str | None = None
     popen: subprocess.Popen | None = None
+    env: dict | None = None
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
             self.popen = subprocess.Popen(
-                self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
+                self.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **(self.env or {})},
+            )  # fmt: skip
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
@@ -80,7 +84,12 @@ class Cluster:
         worker_args: tuple[str, ...] = (),
         router_args: tuple[str, ...] = (),
         deployment: str = "test",
+        env: dict[str, str] | None = None,
     ):
+        """The deployment's internal credential (and `env`) reaches every process through its
+        environment, as a Secret would: never on a command line."""
+        self.token = secrets.token_urlsafe(24)
+        self.env = {"DISAGG_INTERNAL_TOKEN": self.token, **(env or {})}
         self.model_dir = model_dir
         self.tmp = tmp
         self.redis_url = redis_url
@@ -98,8 +107,9 @@ class Cluster:
                     *(["--redis-url", redis_url] if redis_url else []), *worker_args,
                 ]  # fmt: skip
                 self.workers[name] = Proc(
-                    name, cmd, tmp / f"{name}.log", f"http://127.0.0.1:{mport}/health", f"127.0.0.1:{port}"
-                )
+                    name, cmd, tmp / f"{name}.log", f"http://127.0.0.1:{mport}/health", f"127.0.0.1:{port}",
+                    env=self.env,
+                )  # fmt: skip
         rport = free_port()
         self.url = f"http://127.0.0.1:{rport}"
         addrs = ",".join(w.grpc_address for w in self.workers.values())
@@ -108,7 +118,7 @@ class Cluster:
             "--workers", addrs, "--deployment", deployment, *(["--redis-url", redis_url] if redis_url else []),
             *router_args,
         ]  # fmt: skip
-        self.router = Proc("router", cmd, tmp / "router.log", f"{self.url}/health")
+        self.router = Proc("router", cmd, tmp / "router.log", f"{self.url}/health", env=self.env)
         self.model_name = model_dir.name
         self._channels: dict[str, grpc.Channel] = {}
 
@@ -150,23 +160,30 @@ class Cluster:
             time.sleep(0.1)
         raise RuntimeError(f"the router does not see {want - self.router_sees()}")
 
-    def router_sees(self) -> set[str]:
-        import json
+    @property
+    def internal_headers(self) -> dict[str, str]:
+        """What an internal caller (the operator's tooling, a preStop hook) sends."""
+        return {"Authorization": f"Bearer {self.token}"}
 
+    def router_sees(self) -> set[str]:
+        request = urllib.request.Request(f"{self.url}/internal/workers", headers=self.internal_headers)
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
+            with urllib.request.urlopen(request, timeout=1) as r:
                 body = json.load(r)
-        except urllib.error.HTTPError as e:
-            body = json.load(e)
         except (urllib.error.URLError, OSError):
             return set()
         return {w["id"] for w in body["workers"] if w["ready"]}
 
-    def stub(self, name: str) -> pb_grpc.WorkerStub:
+    def stub(self, name: str, token: str | None = "") -> pb_grpc.WorkerStub:
+        """A stub of worker `name` whose calls carry the deployment's credential (`token`: another
+        one, or None for none)."""
         addr = self.workers[name].grpc_address
         if addr not in self._channels:
             self._channels[addr] = grpc.insecure_channel(addr)
-        return pb_grpc.WorkerStub(self._channels[addr])
+        token = self.token if token == "" else token
+        from disagg.worker.serving.auth import InternalAuth
+
+        return InternalAuth(token).wrap(pb_grpc.WorkerStub(self._channels[addr]))
 
     def load(self, name: str) -> pb.LoadResponse:
         return self.stub(name).Load(pb.LoadRequest(), timeout=5)
@@ -196,7 +213,8 @@ class Cluster:
             assert load.reserved_blocks == 0 and load.pinned_blocks == 0, f"{name}: {load}"
             assert load.inflight_requests == 0 and load.running == 0 and load.waiting == 0, f"{name}: {load}"
             assert load.free_blocks == load.total_blocks, f"{name}: {load}"
-        assert_no_transfer_records(redis_url, self.deployment, timeout=records_timeout)
+        password = self.env.get("DISAGG_REDIS_PASSWORD")
+        assert_no_transfer_records(redis_url, self.deployment, timeout=records_timeout, password=password)
 
     def metric(self, name: str, metric: str) -> float:
         """Sum of a metric's samples (any labels) on a worker's or the router's /metrics page."""

@@ -206,7 +206,9 @@ def test_prestop_drain_then_sigterm_finishes_in_flight_and_deregisters(cluster, 
     worker = None
 
     def pre_stop():
-        answer["body"] = httpx.get(worker.health.replace("/health", "/drain"), timeout=60).json()
+        answer["body"] = httpx.get(
+            worker.health.replace("/health", "/drain"), headers=cluster.internal_headers, timeout=60
+        ).json()
         answer["events_seen"] = len(events)
 
     drainer = threading.Thread(target=pre_stop)

@@ -57,6 +57,7 @@ def test_refuses_foreign_hash_and_bad_blocks_without_writing(served):
 def test_writes_regions_and_completes_on_final(served):
     transport, stub = served
     layout = transport.layout
+    transport.accept("r", [2, 3])
     ack = stub.PushBlocks(
         iter([_chunk(layout, dst_block_ids=[2, 3], data=b"\x07" * (2 * layout.block_bytes))])
     )
@@ -73,6 +74,7 @@ def test_sender_breaking_off_mid_stream_is_reported_failed(served):
     layout = transport.layout
 
     raw = transport.kv_cache.view(torch.uint8).view(layout.num_layers, layout.num_blocks, -1)
+    transport.accept("r-broken", [1])
 
     def dying_sender():
         yield _chunk(layout, request_id="r-broken", data=b"\x05" * layout.block_bytes, last=False)
@@ -95,7 +97,48 @@ def test_removing_a_dead_sender_fails_its_transfers_in_flight(served):
     transport, stub = served
     layout = transport.layout
     transport.add_peer("prefill-1", encode_handshake(layout, "grpc", "p", grpc_address="127.0.0.1:1"))
+    transport.accept("r-orphan", [1])
     stub.PushBlocks(iter([_chunk(layout, request_id="r-orphan")]), timeout=10)  # one part landed, no FINAL
     assert transport.poll_failed() == []
     transport.remove_peer("prefill-1")  # e.g. the Prefill RPC to it failed
     assert transport.poll_failed() == [("r-orphan", "disconnect: peer prefill-1 removed")]
+
+
+def _refused() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("disagg_kv_transfer_refused_total", {"backend": "grpc"}) or 0.0
+
+
+def test_pushes_only_into_the_blocks_reserved_for_that_transfer(served):
+    """A caller cannot overwrite blocks (prefix-cached ones other requests share) that the receiver
+    did not reserve for that transfer id: refused, counted, the cache unchanged."""
+    transport, stub = served
+    layout = transport.layout
+    transport.accept("r:2:0", [4, 5])
+    before = transport.kv_cache.clone()
+    refused = _refused()
+    data = b"\x09" * layout.block_bytes
+    cases = [
+        _chunk(layout, request_id="r:2:0", dst_block_ids=[6], data=data),  # not its blocks
+        _chunk(layout, request_id="r:2:0", dst_block_ids=[4, 6], data=data * 2),  # partly its blocks
+        _chunk(layout, request_id="r:1:0", dst_block_ids=[4], data=data),  # an older generation
+        _chunk(layout, request_id="unknown", dst_block_ids=[4], data=data),  # no reservation at all
+    ]
+    for chunk in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.PushBlocks(iter([chunk]), timeout=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED, info.value.details()
+    assert _refused() == refused + len(cases)
+    assert torch.equal(transport.kv_cache, before)
+    # its own blocks it may write; once settled, nothing more
+    stub.PushBlocks(
+        iter([_chunk(layout, request_id="r:2:0", dst_block_ids=[4, 5], data=data * 2)]), timeout=10
+    )
+    stub.Notify(pb.KVNotice(kind=pb.KVNotice.FINAL, request_id="r:2:0", parts=1, sender="p"))
+    assert transport.poll_completed() == ["r:2:0"]
+    after = transport.kv_cache.clone()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.PushBlocks(iter([_chunk(layout, request_id="r:2:0", dst_block_ids=[4], data=data)]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert torch.equal(transport.kv_cache, after)

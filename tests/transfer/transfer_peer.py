@@ -41,6 +41,9 @@ def _serve(kind: str, seed: int, num_blocks: int, head_dim: int, stall_timeout, 
         server = grpc.server(ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", 64 << 20)])
         port = server.add_insecure_port("127.0.0.1:0")
         options["advertise_address"] = f"127.0.0.1:{port}"
+        options["reserved_only"] = (
+            False  # these tests check the wire; reservations: test_transfer_grpc_receiver
+        )
     transport = create_transport(kind, cache, layout, name="decode-0", **options)
     if server is not None:
         pb_grpc.add_KVTransferServicer_to_server(transport.servicer(), server)

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("disagg.worker.cli.generate", "run the engine offline on prompts"),
     "worker": ("disagg.worker.cli.worker", "run a prefill, decode or colocated worker"),
     "router": ("disagg.worker.cli.router", "run the OpenAI-compatible router"),
+    "drain": ("disagg.worker.cli.drain", "drain a worker (its pod's preStop hook)"),
     "up": ("disagg.worker.cli.up", "run Redis, workers and the router on this machine"),
     "plan": ("disagg.worker.cli.plan", "advise prefill/decode replica counts for a workload and its SLOs"),
     "operator": ("disagg.operator.main", "run the Kubernetes operator"),

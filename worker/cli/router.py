@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from disagg.worker.engine import args as engine_args
+from disagg.worker.serving import auth
 
 
 def _env(name: str, default=None):
@@ -32,7 +33,8 @@ def max_choices(args) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default=_env("HOST", "0.0.0.0"))
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"),
+                   help="bind address (0.0.0.0 or the pod IP to serve clients beyond this machine)")  # fmt: skip
     p.add_argument("--port", type=int, default=int(_env("PORT", 8000)))
     p.add_argument(
         "--model", default=_env("MODEL"), help="model directory (tokenizer, chat template, context)"
@@ -56,7 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN") and int(_env("MAX_MODEL_LEN")))
     p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", engine_args.default("block_size"))),
                    help="the workers' KV block size: prompts are hashed per block for prefix-aware routing")  # fmt: skip
+    p.add_argument("--redis-password-file", default=None,
+                   help="file with the Redis password (or DISAGG_REDIS_PASSWORD / DISAGG_REDIS_PASSWORD_FILE)")  # fmt: skip
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    auth.add_cli_args(p)
 
 
 def api_keys(args) -> frozenset[str]:
@@ -101,10 +106,10 @@ def build_router(args):
     tokenizer = Tokenizer.from_pretrained(model_dir)
     source = lookup = None
     if args.redis_url:
-        from disagg.worker.cli.worker import redis_url_with_password
+        from disagg.worker.cli.worker import _password
         from disagg.worker.kv_state import KVState
 
-        state = KVState(redis_url_with_password(args.redis_url), args.deployment, f"router-{os.getpid()}")
+        state = KVState(args.redis_url, args.deployment, f"router-{os.getpid()}", password=_password(args))
 
         def source():
             return [(w.id, w.role, w.address) for w in state.workers()]
@@ -113,7 +118,8 @@ def build_router(args):
     static = [a.strip() for a in args.workers.split(",") if a.strip()]
     if source is None and not static:
         raise SystemExit("disagg router: give --redis-url (worker registry) and/or --workers host:port,...")
-    pool = WorkerPool(source, static, model=model_name)
+    internal = auth.from_cli_args(args, "disagg router")
+    pool = WorkerPool(source, static, model=model_name, auth=internal)
     config = RouterConfig(
         model_name=model_name,
         max_model_len=max_len,
@@ -122,7 +128,7 @@ def build_router(args):
         max_queue=args.max_queue,
         max_choices=choices,
     )
-    return Router(config, tokenizer, pool, lookup)
+    return Router(config, tokenizer, pool, lookup, internal_auth=internal)
 
 
 def run(args) -> int:

@@ -1,7 +1,12 @@
 """`disagg up`: the whole deployment on this machine — Redis, prefill and decode workers, router.
 
 Children are started with a parent-death signal, so they never outlive this process, and are
-stopped with SIGTERM (then SIGKILL) on Ctrl-C or SIGTERM. Their output goes to `.run/<name>.log`.
+stopped with SIGTERM (then SIGKILL) on Ctrl-C or SIGTERM. A child that dies is started again
+(as Kubernetes restarts a pod). Their output goes to `.run/<name>.log`.
+
+The deployment's secrets are generated here: the internal credential of worker traffic and the
+Redis password, each in a 0600 file under `<run-dir>/secrets/` and handed to the children through
+their environment (Redis reads its password from its 0600 config file), never on a command line.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import contextlib
 import ctypes
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -26,10 +32,36 @@ from disagg.worker.cli.ports import free_port
 from disagg.worker.engine.args import EngineArgs
 
 
-def redis_command(port: int, data_dir: Path | None = None) -> list[str]:
-    """A throwaway loopback Redis: no snapshots, no append-only file (KV state is rebuilt, not restored)."""
+def redis_command(port: int, data_dir: Path | None = None, config: Path | None = None) -> list[str]:
+    """A throwaway loopback Redis: no snapshots, no append-only file (KV state is rebuilt, not restored).
+    With `config` (see `write_redis_config`) everything, the password included, comes from that file."""
+    if config is not None:
+        return ["redis-server", str(config)]
     cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     return cmd if data_dir is None else [*cmd, "--dir", str(data_dir)]
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Write `text` to a file only its owner can read (created 0600, never briefly wider)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
+def write_redis_config(path: Path, port: int, password: str, data_dir: Path | None = None) -> Path:
+    """A 0600 redis.conf: loopback, protected mode, a password (the file keeps it out of `ps`)."""
+    lines = [
+        f"port {port}", "bind 127.0.0.1", "protected-mode yes", f'requirepass "{password}"',
+        'save ""', "appendonly no", *([f'dir "{data_dir}"'] if data_dir is not None else []),
+    ]  # fmt: skip
+    return write_private(path, "\n".join(lines) + "\n")
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(32)  # URL- and redis.conf-safe characters only
 
 
 _PR_SET_PDEATHSIG = 1
@@ -73,9 +105,10 @@ class Child:
     proc: subprocess.Popen | None = None
     ready: bool = False
     env: dict = field(default_factory=dict)
+    restarts: int = 0
 
     def start(self) -> None:
-        log = open(self.log_path, "wb")
+        log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             self.cmd,
             stdout=log,
@@ -141,8 +174,16 @@ class Deployment:
         self.model = model
         redis_port = free_port()
         self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        redis = Child("redis", redis_command(redis_port), self.run_dir / "redis.log")
+        secrets_dir = self.run_dir / "secrets"
+        token_file = write_private(secrets_dir / "internal-token", new_secret())
+        password_file = write_private(secrets_dir / "redis-password", new_secret())
+        self.internal_token = token_file.read_text()
+        config = write_redis_config(secrets_dir / "redis.conf", redis_port, password_file.read_text())
+        redis = Child("redis", redis_command(redis_port, config=config), self.run_dir / "redis.log")
         self.children.append(redis)
+        # file paths, not values, in the environment: the values stay in the 0600 files
+        secret_env = {"DISAGG_INTERNAL_TOKEN_FILE": str(token_file.resolve()),
+                      "DISAGG_REDIS_PASSWORD_FILE": str(password_file.resolve())}  # fmt: skip
         n_workers = a.prefill + a.decode + a.both
         engine = EngineArgs.from_cli_args(a, model=str(model))
         if engine.threads is None:
@@ -159,7 +200,13 @@ class Deployment:
                     "--disagg-threshold", str(a.disagg_threshold), *engine.to_cli_args(), *a.worker_arg,
                 ]  # fmt: skip
                 self.children.append(
-                    Child(name, cmd, self.run_dir / f"{name}.log", f"http://127.0.0.1:{mport}/health")
+                    Child(
+                        name,
+                        cmd,
+                        self.run_dir / f"{name}.log",
+                        f"http://127.0.0.1:{mport}/health",
+                        env=secret_env,
+                    )  # fmt: skip
                 )
         self.router_url = f"http://127.0.0.1:{a.port}"
         cmd = py + [
@@ -167,7 +214,9 @@ class Deployment:
             "--redis-url", self.redis_url, "--deployment", "local", "--block-size", str(engine.block_size),
             *(["--max-model-len", str(engine.max_model_len)] if engine.max_model_len else []),
         ]  # fmt: skip
-        self.children.append(Child("router", cmd, self.run_dir / "router.log", f"{self.router_url}/health"))
+        self.children.append(
+            Child("router", cmd, self.run_dir / "router.log", f"{self.router_url}/health", env=secret_env)
+        )
 
     def start(self) -> None:
         started = time.monotonic()
@@ -202,12 +251,32 @@ class Deployment:
     def _router_sees_all(self) -> bool:
         """The router routes only to workers it has polled: wait until it knows every one."""
         names = {c.name for c in self.children if c.name not in ("redis", "router")}
+        request = urllib.request.Request(
+            f"{self.router_url}/internal/workers", headers={"Authorization": f"Bearer {self.internal_token}"}
+        )
         try:
-            with urllib.request.urlopen(f"{self.router_url}/health", timeout=1) as r:
+            with urllib.request.urlopen(request, timeout=1) as r:
                 body = json.load(r)
         except (urllib.error.URLError, OSError, ValueError):
             return False
         return names <= {w["id"] for w in body.get("workers", []) if w.get("ready")}
+
+    def restart_dead(self, max_restarts: int = 5) -> list[Child]:
+        """Start again every child that exited (as a pod would be restarted); a child that keeps
+        dying is given up on after `max_restarts` (returned, so the caller can stop)."""
+        given_up = []
+        for c in self.children:
+            if c.proc is None or c.alive():
+                continue
+            if c.restarts >= max_restarts:
+                given_up.append(c)
+                continue
+            c.restarts += 1
+            print(f"disagg up: {c.name} exited (code {c.proc.returncode}); restarting "
+                  f"({c.restarts}/{max_restarts}); last log lines:\n{c.tail()}", file=sys.stderr, flush=True)  # fmt: skip
+            c.ready = False
+            c.start()
+        return given_up
 
     def stop(self) -> None:
         for c in reversed(self.children):  # router first, Redis last
@@ -309,15 +378,14 @@ def run(args) -> int:
             "Ctrl-C stops everything.",
             flush=True,
         )
-        while all(c.alive() for c in dep.children):
+        while True:
+            given_up = dep.restart_dead()
+            if given_up:
+                for c in given_up:
+                    print(f"disagg up: {c.name} keeps exiting (code {c.proc.returncode}); stopping",
+                          file=sys.stderr)  # fmt: skip
+                return 1
             time.sleep(0.5)
-        dead = [c for c in dep.children if not c.alive()]
-        for c in dead:
-            print(
-                f"disagg up: {c.name} exited (code {c.proc.returncode}); last log lines:\n{c.tail()}",
-                file=sys.stderr,
-            )
-        return 1
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
         return 0

@@ -8,32 +8,17 @@ import dataclasses
 import logging
 import os
 import socket
-import urllib.parse
 from pathlib import Path
 
 from disagg.worker.engine.args import EngineArgs
+from disagg.worker.kv_state.link import redis_password
+from disagg.worker.serving import auth
 
 ROLES = ("prefill", "decode", "both")
 
 
 def _env(name: str, default=None):
     return os.environ.get(f"DISAGG_{name}", default)
-
-
-def redis_url_with_password(url: str | None) -> str | None:
-    """`url` with the password from DISAGG_REDIS_PASSWORD (set from a Secret) when it has none.
-
-    The password travels apart from the URL and is quoted here, so any character in it is safe.
-    """
-    password = os.environ.get("DISAGG_REDIS_PASSWORD")
-    if not url or not password:
-        return url
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is not None:
-        return url
-    user = urllib.parse.quote(parts.username or "", safe="")
-    netloc = f"{user}:{urllib.parse.quote(password, safe='')}@{parts.netloc.rpartition('@')[2]}"
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model-name", default=_env("MODEL_NAME"), help="served model name (default: directory name)"
     )
     p.add_argument("--worker-id", default=_env("WORKER_ID"), help="unique id (default: role-host-port)")
-    p.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="bind address")
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"),
+                   help="bind address of gRPC, /metrics and NIXL's UCX (0.0.0.0 or the pod IP to serve peers)")  # fmt: skip
     p.add_argument("--advertise-host", default=_env("ADVERTISE_HOST", os.environ.get("POD_IP", "127.0.0.1")),
                    help="address peers and the router use to reach this worker")  # fmt: skip
     p.add_argument("--port", type=int, default=int(_env("PORT", 0)), help="gRPC port (0: any free port)")
@@ -54,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--redis-url", default=_env("REDIS_URL"), help="Redis for registry, transfers, prefix index"
     )
+    p.add_argument("--redis-password-file", default=None,
+                   help="file with the Redis password (or DISAGG_REDIS_PASSWORD / DISAGG_REDIS_PASSWORD_FILE)")  # fmt: skip
     p.add_argument("--deployment", default=_env("DEPLOYMENT", "default"), help="namespace of the Redis keys")
     p.add_argument("--kv-transfer", choices=("nixl", "grpc"), default=_env("KV_TRANSFER", "nixl"))
     p.add_argument("--disagg-threshold", type=int, default=int(_env("THRESHOLD", 64)),
@@ -64,7 +52,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT", 30)),
                    help="longest wait for in-flight streams when draining (/drain, then SIGTERM share it)")  # fmt: skip
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    auth.add_cli_args(p)
     EngineArgs.add_cli_args(p, env=True)
+
+
+def _password(args) -> str | None:
+    try:
+        return redis_password(args.redis_password_file)
+    except ValueError as e:
+        raise SystemExit(f"disagg: {e}") from None
 
 
 def config_from_args(args):
@@ -88,7 +84,9 @@ def config_from_args(args):
         advertise_host=args.advertise_host,
         port=args.port,
         metrics_port=args.metrics_port,
-        redis_url=redis_url_with_password(args.redis_url),
+        redis_url=args.redis_url,
+        redis_password=_password(args),
+        auth=auth.from_cli_args(args, "disagg worker"),
         deployment=args.deployment,
         kv_transfer=args.kv_transfer,
         disagg_threshold=args.disagg_threshold,

@@ -52,13 +52,16 @@ class KVState:
         heartbeat_ttl: float = 10.0,
         timeout: float = 1.0,
         on_reregister: Callable[[], None] | None = None,
+        password: str | None = None,
     ):
-        """on_reregister: called (from the heartbeating thread) after the registry entry had to
+        """password: Redis AUTH, kept apart from the URL (which may be logged).
+
+        on_reregister: called (from the heartbeating thread) after the registry entry had to
         be written again, e.g. after a Redis restart; republish the cached block hashes there."""
         self.keys = Keys(deployment)
         self.worker_id = check_name("worker_id", worker_id)
         self.heartbeat_ttl_ms = lease_ms(heartbeat_ttl)
-        self.link = RedisLink(redis_url, timeout)
+        self.link = RedisLink(redis_url, timeout, password=password)
         self.on_reregister = on_reregister
         self._info: WorkerInfo | None = None
         client = self.link.client

@@ -8,6 +8,9 @@ Sender (prefill worker P), from the thread that owns the transport:
 Receiver (decode worker D), polled each engine step:
     poll_completed() -> [transfer_id]               every send of the transfer has landed
     poll_failed()    -> [(transfer_id, reason)]     the sender aborted, vanished, or stalled
+    accept(transfer_id, block_ids)                  before asking a peer to send: the only blocks
+                                                    that transfer may write (until it settles or
+                                                    `forget`); the gRPC receiver refuses the rest
 
 A send that errors evicts the peer when the cause is the connection (disconnect, timeout), so the
 next send raises UnknownPeer and the caller handshakes again. Use a fresh transfer id per attempt
@@ -18,6 +21,7 @@ dropped.
 from __future__ import annotations
 
 import logging
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -27,7 +31,7 @@ from disagg.proto import kv_transfer_pb2 as pb
 from disagg.worker.kv_transfer.errors import UnknownPeer
 from disagg.worker.kv_transfer.handle import PENDING, TransferHandle, finished_handle
 from disagg.worker.kv_transfer.layout import KVLayout
-from disagg.worker.kv_transfer.metrics import TRANSFER_BYTES, TRANSFER_FAILURES
+from disagg.worker.kv_transfer.metrics import TRANSFER_BYTES, TRANSFER_FAILURES, TRANSFER_REFUSED
 from disagg.worker.kv_transfer.tracker import ReceiveTracker
 
 log = logging.getLogger(__name__)
@@ -70,6 +74,9 @@ class KVTransport(ABC):
         self._peer_layouts: dict[str, KVLayout] = {}
         # Notices still in flight: a gRPC call whose future is garbage-collected gets cancelled.
         self._notices: list[TransferHandle] = []
+        # transfer id -> the blocks reserved for it (read by receiving server threads)
+        self._accepting: dict[str, frozenset[int]] = {}
+        self._accept_lock = threading.Lock()
 
     # ---- peers -------------------------------------------------------------------------------
     @abstractmethod
@@ -186,19 +193,45 @@ class KVTransport(ABC):
     def poll_completed(self) -> list[str]:
         """Transfer ids whose every send has landed in our cache (each reported once)."""
         self._pump()
-        return self.tracker.pop_completed()
+        done = self.tracker.pop_completed()
+        self._settled(done)
+        return done
 
     def poll_failed(self) -> list[tuple[str, str]]:
         """(transfer id, reason) of incoming transfers that will not complete."""
         self._pump()
         failed = self.tracker.pop_failed()
+        self._settled(t for t, _ in failed)
         for _, reason in failed:
             TRANSFER_FAILURES.labels(self.backend, reason.split(":", 1)[0]).inc()
         return failed
 
     def forget(self, transfer_id: str) -> None:
-        """Drop receive state of a transfer the caller gave up on (its late notices are ignored)."""
+        """Drop receive state of a transfer the caller gave up on (its late notices are ignored,
+        its late writes refused where the transport can refuse them)."""
         self.tracker.forget(transfer_id)
+        with self._accept_lock:
+            self._accepting.pop(transfer_id, None)
+
+    def accept(self, transfer_id: str, block_ids: list[int]) -> None:
+        """Expect `transfer_id` to write exactly into `block_ids` (the receiver's reservation)."""
+        with self._accept_lock:
+            self._accepting[transfer_id] = frozenset(block_ids)
+
+    def accepts(self, transfer_id: str, block_ids) -> bool:
+        """Whether `transfer_id` may write `block_ids`; a refusal is counted."""
+        with self._accept_lock:
+            allowed = self._accepting.get(transfer_id)
+        if allowed is not None and allowed.issuperset(block_ids):
+            return True
+        TRANSFER_REFUSED.labels(self.backend).inc()
+        log.warning("refused KV write of transfer %r into blocks it did not reserve", transfer_id)
+        return False
+
+    def _settled(self, transfer_ids) -> None:
+        with self._accept_lock:
+            for tid in transfer_ids:
+                self._accepting.pop(tid, None)
 
     def _received(self, sender: str, transfer_id: str, nbytes: int) -> None:
         TRANSFER_BYTES.labels(self.backend, "recv").inc(nbytes)

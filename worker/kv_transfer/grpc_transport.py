@@ -104,12 +104,16 @@ class GrpcHandle(TransferHandle):
 
 
 class _Peer:
-    def __init__(self, address: str, layout: KVLayout, sender_name: str):
+    def __init__(self, address: str, layout: KVLayout, sender_name: str, connect, wrap):
         self.address = address
         self.sender_name = sender_name  # how its chunks and notices name it when it sends to us
         self.layout = layout
-        self.channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self.stub = pb_grpc.KVTransferStub(self.channel)
+        self.channel = connect(address, _CHANNEL_OPTIONS)
+        self.stub = wrap(pb_grpc.KVTransferStub(self.channel))
+
+
+def _insecure(address: str, options) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=options)
 
 
 class GrpcTransport(KVTransport):
@@ -123,8 +127,14 @@ class GrpcTransport(KVTransport):
         *,
         advertise_address: str = "",
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        connect=_insecure,
+        wrap_stub=lambda stub: stub,
+        reserved_only: bool = True,
         **kw,
     ):
+        """connect(address, options) -> grpc.Channel and wrap_stub(stub): how calls to peers carry
+        the deployment's credential (TLS channel, authorization metadata). reserved_only: refuse
+        pushes into blocks not `accept`ed for their transfer id (off only for wire benchmarks)."""
         super().__init__(kv_cache, layout, name, **kw)
         if chunk_bytes < layout.block_bytes:
             raise ValueError(
@@ -135,6 +145,8 @@ class GrpcTransport(KVTransport):
         self.blocks_per_chunk = chunk_bytes // layout.block_bytes
         self._regions = _RegionBytes(kv_cache, layout)
         self._peers: dict[str, _Peer] = {}
+        self._connect, self._wrap_stub = connect, wrap_stub
+        self.reserved_only = reserved_only
 
     def servicer(self) -> KVTransferServicer:
         """Mount on the worker's gRPC server: pb_grpc.add_KVTransferServicer_to_server(t.servicer(), server)."""
@@ -152,7 +164,7 @@ class GrpcTransport(KVTransport):
             raise ValueError("address: the peer advertises no KVTransfer address; pass address=host:port")
         if peer_id in self._peers:
             self.remove_peer(peer_id)
-        self._peers[peer_id] = _Peer(address, remote, msg.agent_name)
+        self._peers[peer_id] = _Peer(address, remote, msg.agent_name, self._connect, self._wrap_stub)
         self._peer_layouts[peer_id] = remote
 
     def remove_peer(self, peer_id: str) -> None:
@@ -224,6 +236,10 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
                 error = self._check_chunk(chunk, layout)
                 if error:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+                if self._t.reserved_only and not self._t.accepts(transfer_id, chunk.dst_block_ids):
+                    # checked before writing: the cache stays as it was
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                  f"transfer {transfer_id!r} has not reserved blocks {list(chunk.dst_block_ids)[:8]}")  # fmt: skip
                 self._t._regions.write(chunk.layer, list(chunk.dst_block_ids), chunk.data)
                 written += len(chunk.data)
                 regions += len(chunk.dst_block_ids)

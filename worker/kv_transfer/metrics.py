@@ -20,3 +20,8 @@ TRANSFER_FAILURES = Counter(
     "KV sends or receives that failed, by reason (disconnect, timeout, rejected, aborted, stalled, error).",
     ["backend", "reason"],
 )
+TRANSFER_REFUSED = Counter(
+    "disagg_kv_transfer_refused",
+    "Incoming KV writes refused: their transfer id had not reserved the target blocks (or none).",
+    ["backend"],
+)

@@ -11,6 +11,7 @@ that goes away, or one generation that fails, cancels the rest, which aborts the
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 import uuid
@@ -34,9 +35,12 @@ from disagg.worker.router.validation import (
     parse_completion,
 )
 from disagg.worker.router.workers import WorkerPool
+from disagg.worker.serving.auth import INSECURE, REFUSED, InternalAuth
 from disagg.worker.serving.metrics import CONTENT_TYPE, ServingMetrics
 
 log = logging.getLogger("disagg.router")
+
+ECHO_HEADERS = web.RequestKey("echo_headers", dict)
 
 
 @dataclass
@@ -49,6 +53,10 @@ class RouterConfig:
     max_choices: int = 64  # generations one request may fan out to (n x prompts)
     prefill_candidates: int = 2  # the first is tried, the next one on failure
     request_timeout: float = 600.0
+    # Text a request may ask to tokenize (prompts, chat messages): bounds the CPU one request can
+    # take; larger is a 400. Token-id prompts are bounded by the context length instead.
+    max_prompt_bytes: int = 1 << 20
+    decode_attempts: int = 3  # decode workers tried for a generation before nothing was streamed
 
 
 @dataclass
@@ -71,8 +79,13 @@ class Router:
         pool: WorkerPool,
         prefix_lookup: Callable[[list[int]], dict[str, int]] | None = None,
         metrics: ServingMetrics | None = None,
+        internal_auth: InternalAuth = INSECURE,
     ):
         self.config = config
+        self.internal_auth = internal_auth
+        # Tokenizing and chat templates run here, off the event loop: a long prompt must not hold
+        # up /health or other requests.
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tokenize")
         self.tokenizer = tokenizer
         self.pool = pool
         self.prefix_lookup = prefix_lookup
@@ -88,16 +101,23 @@ class Router:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/internal/workers", self.internal_workers)
         app.router.add_get("/metrics", self.metrics_page)
+        app.on_response_prepare.append(self._echo_headers)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
+
+    @staticmethod
+    async def _echo_headers(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers.update(request.get(ECHO_HEADERS) or {})
 
     async def _on_startup(self, _app) -> None:
         await self.pool.start()
 
     async def _on_cleanup(self, _app) -> None:
         await self.pool.stop()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler):
@@ -132,10 +152,26 @@ class Router:
         return web.json_response({"object": "list", "data": [card]})
 
     async def health(self, _request: web.Request) -> web.Response:
+        """Readiness for clients and probes: counts only, no worker ids or internal addresses."""
         views = self.pool.views()
         decode = [v for v in views if v.role in ("decode", "both")]
         body = {
             "status": "ok" if decode else "no_workers",
+            "ready_workers": {
+                "decode": len(decode),
+                "prefill": sum(1 for v in views if v.role == "prefill"),
+            },
+            "registry": self.pool.registry_ok,
+        }
+        return web.json_response(body, status=200 if decode else 503)
+
+    async def internal_workers(self, request: web.Request) -> web.Response:
+        """Every known worker with its id and address, for operators and tools holding the
+        deployment's internal credential."""
+        if not self.internal_auth.check(request.headers.get("Authorization")):
+            REFUSED.labels("internal_workers").inc()
+            return web.json_response({"error": "missing or wrong internal credential"}, status=401)
+        body = {
             "workers": [
                 {
                     "id": v.worker_id if v else None,
@@ -147,7 +183,7 @@ class Router:
             ],
             "registry": self.pool.registry_ok,
         }
-        return web.json_response(body, status=200 if decode else 503)
+        return web.json_response(body)
 
     async def metrics_page(self, _request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
@@ -158,6 +194,31 @@ class Router:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_chat)
+
+    def _check_prompt_size(self, spec: GenerationSpec) -> None:
+        """Refuse, before any tokenizing, text larger than --max-prompt-bytes (400, not a stall)."""
+        limit = self.config.max_prompt_bytes
+        if spec.kind == "chat":
+            sizes = [("messages", sum(len(m["content"].encode()) for m in spec.messages))]
+        else:
+            sizes = [(f"prompt[{i}]" if spec.num_prompts > 1 else "prompt", len(p.encode()))
+                     for i, p in enumerate(spec.prompts) if isinstance(p, str)]  # fmt: skip
+        for param, n in sizes:
+            if n > limit:
+                raise invalid(param, f"{param} is {n} bytes of text; this server accepts at most {limit}",
+                              code="prompt_too_large")  # fmt: skip
+
+    async def _tokenize_all(self, spec: GenerationSpec) -> list[list[int]]:
+        self._check_prompt_size(spec)
+        loop = asyncio.get_running_loop()
+        return list(
+            await asyncio.gather(
+                *(
+                    loop.run_in_executor(self._tokenize_pool, self._tokenize, spec, i)
+                    for i in range(spec.num_prompts)
+                )
+            )
+        )
 
     def _tokenize(self, spec: GenerationSpec, prompt_index: int) -> list[int]:
         if spec.kind == "chat":
@@ -233,18 +294,25 @@ class Router:
             )
         check_choice_count(spec, self.config.max_choices)
         plans = plan_choices(spec.num_prompts, spec.n, spec.sampling.seed)
-        # admission counts generations, not HTTP requests: n=8 weighs as much as 8 requests
+        # admission counts generations, not HTTP requests: n=8 weighs as much as 8 requests; the
+        # count is taken together with the check, before any await, so a burst cannot slip past it
         if self.inflight + len(plans) > self.config.max_queue:
             raise APIError(429, "The server is at capacity; retry shortly.", code="queue_full", retry_after=1)
-        prompts = [self._tokenize(spec, i) for i in range(spec.num_prompts)]
-        max_tokens = [self._fit(spec, i, len(ids)) for i, ids in enumerate(prompts)]
-        hashes = [block_hashes(ids, self.config.block_size) for ids in prompts]
-        matches = await asyncio.gather(*(self._prefix_match(h) for h in hashes))
-        base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        builder = ResponseBuilder(spec.kind, spec.model, self.token_text, spec.sampling.logprobs is not None)
-        choices: list[_Choice] = []
         self.inflight += len(plans)
+        choices: list[_Choice] = []
         try:
+            prompts = await self._tokenize_all(spec)
+            max_tokens = [self._fit(spec, i, len(ids)) for i, ids in enumerate(prompts)]
+            hashes = [block_hashes(ids, self.config.block_size) for ids in prompts]
+            matches = await asyncio.gather(*(self._prefix_match(h) for h in hashes))
+            # Our own id for the workers and Redis: a client's X-Request-Id is only echoed back, so
+            # one client cannot name (and abort) another's generation.
+            base_id = uuid.uuid4().hex
+            client_id = request.headers.get("X-Request-Id")
+            request[ECHO_HEADERS] = {"X-Request-Id": client_id or base_id}
+            builder = ResponseBuilder(
+                spec.kind, spec.model, self.token_text, spec.sampling.logprobs is not None
+            )
             for plan in plans:
                 p = plan.prompt_index
                 # one routing decision per generation; each `begin` below weighs on the next choice
@@ -284,33 +352,41 @@ class Router:
 
     async def _start(self, req, decode, match, prompt_blocks: int, used: list):
         """Open the worker's stream and wait for its first message. A decode worker that turns out
-        unreachable before answering anything is replaced by another one, once: nothing was sent
-        to the client yet, and whatever the dead worker held is reclaimed by its leases."""
-        for attempt in range(2):
+        unreachable or draining before answering anything is replaced by another one: nothing was
+        sent to the client yet, and whatever the dead worker held is reclaimed by its leases."""
+        attempts = self.config.decode_attempts
+        for attempt in range(attempts):
             call = self.pool.stub(decode.address).Generate(req, timeout=self.config.request_timeout)
             try:
-                return decode, call, await call.__aiter__().__anext__()
+                first = await call.__aiter__().__anext__()
             except StopAsyncIteration:
                 raise APIError(
                     500, "the worker closed the stream without output", code="worker_error"
                 ) from None
             except grpc.aio.AioRpcError as e:
-                err = self._worker_error(decode, e)
-                taken = {u.worker_id for u in used}
-                alt = choose_decode(
-                    [v for v in self.pool.views() if v.worker_id not in taken], match, prompt_blocks
-                )
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt or alt is None:
-                    raise err from e
-                log.warning("decode worker %s unavailable (%s); retrying on %s", decode.worker_id, e.details(),
-                            alt.worker_id)  # fmt: skip
-                decode = alt
-                used.append(alt)
-                self.pool.begin(alt.worker_id)
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise self._worker_error(decode, e) from e
+                failure, why = self._worker_error(decode, e), e.details()
             except asyncio.CancelledError:
                 call.cancel()
                 asyncio.ensure_future(self._abort(decode, req.request_id))
                 raise
+            else:
+                if first.error.code != "draining":
+                    return decode, call, first
+                # it began draining after the router last polled it: out of rotation, try another
+                self.pool.mark_failed(decode.worker_id)
+                failure, why = self._msg_error(first), "draining"
+            taken = {u.worker_id for u in used}
+            alt = choose_decode(
+                [v for v in self.pool.views() if v.worker_id not in taken], match, prompt_blocks
+            )
+            if attempt + 1 == attempts or alt is None:
+                raise failure
+            log.warning("decode worker %s %s; retrying on %s", decode.worker_id, why, alt.worker_id)
+            decode = alt
+            used.append(alt)
+            self.pool.begin(alt.worker_id)
         raise AssertionError("unreachable")
 
     async def _abort(self, decode, request_id: str) -> None:
@@ -357,11 +433,17 @@ class Router:
         except grpc.aio.AioRpcError as e:
             events.put_nowait((c, self._worker_error(c.decode, e)))
         except asyncio.CancelledError:
-            # a sibling failed or the client left: the worker frees this generation's blocks
             if call is not None:
                 call.cancel()
                 asyncio.ensure_future(self._abort(c.decode, c.req.request_id))
-            raise
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # a sibling failed or the client left: the worker frees this generation's blocks
+            # The call was cancelled under us (the pool closed the channel of a worker that left
+            # the registry): the generation still needs an answer.
+            self.pool.mark_failed(c.decode.worker_id)
+            events.put_nowait((c, APIError(503, f"worker {c.decode.worker_id} went away", code="worker_unavailable",
+                                           retry_after=1)))  # fmt: skip
 
     async def _stop_choices(self, tasks: list[asyncio.Task]) -> None:
         """Cancel the generations still running (each aborts on its worker) and count them."""

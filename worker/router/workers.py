@@ -14,6 +14,7 @@ import grpc
 
 from disagg.proto import worker_pb2, worker_pb2_grpc
 from disagg.worker.router.policy import WorkerView
+from disagg.worker.serving.auth import INSECURE, InternalAuth
 from disagg.worker.serving.stubs import WorkerStubs
 
 log = logging.getLogger("disagg.router.workers")
@@ -43,13 +44,14 @@ class WorkerPool:
         static_addresses: list[str] | None = None,
         refresh_seconds: float = 0.5,
         model: str | None = None,
+        auth: InternalAuth = INSECURE,
     ):
         self._source = members_source
         self._static = list(static_addresses or [])
         self._refresh = refresh_seconds
         self._model = model
         self._members: dict[str, _Member] = {a: _Member(a) for a in self._static}
-        self._stubs = WorkerStubs()
+        self._stubs = WorkerStubs(auth)
         self._inflight: dict[str, int] = {}
         self._task: asyncio.Task | None = None
         self.registry_ok = self._source is None

@@ -149,12 +149,14 @@ class WorkerCore:
         return blocks
 
     def on_loop_expect_kv(
-        self, transfer_id: str, request_id: str, done: Callable[[str | None], None]
+        self, transfer_id: str, request_id: str, done: Callable[[str | None], None], block_ids: list[int]
     ) -> bool:
-        """Register interest in a transfer into `request_id`'s blocks; False if the request is gone."""
+        """Register interest in a transfer into `request_id`'s blocks `block_ids` (the only ones
+        it may write); False if the request is gone."""
         if request_id not in self.reserved:
             return False
         self.kv_waits[transfer_id] = KVWait(request_id, done)
+        self.transport.accept(transfer_id, block_ids)
         return True
 
     def on_loop_forget_kv(self, transfer_id: str) -> None:

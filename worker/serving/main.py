@@ -13,6 +13,7 @@ from aiohttp import web
 
 from disagg.proto import worker_pb2_grpc as pb_grpc
 from disagg.worker.engine.args import EngineArgs
+from disagg.worker.serving.auth import INSECURE, REFUSED, InternalAuth
 from disagg.worker.serving.core import WorkerCore
 from disagg.worker.serving.engine_loop import EngineLoop
 from disagg.worker.serving.metrics import CONTENT_TYPE, ServingMetrics
@@ -32,7 +33,7 @@ class WorkerConfig:
     role: str
     worker_id: str
     model_name: str
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     advertise_host: str = "127.0.0.1"
     port: int = 0
     metrics_port: int = 0
@@ -43,6 +44,8 @@ class WorkerConfig:
     prefill_timeout: float = 120.0
     lease_seconds: float = 30.0
     drain_timeout: float = 30.0
+    auth: InternalAuth = INSECURE
+    redis_password: str | None = None
 
     @property
     def model(self) -> str:
@@ -61,7 +64,9 @@ def _build_transport(cfg: WorkerConfig, engine, address: str):
     from disagg.worker.kv_transfer import KVLayout, create_transport
 
     layout = KVLayout.from_tensor(engine.kv_cache, cfg.model_name)
-    options = {"advertise_address": address} if cfg.kv_transfer == "grpc" else {}
+    options = {}
+    if cfg.kv_transfer == "grpc":
+        options = {"advertise_address": address, "connect": cfg.auth.channel, "wrap_stub": cfg.auth.wrap}
     return create_transport(cfg.kv_transfer, engine.kv_cache, layout, cfg.worker_id, **options)
 
 
@@ -73,7 +78,7 @@ def _kv_state(cfg: WorkerConfig, address: str, metrics_url: str):
     info = WorkerInfo(
         id=cfg.worker_id, role=cfg.role, address=address, metrics_url=metrics_url, model=cfg.model_name
     )
-    return KVState(cfg.redis_url, cfg.deployment, cfg.worker_id), info
+    return KVState(cfg.redis_url, cfg.deployment, cfg.worker_id, password=cfg.redis_password), info
 
 
 class WorkerProcess:
@@ -99,8 +104,9 @@ class WorkerProcess:
         self.server = grpc.aio.server(
             migration_thread_pool=concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="grpc-sync"),
             options=GRPC_OPTIONS,
+            interceptors=self.cfg.auth.interceptors(),
         )
-        self.port = self.server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        self.port = self.cfg.auth.add_port(self.server, f"{self.cfg.host}:{self.cfg.port}")
         if self.port == 0:
             raise RuntimeError(f"cannot bind the gRPC port {self.cfg.host}:{self.cfg.port}")
 
@@ -123,9 +129,13 @@ class WorkerProcess:
             alive = self.service is None or self.loop.alive
             return web.json_response({"alive": alive}, status=200 if alive else 503)
 
-        async def drain(_r):
-            # Kubernetes' preStop hook: stop admitting and answer once in-flight streams are done,
-            # so the SIGTERM that follows finds nothing to cut off.
+        async def drain(request):
+            # Kubernetes' preStop hook (`disagg drain` in the pod): stop admitting and answer once
+            # in-flight streams are done, so the SIGTERM that follows finds nothing to cut off.
+            # Taking a worker out of rotation is internal: it needs the deployment's credential.
+            if not self.cfg.auth.check(request.headers.get("Authorization")):
+                REFUSED.labels("drain").inc()
+                return web.json_response({"error": "missing or wrong internal credential"}, status=401)
             s = self.service
             if s is None:
                 return web.json_response({"drained": True, "streams": 0})
@@ -191,7 +201,9 @@ class WorkerProcess:
             prefill_timeout=self.cfg.prefill_timeout,
             lease_seconds=self.cfg.lease_seconds,
         )
-        self.service = WorkerService(opts, self.loop, core, self.state, self.metrics, engine.max_model_len)
+        self.service = WorkerService(
+            opts, self.loop, core, self.state, self.metrics, engine.max_model_len, auth=self.cfg.auth
+        )
         pb_grpc.add_WorkerServicer_to_server(self.service, self.server)
         if holder["transport"] is not None and hasattr(holder["transport"], "servicer"):
             from disagg.proto import kv_transfer_pb2_grpc

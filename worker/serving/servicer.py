@@ -18,6 +18,7 @@ import grpc
 from disagg.proto import worker_pb2 as pb
 from disagg.proto import worker_pb2_grpc as pb_grpc
 from disagg.worker.engine.block_manager import NoFreeBlocksError
+from disagg.worker.serving.auth import INSECURE, InternalAuth
 from disagg.worker.serving.convert import error, logprob_from_proto, logprob_to_proto, sampling_params
 from disagg.worker.serving.core import PrefillJob, WorkerCore
 from disagg.worker.serving.disagg_policy import should_disaggregate
@@ -58,6 +59,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         state: StateLink,
         metrics: ServingMetrics,
         max_model_len: int,
+        auth: InternalAuth = INSECURE,
     ):
         self.opts = opts
         self.loop = loop
@@ -68,7 +70,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.ready = False
         self.draining = False
         self.streams = 0  # Generate and Prefill calls in progress (drain waits for zero)
-        self._stubs = WorkerStubs()
+        self._stubs = WorkerStubs(auth)
         self._handshaken: set[str] = set()  # prefill workers whose KV handshake we hold
         self._handshake_locks: dict[str, asyncio.Lock] = {}
 
@@ -268,7 +270,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         def on_landed(reason):
             aio.call_soon_threadsafe(lambda: landed.done() or landed.set_result(reason))
 
-        if not await self._call(self.core.on_loop_expect_kv, transfer_id, rid, on_landed):
+        if not await self._call(
+            self.core.on_loop_expect_kv, transfer_id, rid, on_landed, dst.fresh_block_ids
+        ):
             raise RequestGone(rid)
         stub = self._stub(target.address)
         req = pb.PrefillRequest(

@@ -5,12 +5,20 @@ from __future__ import annotations
 import grpc
 
 from disagg.proto import worker_pb2_grpc
+from disagg.worker.serving.auth import INSECURE, InternalAuth
 
 # Large prompts (token ids) and KV-free control messages: 64 MiB is plenty.
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 10_000),
+    # A frozen peer (SIGSTOP, a hung node) answers no HTTP/2 ping: its calls fail within ~5 s
+    # instead of waiting for a reply that never comes. Servers take these options too, so they
+    # accept pings this often on streams that carry no data for a while (a long prefill).
+    ("grpc.keepalive_time_ms", 2_000),
+    ("grpc.keepalive_timeout_ms", 3_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.max_ping_strikes", 0),
     # reconnect quickly to a worker that (re)started: the default backoff grows to two minutes
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -19,15 +27,17 @@ GRPC_OPTIONS = [
 
 
 class WorkerStubs:
-    def __init__(self) -> None:
+    def __init__(self, auth: InternalAuth = INSECURE) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._auth = auth
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
+        """A stub whose calls carry the deployment's internal credential."""
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            ch = self._auth.aio_channel(address, options=GRPC_OPTIONS)
             self._channels[address] = ch
-        return worker_pb2_grpc.WorkerStub(ch)
+        return self._auth.wrap(worker_pb2_grpc.WorkerStub(ch))
 
     async def drop(self, address: str) -> None:
         ch = self._channels.pop(address, None)
