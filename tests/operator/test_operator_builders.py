@@ -14,6 +14,7 @@ from disagg.operator import rollout
 from disagg.operator import spec as specs
 from disagg.operator import status as statuses
 from disagg.operator.builders import build_children, common, workers
+from disagg.operator.settings import Settings
 
 KUBE_VERSION = "1.35"
 EXAMPLES = ("cpu-tiny.yaml", "gpu-llama3-8b.yaml")
@@ -36,6 +37,7 @@ def test_every_child_validates_strictly(example):
     assert kinds == [
         "ConfigMap",
         "Deployment",
+        "NetworkPolicy",
         "PodDisruptionBudget",
         "Service",
         "ServiceAccount",
@@ -67,7 +69,9 @@ def test_role_identity_labels_and_owners(example):
         assert main["args"][:3] == ["worker", "--role", role]
         assert {"name": "DISAGG_ROLE", "value": role} in main["env"]
         assert {"name": "DISAGG_DEPLOYMENT", "value": f"default.{name}"} in main["env"]
-        assert main["lifecycle"]["preStop"]["httpGet"]["path"] == "/drain"
+        # /drain needs the internal credential: the hook runs `disagg drain`, which reads it
+        hook = main["lifecycle"]["preStop"]["exec"]["command"]
+        assert hook[:2] == ["disagg", "drain"] and hook[hook.index("--url") + 1].endswith(":9100/drain")
         assert main["readinessProbe"]["httpGet"]["path"] == "/health"
         assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in sts["spec"]["template"]["spec"][
             "volumes"
@@ -154,7 +158,8 @@ def test_model_sources_mount_the_checkpoint_read_only():
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in pod["containers"][0]["volumeMounts"]
 
     body["spec"]["model"]["source"] = {"hostPath": {"path": "/data/tiny"}}
-    pod = children(body)["StatefulSet", "tiny-decode"]["spec"]["template"]["spec"]
+    allowed = Settings(host_path_prefixes=("/data",))
+    pod = children(body, settings=allowed)["StatefulSet", "tiny-decode"]["spec"]["template"]["spec"]
     assert {"name": "model", "hostPath": {"path": "/data/tiny", "type": "Directory"}} in pod["volumes"]
 
 
