@@ -33,6 +33,7 @@ from disagg.operator.settings import Settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
+IDEP_RESOURCE = "disagg.dev/v1alpha1/inferencedeployments"
 TEST_CLIENT = "disagg-test"  # the User-Agent of the tests' own calls, told apart from the operator's
 CHILD_VERBS = ["list", "watch", "get", "patch", "create", "delete"]
 RESOURCES = {
@@ -343,7 +344,6 @@ async def running_operator(
     autoscaler_settings=None,
     extra_resources: dict | None = None,
     *,
-    namespaces: list[str] | None = None,
     settings: Settings | None = None,
 ):
     """The operator (and, given its settings, the autoscaler sharing the operator's API client)
@@ -377,13 +377,7 @@ async def running_operator(
         stop = threading.Event()
         thread = threading.Thread(
             target=lambda: asyncio.run(
-                kopf.operator(
-                    registry=registry,
-                    clusterwide=namespaces is None,
-                    namespaces=namespaces or (),
-                    standalone=True,
-                    stop_flag=stop,
-                )
+                kopf.operator(registry=registry, clusterwide=True, standalone=True, stop_flag=stop)
             ),
             name="kopf",
             daemon=True,
