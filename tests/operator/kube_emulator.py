@@ -234,6 +234,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                         defaults=DEFAULTS.get(request.resource.plural, {}),
                     )
                     data.setdefault("metadata", {})["generation"] = 1
+                    # An apply that creates is authorized as `create` too by a real API server.
+                    client = request.headers.get("User-Agent", "unknown").split("/")[0].split(" ")[0]
+                    self.calls.add((client, request.resource.group, request.resource.plural, "create"))
                     if key not in self._objects:
                         self._objects[key] = data
                     else:

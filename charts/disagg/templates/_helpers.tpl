@@ -35,9 +35,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{/* Exactly the calls the operator makes (tests/operator/test_operator_rbac.py derives them from
-the code and fails on any rule beyond them): children are applied (patch; server-side apply creates
-them), watched and read once when not yet seen (get, list, watch); only kinds that can leave the
-desired set are deleted (pruning). Secrets and Jobs are create-only: the operator never reads a
+the code and fails on any rule beyond them): children are applied (patch, and create: an apply that
+creates an object is authorized as create), watched and read once when not yet seen (get, list,
+watch); only kinds that can leave the desired set are deleted (pruning). Secrets and Jobs are create-only: the operator never reads a
 Secret. The same rules namespaced (Role) or cluster-wide (ClusterRole). */}}
 {{- define "disagg.workloadRules" -}}
 - apiGroups: [disagg.dev]
@@ -53,16 +53,16 @@ Secret. The same rules namespaced (Role) or cluster-wide (ClusterRole). */}}
   verbs: [update]
 - apiGroups: [apps]
   resources: [statefulsets]
-  verbs: [get, list, watch, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, list, watch, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [configmaps, serviceaccounts]
-  verbs: [get, list, watch, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [pods]
   verbs: [list]
@@ -74,16 +74,16 @@ Secret. The same rules namespaced (Role) or cluster-wide (ClusterRole). */}}
   verbs: [create]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, list, watch, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
-  verbs: [get, list, watch, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors]
-  verbs: [get, list, watch, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [get, list, watch, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 {{- end -}}
 
 {{/* What kopf needs cluster-wide whatever it serves: it discovers resources by watching CRDs, and
