@@ -410,7 +410,11 @@ async def test_hpa_to_operator_mode_prunes_the_hpa(kube, ns):
 
 
 async def test_managed_to_external_redis_prunes_the_managed_redis(kube, ns):
-    gone = [("apps/v1", "StatefulSet", "ext-redis"), ("v1", "Service", "ext-redis")]
+    gone = [
+        ("apps/v1", "StatefulSet", "ext-redis"),
+        ("v1", "Service", "ext-redis"),
+        ("networking.k8s.io/v1", "NetworkPolicy", "ext-redis"),  # the managed Redis' own policy
+    ]
     # Nothing listens there: the finalizer's key cleanup finds it unreachable at once.
     change = lambda s: s.update(redis={"external": {"url": "redis://127.0.0.1:1/0"}})  # noqa: E731
     await _prune(kube, ns, "ext", example("ext", ns), change, gone)

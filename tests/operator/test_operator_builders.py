@@ -159,6 +159,16 @@ def test_model_sources_mount_the_checkpoint_read_only():
 
     body["spec"]["model"]["source"] = {"hostPath": {"path": "/data/tiny"}}
     allowed = Settings(host_path_prefixes=("/data",))
+    for outside in ("/data/../etc", "/database", "/"):
+        escaped = {
+            **body,
+            "spec": {
+                **body["spec"],
+                "model": {**body["spec"]["model"], "source": {"hostPath": {"path": outside}}},
+            },
+        }
+        with pytest.raises(specs.SpecError, match="hostPath.path"):
+            children(escaped, settings=allowed)
     pod = children(body, settings=allowed)["StatefulSet", "tiny-decode"]["spec"]["template"]["spec"]
     assert {"name": "model", "hostPath": {"path": "/data/tiny", "type": "Directory"}} in pod["volumes"]
 
@@ -194,6 +204,16 @@ def test_external_redis_password_comes_from_a_secret():
         (lambda s: s["model"].update(dtype="fp8"), "spec.model.dtype"),
         (lambda s: s["decode"].update(kvCache={"memoryFraction": 1.5}), "spec.decode.kvCache.memoryFraction"),
         (lambda s: s.pop("prefill"), "spec.prefill"),
+        # a CPU worker's KV cache is sized from its pod's memory limit: there must be one
+        (
+            lambda s: s["prefill"].update(resources={"requests": {"cpu": 1}}),
+            "spec.prefill.resources.limits.memory",
+        ),
+        # hostPath sources are off unless the operator's installer allows a prefix
+        (
+            lambda s: s["model"].update(source={"hostPath": {"path": "/etc"}}),
+            "spec.model.source.hostPath.path",
+        ),
     ],
 )
 def test_unbuildable_specs_name_the_field(mutate, path):

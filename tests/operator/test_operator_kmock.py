@@ -232,3 +232,33 @@ async def test_hand_scaled_pool_is_reverted_with_a_reason(cluster):
         ),
         what="ReplicasReverted event",
     )
+
+
+async def test_host_path_source_is_refused_by_default_naming_the_field(cluster):
+    body = load_example("cpu-tiny.yaml")
+    body["spec"]["model"]["source"] = {"hostPath": {"path": "/var/lib/kubelet"}}
+    await create(cluster, body)
+    await cluster.eventually(
+        lambda: condition(cluster.live(IDEP, "tiny"), "Degraded").get("reason") == "InvalidSpec",
+        what="Degraded",
+    )
+    assert condition(cluster.live(IDEP, "tiny"), "Degraded")["message"].startswith(
+        "spec.model.source.hostPath.path: '/var/lib/kubelet' is not allowed"
+    )
+    assert cluster.live(STS, "tiny-decode") is None and cluster.live(DEPLOY, "tiny-router") is None
+
+
+async def test_credentials_secret_is_created_once_and_never_read(cluster):
+    await create(cluster, load_example("cpu-tiny.yaml"))
+    await settle(cluster)
+    secret = cluster.live("v1/secrets", "tiny-credentials")
+    assert set(secret["stringData"]) == {"internal-token", "redis-password"}
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    # A spec change reconciles again: the Secret keeps its values (create-only), nothing reads it.
+    body = load_example("cpu-tiny.yaml")
+    body["spec"]["decode"]["replicas"] = 2
+    await create(cluster, body)
+    await cluster.eventually(lambda: cluster.live(STS, "tiny-decode")["spec"]["replicas"] == 2, what="scaled")
+    assert cluster.live("v1/secrets", "tiny-credentials")["stringData"] == secret["stringData"]
+    secret_calls = {v for client, _, r, v in cluster.k8s.calls if r == "secrets"}
+    assert secret_calls == {"create"}
