@@ -3,8 +3,11 @@
 Plain C with no Python or torch headers, so building takes about a second with the system C
 compiler and needs nothing else installed. The shared object is cached per source, compiler,
 flags and CPU (it is built with -march=native), in `$DISAGG_CACHE_DIR`, else
-`$XDG_CACHE_HOME/disagg` or `~/.cache/disagg`, else the temp directory (read-only root file
-systems). Without a compiler, or with `DISAGG_CPU_NATIVE=0`, `available()` is False and the
+`$XDG_CACHE_HOME/disagg` or `~/.cache/disagg`, else `disagg-cache-<uid>` in the temp directory
+(read-only root file systems). Code is loaded from there, so a cache directory must be private:
+owned by this user, a real directory, mode 0700 (one of ours that is wider is tightened; anyone
+else's, or a symlink, is refused). A shared object is loaded only if it is ours, writable by no
+one else, and its bytes hash to the sha256 in its name. Without a compiler, or with `DISAGG_CPU_NATIVE=0`, `available()` is False and the
 engine keeps the plain-torch path: results agree within float32 rounding, only speed differs.
 """
 
@@ -16,6 +19,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -47,8 +51,46 @@ def _cache_dirs() -> list[Path]:
         dirs.append(Path(os.environ["DISAGG_CACHE_DIR"]))
     xdg = os.environ.get("XDG_CACHE_HOME")
     dirs.append(Path(xdg) / "disagg" if xdg else Path.home() / ".cache" / "disagg")
-    dirs.append(Path(tempfile.gettempdir()) / "disagg-cache")
+    # per user: a fixed shared name could be created first by someone else
+    dirs.append(Path(tempfile.gettempdir()) / f"disagg-cache-{os.getuid()}")
     return dirs
+
+
+class UnsafeCache(RuntimeError):
+    pass
+
+
+def _private_dir(directory: Path) -> Path:
+    """`directory`, created 0700 if missing; refused unless it is ours and a real directory."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeCache(f"{directory} is not a directory (a symlink?)")
+    if st.st_uid != os.getuid():
+        raise UnsafeCache(f"{directory} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
+    if st.st_mode & 0o077:
+        os.chmod(directory, 0o700)  # ours but open to others: close it before trusting its files
+    return directory
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _trusted(path: Path) -> bool:
+    """A cached shared object we may load: our regular file, writable only by us, intact."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        log.warning("ignoring native kernel cache file %s: not a private file of this user", path)
+        return False
+    digest = path.stem.rsplit("-", 1)[-1]
+    if _sha256(path) != digest:
+        log.warning("ignoring native kernel cache file %s: its content does not match its name", path)
+        return False
+    return True
 
 
 def _cpu_signature() -> str:
@@ -69,11 +111,11 @@ def _build(compiler: str) -> Path:
     ).hexdigest()[:16]
     last_error: Exception | None = None
     for directory in _cache_dirs():
-        target = directory / f"cpu_kernels-{key}.so"
-        if target.is_file():
-            return target
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            _private_dir(directory)
+            for found in sorted(directory.glob(f"cpu_kernels-{key}-*.so")):
+                if _trusted(found):
+                    return found
             # Built under a private name and renamed: workers starting together never load a half-written file.
             fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
             os.close(fd)
@@ -84,6 +126,8 @@ def _build(compiler: str) -> Path:
                     text=True,
                     check=True,
                 )
+                os.chmod(tmp, 0o500)
+                target = directory / f"cpu_kernels-{key}-{_sha256(Path(tmp))}.so"
                 os.replace(tmp, target)
             finally:
                 if os.path.exists(tmp):
@@ -91,7 +135,8 @@ def _build(compiler: str) -> Path:
             return target
         except subprocess.CalledProcessError as exc:
             raise RuntimeError(f"{compiler} failed: {exc.stderr.strip()[-2000:]}") from exc
-        except OSError as exc:  # not writable: try the next place
+        except (OSError, UnsafeCache) as exc:  # not writable, or not private: try the next place
+            log.warning("native kernel cache %s not used: %s", directory, exc)
             last_error = exc
     raise RuntimeError(f"no writable cache directory for native kernels: {last_error}")
 

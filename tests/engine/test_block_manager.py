@@ -108,3 +108,31 @@ def test_bad_sizes():
         BlockManager(0, 16)
     with pytest.raises(ValueError, match="block_size"):
         BlockManager(4, 0)
+
+
+def test_a_hash_hit_must_hold_the_same_tokens():
+    """Two blocks whose hashes collide: the cached one is not served for the other's tokens."""
+    bm = BlockManager(num_blocks=4, block_size=4)
+    (b,) = bm.allocate(1)
+    bm.register(b, 12345, [1, 2, 3, 4])
+    assert bm.lookup([12345], [1, 2, 3, 4]) == [b]
+    assert bm.lookup([12345], [9, 9, 9, 9]) == []  # same 64-bit hash, other tokens: a miss
+    assert bm.lookup([12345, 777], [1, 2, 3, 4, 5, 6, 7, 8]) == [b]
+
+
+def test_engine_never_reuses_blocks_of_a_colliding_hash(tiny_llama_dir, monkeypatch):
+    """With every block hash forced to collide, a second prompt gets no cached tokens and the
+    same output as a fresh engine (it would read the first prompt's K/V on a hash-only match)."""
+    from disagg.worker.engine import request as request_module
+    from disagg.worker.engine.llm import LLM
+    from disagg.worker.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first, second = list(range(10, 42)), list(range(300, 332))  # two full blocks of 16 each
+    want = LLM(model=str(tiny_llama_dir), num_gpu_blocks=32).generate([second], params)[0]
+    monkeypatch.setattr(request_module, "hash_block", lambda parent, tokens, extra=None: hash((parent, 0)))
+    llm = LLM(model=str(tiny_llama_dir), num_gpu_blocks=32)
+    llm.generate([first], params)
+    got = llm.generate([second], params)[0]
+    assert got.num_cached_tokens == 0
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids

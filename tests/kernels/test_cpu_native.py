@@ -155,3 +155,55 @@ def test_model_with_and_without_the_native_kernels(tiny_llama_dir, paged, monkey
         step = list(enumerate(logits.argmax(-1).tolist()))
         logits = both(lambda s, step=step: s.decode(step))
     torch.testing.assert_close(caches[0], caches[1], **TOLERANCE[torch.float32])
+
+
+def _compiler() -> str:
+    import os
+    import shutil
+
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def test_cache_dir_is_made_private_and_files_carry_their_content_hash(tmp_path, monkeypatch):
+    import hashlib
+    import os
+
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o777)
+    os.chmod(cache, 0o777)
+    monkeypatch.setenv("DISAGG_CACHE_DIR", str(cache))
+    built = cpu_native._build(_compiler())
+    assert built.parent == cache and os.stat(cache).st_mode & 0o777 == 0o700
+    assert built.stem.rsplit("-", 1)[1] == hashlib.sha256(built.read_bytes()).hexdigest()
+    assert cpu_native._build(_compiler()) == built  # found again, not rebuilt
+    # a tampered file is not loaded: a fresh one is built beside it
+    os.chmod(built, 0o700)
+    built.write_bytes(built.read_bytes() + b"\0")
+    again = cpu_native._build(_compiler())
+    assert again == built and cpu_native._trusted(again)
+
+
+def test_cache_dirs_of_others_or_symlinks_are_refused(tmp_path, monkeypatch):
+    import os
+
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(cpu_native.UnsafeCache):
+        cpu_native._private_dir(link)
+    if os.getuid() != 0:
+        pytest.skip("chown to another user needs root")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir(mode=0o700)
+    os.chown(foreign, 65534, 65534)
+    with pytest.raises(cpu_native.UnsafeCache):
+        cpu_native._private_dir(foreign)
+    # a planted object under the right name in a directory of ours, owned by someone else: not loaded
+    ours = tmp_path / "ours"
+    monkeypatch.setenv("DISAGG_CACHE_DIR", str(ours))
+    built = cpu_native._build(_compiler())
+    os.chown(built, 65534, 65534)
+    assert not cpu_native._trusted(built)
+    assert cpu_native._build(_compiler()) == built  # rebuilt by us under the same content name
+    assert os.stat(built).st_uid == os.getuid()

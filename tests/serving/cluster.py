@@ -177,12 +177,14 @@ class Cluster:
     def stub(self, name: str, token: str | None = "") -> pb_grpc.WorkerStub:
         """A stub of worker `name` whose calls carry the deployment's credential (`token`: another
         one, or None for none)."""
+        from disagg.worker.serving.auth import InternalAuth, TLSFiles
+
+        tls_dir = self.env.get("DISAGG_GRPC_TLS_DIR")
+        tls = TLSFiles.load(tls_dir, self.env.get("DISAGG_GRPC_TLS_SERVER_NAME")) if tls_dir else None
         addr = self.workers[name].grpc_address
         if addr not in self._channels:
-            self._channels[addr] = grpc.insecure_channel(addr)
+            self._channels[addr] = InternalAuth(None, tls).channel(addr)
         token = self.token if token == "" else token
-        from disagg.worker.serving.auth import InternalAuth
-
         return InternalAuth(token).wrap(pb_grpc.WorkerStub(self._channels[addr]))
 
     def load(self, name: str) -> pb.LoadResponse:

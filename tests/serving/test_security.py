@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ import redis
 from disagg.proto import kv_transfer_pb2 as kv_pb
 from disagg.proto import kv_transfer_pb2_grpc as kv_grpc
 from disagg.proto import worker_pb2 as pb
+from disagg.proto import worker_pb2_grpc as pb_grpc
 
 from .cluster import Cluster
 
@@ -217,3 +219,61 @@ def test_no_secret_in_any_command_line_or_log(cluster, secure_redis):
         assert text, proc.name
         for secret in secrets_:
             assert secret not in text, f"a secret is in the log of {proc.name}"
+
+
+def _certificates(directory: Path) -> Path:
+    """A CA and one certificate (cert-manager's layout: tls.crt, tls.key, ca.crt) for every worker."""
+    directory.mkdir()
+
+    def ssl(*args):
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+        "-days", "1", "-subj", "/CN=disagg-test-ca")  # fmt: skip
+    ssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "tls.key",
+        "-out",
+        "tls.csr",
+        "-subj",
+        "/CN=disagg-internal",
+    )
+    (directory / "ext.cnf").write_text("subjectAltName=DNS:disagg-internal\n")
+    ssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "tls.crt", "-days", "1", "-extfile", "ext.cnf")  # fmt: skip
+    return directory
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_grpc_over_mutual_tls(tiny_model, tmp_path, redis_server):
+    tls = _certificates(tmp_path / "tls")
+    env = {"DISAGG_GRPC_TLS_DIR": str(tls), "DISAGG_GRPC_TLS_SERVER_NAME": "disagg-internal"}
+    c = Cluster(tiny_model, tmp_path, redis_url=redis_server.url, kv_transfer="grpc",
+                worker_args=("--disagg-threshold", "8"), deployment="tls", env=env)  # fmt: skip
+    try:
+        c.start()
+        r = _complete(c, list(range(5, 45)))
+        assert r.status_code == 200 and r.headers["X-Disagg-Prefill-Worker"] == "prefill-0", r.text
+        # plaintext, even with the token, does not get through
+        with grpc.insecure_channel(c.workers["decode-0"].grpc_address) as ch:
+            with pytest.raises(grpc.RpcError) as info:
+                pb_grpc.WorkerStub(ch).Load(
+                    pb.LoadRequest(), timeout=5, metadata=(("authorization", f"Bearer {c.token}"),)
+                )
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert c.stub("decode-0").Load(pb.LoadRequest(), timeout=5).worker_id == "decode-0"  # over TLS
+        # TLS without a client certificate signed by the CA is refused too
+        creds = grpc.ssl_channel_credentials(root_certificates=(tls / "ca.crt").read_bytes())
+        options = [("grpc.ssl_target_name_override", "disagg-internal")]
+        with grpc.secure_channel(c.workers["decode-0"].grpc_address, creds, options=options) as ch:
+            with pytest.raises(grpc.RpcError):
+                pb_grpc.WorkerStub(ch).Load(
+                    pb.LoadRequest(), timeout=5, metadata=(("authorization", f"Bearer {c.token}"),)
+                )
+        c.assert_released(redis_server.url)
+    finally:
+        c.stop()

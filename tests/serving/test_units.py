@@ -146,3 +146,46 @@ def test_core_publishes_prefilled_prompts_and_reports_evictions(tiny_model):
     assert core.on_loop_evicted(published[0]) == published[0]
     core.refresh_load()
     assert core.load["used_blocks"] == 0 and core.load["inflight_requests"] == 0
+
+
+def test_engine_step_that_keeps_failing_fails_its_requests_and_stops_the_loop(tiny_model):
+    """A step that fails every time: after `max_step_failures` the requests get the error and the
+    loop stops (liveness false), instead of retrying forever."""
+    from disagg.worker.engine.llm_engine import LLMEngine
+    from disagg.worker.engine.sampling_params import SamplingParams
+    from disagg.worker.serving.core import WorkerCore
+    from disagg.worker.serving.engine_loop import EngineFailed
+    from disagg.worker.serving.metrics import ServingMetrics
+
+    engine = LLMEngine(tiny_model, num_gpu_blocks=8, block_size=16)
+    core = WorkerCore(engine, None, 16, ServingMetrics("both", "tiny"))
+
+    def broken_step(**_kw):
+        raise RuntimeError("device lost")
+
+    engine.step = broken_step  # the fault: every step raises
+    loop = EngineLoop(max_step_failures=3)
+    loop.step_fn, loop.has_work = core.step, core.has_work
+    fatal = threading.Event()
+    loop.on_fatal = lambda e: (core.on_loop_fail_all(e), fatal.set())
+    loop.start(lambda: None).result(10)
+    got: list = []
+    done = threading.Event()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    loop.call(core.on_loop_add, "r", [5, 6, 7], params, lambda out: (got.append(out), done.set()), 0.0)
+    assert done.wait(10) and fatal.wait(10)
+    assert isinstance(got[0], EngineFailed) and "device lost" in str(got[0])
+    loop._thread.join(5)
+    assert not loop.alive
+    with pytest.raises(RuntimeError):
+        loop.call(core.refresh_load).result(1)
+
+
+def test_decode_quarantine_outlasts_the_prefill_timeout():
+    """Blocks of an aborted transfer are held longer than a prefill worker may still write into them."""
+    from disagg.worker.engine.args import EngineArgs
+    from disagg.worker.serving.main import WorkerConfig, quarantine_seconds
+
+    for timeout in (5.0, 120.0, 600.0):
+        cfg = WorkerConfig(EngineArgs(model="m"), "decode", "d", "m", prefill_timeout=timeout)
+        assert quarantine_seconds(cfg) > timeout

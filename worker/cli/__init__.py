@@ -8,7 +8,6 @@ Each sub-command lives in its own module exposing `add_arguments(parser)` and
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import sys
 

@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-choices", type=int, default=_env("MAX_CHOICES") and int(_env("MAX_CHOICES")),
                    help="most generations one request may ask for (n x number of prompts; more is a 400); "
                         f"default {DEFAULT_MAX_CHOICES}, at most --max-queue")  # fmt: skip
+    p.add_argument("--max-prompt-bytes", type=int, default=int(_env("MAX_PROMPT_BYTES", 1 << 20)),
+                   help="most bytes of prompt text (or chat message text) one request may send; more is a 400")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN") and int(_env("MAX_MODEL_LEN")))
     p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", engine_args.default("block_size"))),
                    help="the workers' KV block size: prompts are hashed per block for prefix-aware routing")  # fmt: skip
@@ -127,6 +129,7 @@ def build_router(args):
         api_keys=api_keys(args),
         max_queue=args.max_queue,
         max_choices=choices,
+        max_prompt_bytes=args.max_prompt_bytes,
     )
     return Router(config, tokenizer, pool, lookup, internal_auth=internal)
 

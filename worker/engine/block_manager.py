@@ -139,6 +139,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._ref = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
+        # the token ids a cached block holds: a hit must match them, not only the 64-bit hash
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._uncached = _FreeRuns()  # free blocks without a cached prefix
         self._uncached.put(0, num_blocks)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free cached blocks, LRU first
@@ -175,19 +177,27 @@ class BlockManager:
         return self._ref[block_id]
 
     # ---- prefix cache -----------------------------------------------------------------
-    def lookup(self, hashes: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached prefix of `hashes` (no references taken)."""
+    def lookup(self, hashes: Sequence[int], token_ids: Sequence[int] | None = None) -> list[int]:
+        """Block ids of the longest cached prefix of `hashes` (no references taken).
+
+        With `token_ids` (the sequence the hashes were computed from) a block is a hit only if it
+        holds exactly those tokens: a hash collision, chance or crafted, never serves another
+        prompt's K/V. Without, hashes alone answer (whether the cache still holds a hash)."""
         found: list[int] = []
         if self.enable_prefix_caching:
-            for h in hashes:
+            bs = self.block_size
+            for i, h in enumerate(hashes):
                 block = self._cached.get(h)
                 if block is None:
+                    break
+                if token_ids is not None and self._tokens[block] != tuple(token_ids[i * bs : (i + 1) * bs]):
                     break
                 found.append(block)
         return found
 
-    def register(self, block_id: int, block_hash: int) -> None:
-        """Record that the (full, computed) block `block_id` holds the content `block_hash`.
+    def register(self, block_id: int, block_hash: int, token_ids: Sequence[int] | None = None) -> None:
+        """Record that the (full, computed) block `block_id` holds the content `block_hash`
+        (computed from `token_ids`, kept beside it to verify hits).
 
         If another block already holds that content, the first stays the canonical copy and
         this one simply remains uncached.
@@ -202,12 +212,14 @@ class BlockManager:
         if block_hash in self._cached:
             return
         self._hash[block_id] = block_hash
+        self._tokens[block_id] = None if token_ids is None else tuple(token_ids)
         self._cached[block_hash] = block_id
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents)."""
         self._cached.clear()
         self._hash = [None] * self.num_blocks
+        self._tokens = [None] * self.num_blocks
         self._put_uncached(list(self._evictable))
         self._evictable.clear()
 
@@ -233,6 +245,7 @@ class BlockManager:
             del self._evictable[b]
             h = self._hash[b]
             self._hash[b] = None
+            self._tokens[b] = None
             if self._cached.get(h) == b:
                 del self._cached[h]
             out.append(b)

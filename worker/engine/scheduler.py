@@ -120,7 +120,7 @@ class Scheduler:
         """
         bs = self.block_size
         hashes = req.update_block_hashes(bs)
-        hits = self.bm.lookup(hashes[: (req.num_prompt_tokens - 1) // bs])
+        hits = self.bm.lookup(hashes[: (req.num_prompt_tokens - 1) // bs], req.all_token_ids)
         self.bm.acquire(hits)  # first, so that allocating the rest cannot evict them
         try:
             fresh = self.bm.allocate(self.bm.blocks_for(req.num_prompt_tokens) - len(hits))
@@ -203,7 +203,7 @@ class Scheduler:
         hashes = req.update_block_hashes(bs)
         # the last token is always computed: its logits give the next token
         max_hit = (req.num_tokens - 1) // bs
-        hits = self.bm.lookup(hashes[:max_hit])
+        hits = self.bm.lookup(hashes[:max_hit], req.all_token_ids)
         self.bm.acquire(hits)
         num_cached = len(hits) * bs
         n = min(req.num_tokens - num_cached, budget)
@@ -268,6 +268,7 @@ class Scheduler:
         if n_full <= req.num_registered_blocks:
             return
         hashes = req.update_block_hashes(self.block_size)
+        tokens, bs = req.all_token_ids, self.block_size
         for i in range(req.num_registered_blocks, n_full):
-            self.bm.register(req.block_ids[i], hashes[i])
+            self.bm.register(req.block_ids[i], hashes[i], tokens[i * bs : (i + 1) * bs])
         req.num_registered_blocks = n_full

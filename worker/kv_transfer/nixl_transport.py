@@ -59,6 +59,39 @@ def check_ucx_env() -> None:
         )
 
 
+_SIOCGIFADDR = 0x8915
+
+
+def _interface_of(address: str) -> str | None:
+    """The network interface holding IPv4 `address` (Linux), None if none does."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _index, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+def restrict_ucx_to(host: str) -> str | None:
+    """Make UCX (NIXL's notifications and TCP lanes) listen only on the interface of `host`, the
+    address the worker binds, by setting UCX_NET_DEVICES before an agent is created. Left alone
+    when already set or when `host` means every interface; returns the value in effect."""
+    if os.environ.get("UCX_NET_DEVICES") or host in ("", "0.0.0.0", "::", "[::]"):
+        return os.environ.get("UCX_NET_DEVICES")
+    device = "lo" if host.startswith("127.") or host == "localhost" else _interface_of(host)
+    if device is None:
+        raise RuntimeError(f"no network interface holds {host}: set UCX_NET_DEVICES for NIXL explicitly")
+    os.environ["UCX_NET_DEVICES"] = device
+    return device
+
+
 def _region_table(base: int, layout: KVLayout, device_id: int) -> np.ndarray:
     """Nx3 (address, length, device) of every region, index = layer * num_blocks + block."""
     table = np.empty((layout.num_regions, 3), dtype=np.uint64)

@@ -55,15 +55,45 @@ def keep_freed_cpu_memory() -> bool:
     return ok
 
 
-def _available_host_memory() -> int:
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def _cgroup_available(root: str) -> int | None:
+    """Memory this process's cgroup (v2, or v1) may still use: its limit minus its usage; None
+    without a limit. In a pod the limit is the container's, usually far below the node's memory."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):  # fmt: skip
+        try:
+            with open(os.path.join(root, limit_file)) as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        if raw == "max" or not raw.isdigit() or int(raw) >= 1 << 60:  # v1 says "no limit" with a huge number
+            return None
+        limit = int(raw)
+        try:
+            with open(os.path.join(root, usage_file)) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            usage = 0
+        return max(limit - usage, 0)
+    return None
+
+
+def _available_host_memory(cgroup_root: str | None = None) -> int:
+    node = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    node = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if node is None:
+        node = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    cgroup = _cgroup_available(cgroup_root or CGROUP_ROOT)
+    return node if cgroup is None else min(node, cgroup)
 
 
 def plan_num_blocks(

@@ -133,7 +133,7 @@ class WorkerCore:
     def on_loop_cached_tokens(self, prompt_ids: list[int]) -> int:
         """Leading prompt tokens this worker's prefix cache holds (what a local prefill would skip)."""
         hashes = block_hashes(prompt_ids, self.block_size)
-        return len(self.engine.block_manager.lookup(hashes)) * self.block_size
+        return len(self.engine.block_manager.lookup(hashes, prompt_ids)) * self.block_size
 
     def on_loop_evicted(self, hashes: list[int]) -> list[int]:
         """Which of `hashes` the prefix cache no longer holds (their blocks were reused)."""
@@ -305,6 +305,22 @@ class WorkerCore:
             self._drop_prefill(job, "transfer lease expired")
             return True
         return self.on_loop_abort(transfer_or_request_id)
+
+    def on_loop_fail_all(self, error: BaseException) -> None:
+        """The engine is unusable: every request this worker holds ends now, with `error`."""
+        reason = str(error)
+        for job in list(self.prefills.values()):
+            self.prefills.pop(job.engine_id, None)
+            self.sinks.pop(job.engine_id, None)
+            job.state = "released"
+            job.done({"error": ("engine_failed", reason)})
+        for tid, waiter in list(self.kv_waits.items()):
+            del self.kv_waits[tid]
+            waiter.done(reason)
+        sinks, self.sinks = list(self.sinks.values()), {}
+        self.reserved.clear()
+        for sink in sinks:
+            sink(error)
 
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> None:

@@ -19,8 +19,15 @@ from collections.abc import Callable
 log = logging.getLogger("disagg.worker.engine_loop")
 
 
+class EngineFailed(RuntimeError):
+    """The engine step kept failing: what every request still in the engine is told."""
+
+
 class EngineLoop:
-    def __init__(self, idle_wait: float = 0.05):
+    def __init__(self, idle_wait: float = 0.05, max_step_failures: int = 5):
+        """max_step_failures: consecutive failed engine steps after which the loop gives up:
+        `on_fatal(error)` runs on this thread (fail the requests) and the loop stops, so liveness
+        turns false and the process can exit instead of retrying forever."""
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._pollers: list[Callable[[], bool]] = []
         self._idle_wait = idle_wait
@@ -30,6 +37,8 @@ class EngineLoop:
         self.step_fn: Callable[[], None] | None = None  # runs one engine step and dispatches outputs
         self.has_work: Callable[[], bool] = lambda: False
         self.on_iteration: Callable[[], None] | None = None
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.max_step_failures = max_step_failures
         self.error: BaseException | None = None
         self.thread_id: int | None = None
 
@@ -68,6 +77,15 @@ class EngineLoop:
         self._pollers.append(poll)
 
     # ---- submission ---------------------------------------------------------------------------
+    def _give_up(self, error: BaseException) -> None:
+        self.error = EngineFailed(f"the engine step failed {self.max_step_failures} times in a row: {error}")
+        log.error("%s; failing its requests and stopping", self.error)
+        if self.on_fatal is not None:
+            try:
+                self.on_fatal(self.error)
+            except Exception:
+                log.exception("failing the requests after the engine failed")
+
     def call(self, fn: Callable, *args) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._stop.is_set():
@@ -99,6 +117,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         busy = False
+        failures = 0
         while not self._stop.is_set():
             self._drain(block=not busy)
             busy = False
@@ -110,12 +129,18 @@ class EngineLoop:
             if self.has_work() and self.step_fn is not None:
                 try:
                     self.step_fn()
-                except Exception:
-                    log.exception("engine step failed")
+                    failures = 0
+                except Exception as e:
+                    failures += 1
+                    log.exception("engine step failed (%d of %d in a row)", failures, self.max_step_failures)
+                    if failures >= self.max_step_failures:
+                        self._give_up(e)
+                        break
                     time.sleep(0.1)  # do not spin on a persistent failure
                 busy = True
             if self.on_iteration is not None:
                 self.on_iteration()
+        self._stop.set()
         # fail whatever is still queued so no caller waits forever
         while True:
             try:

@@ -65,6 +65,11 @@ def _build_transport(cfg: WorkerConfig, engine, address: str):
 
     layout = KVLayout.from_tensor(engine.kv_cache, cfg.model_name)
     options = {}
+    if cfg.kv_transfer == "nixl":
+        from disagg.worker.kv_transfer.nixl_transport import restrict_ucx_to
+
+        # UCX would otherwise listen on every interface, whatever --host says
+        restrict_ucx_to(cfg.host)
     if cfg.kv_transfer == "grpc":
         options = {"advertise_address": address, "connect": cfg.auth.channel, "wrap_stub": cfg.auth.wrap}
     return create_transport(cfg.kv_transfer, engine.kv_cache, layout, cfg.worker_id, **options)
@@ -81,6 +86,12 @@ def _kv_state(cfg: WorkerConfig, address: str, metrics_url: str):
     return KVState(cfg.redis_url, cfg.deployment, cfg.worker_id, password=cfg.redis_password), info
 
 
+def quarantine_seconds(cfg: WorkerConfig) -> float:
+    """How long a decode worker holds the blocks of an aborted transfer whose KV may still land:
+    longer than the prefill worker can keep writing (its Prefill call's timeout) plus a lease."""
+    return cfg.prefill_timeout + cfg.lease_seconds
+
+
 class WorkerProcess:
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
@@ -94,6 +105,7 @@ class WorkerProcess:
         self.metrics_port = cfg.metrics_port
         self._stop = asyncio.Event()
         self._drain_deadline: float | None = None
+        self.exit_code = 0
 
     @property
     def address(self) -> str:
@@ -185,8 +197,12 @@ class WorkerProcess:
             self.metrics,
             on_publish=self.state.publish,
         )
+        # aborted transfers' blocks stay held until no late write can come: the prefill worker
+        # gives up within the prefill timeout, or its lease is reclaimed
+        core.quarantine_seconds = quarantine_seconds(self.cfg)
         self.loop.engine = engine
         self.loop.step_fn = core.step
+        self.loop.on_fatal = lambda e: self._engine_failed(core, e, aio)
         self.loop.has_work = core.has_work
         self.loop.on_iteration = core.refresh_load
         self.loop.add_poller(core.poll_sender)
@@ -225,7 +241,14 @@ class WorkerProcess:
         )
         await self._stop.wait()
         await self.drain()
-        return 0
+        return self.exit_code
+
+    def _engine_failed(self, core, error: BaseException, aio) -> None:
+        """On the engine thread, after the step kept failing: answer every request, then exit
+        (non-zero, so a supervisor restarts the worker)."""
+        core.on_loop_fail_all(error)
+        self.exit_code = 1
+        aio.call_soon_threadsafe(self._stop.set)
 
     async def drain(self) -> None:
         """Stop admitting, let in-flight requests finish (bounded), deregister, stop."""
@@ -238,7 +261,7 @@ class WorkerProcess:
         await s.close()
         await self._shutdown_servers()
         transport = s.core.transport
-        if transport is not None:
+        if transport is not None and self.loop.alive:
             await asyncio.wrap_future(self.loop.call(transport.close))
         self.loop.stop()
         log.info("worker %s stopped", self.cfg.worker_id)

@@ -50,6 +50,10 @@ class RequestGone(Exception):
     """The request was aborted while its prefill was in progress."""
 
 
+class PrefillAborted(PrefillFailed):
+    """The request went away during its remote prefill: nothing to prefill locally."""
+
+
 class WorkerService(pb_grpc.WorkerServicer):
     def __init__(
         self,
@@ -138,6 +142,15 @@ class WorkerService(pb_grpc.WorkerServicer):
                         # no room to reserve the whole prompt now: a local prefill waits in the
                         # scheduler's queue for blocks instead of failing
                         remote = False
+                    except PrefillAborted:
+                        raise
+                    except PrefillFailed as e:
+                        # no prefill worker could do it (dead, draining, gone from the registry):
+                        # this worker prefills the prompt itself rather than failing the request.
+                        # The failed attempts' blocks were freed and their sink ended the old queue.
+                        log.warning("remote prefill of %s failed (%s): prefilling locally", rid, e)
+                        queue = asyncio.Queue()
+                        remote = False
                 if not remote:
                     await self._call(self.core.on_loop_add, rid, prompt, params, sink, arrival)
                 self.metrics.disaggregation_decision(remote)
@@ -157,6 +170,11 @@ class WorkerService(pb_grpc.WorkerServicer):
             last_token_at = None
             while True:
                 out = await queue.get()
+                if isinstance(out, BaseException):  # the engine failed for good
+                    finished = True
+                    yield pb.GenerateResponse(error=error("engine_failed", str(out)))
+                    self.metrics.request_finished("error")
+                    return
                 if out is None:  # aborted on the engine thread (Abort RPC, lease reclaim)
                     finished = True
                     yield pb.GenerateResponse(
@@ -242,7 +260,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 # aborted meanwhile (Abort RPC, lease reclaim): the abort owns the blocks now
                 await self._cleanup_attempt(target, rid, transfer_id, "aborted")
                 await self.state.finish_transfer(rid, gen)
-                raise PrefillFailed(f"request {rid} was aborted") from None
+                raise PrefillAborted(f"request {rid} was aborted") from None
             except (PrefillFailed, grpc.aio.AioRpcError, TimeoutError) as e:
                 reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
                 log.warning(

@@ -11,11 +11,13 @@ from disagg.worker.serving.auth import INSECURE, InternalAuth
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),
-    # A frozen peer (SIGSTOP, a hung node) answers no HTTP/2 ping: its calls fail within ~5 s
+    # A frozen peer (SIGSTOP, a hung node) answers no HTTP/2 ping: its calls fail within ~7 s
     # instead of waiting for a reply that never comes. Servers take these options too, so they
     # accept pings this often on streams that carry no data for a while (a long prefill).
+    # (keepalive_timeout alone does not fire here: the ping ack deadline is ping_timeout_ms)
     ("grpc.keepalive_time_ms", 2_000),
-    ("grpc.keepalive_timeout_ms", 3_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_ping_strikes", 0),

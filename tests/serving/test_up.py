@@ -1,0 +1,109 @@
+"""`disagg up` as a user runs it: its own secrets (0600 files, never on a command line), a Redis
+that refuses clients without the password, and a child that dies is restarted, not the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from disagg.worker.cli.ports import free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for f in Path(f"/proc/{pid}/task").glob("*/children"):
+        for c in f.read_text().split():
+            out += [int(c), *_children(int(c))]
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _worker_pid(up: subprocess.Popen, worker_id: str) -> int | None:
+    for pid in _children(up.pid):
+        if f"--worker-id {worker_id} " in _cmdline(pid):
+            return pid
+    return None
+
+
+def _sees(url: str, token: str) -> set[str]:
+    request = urllib.request.Request(f"{url}/internal/workers", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as r:
+            return {w["id"] for w in json.load(r)["workers"] if w["ready"]}
+    except OSError:
+        return set()
+
+
+def test_up_keeps_its_secrets_private_and_restarts_a_dead_child(tiny_model, tmp_path):
+    run_dir, port = tmp_path / "run", free_port()
+    log = tmp_path / "up.log"
+    cmd = [sys.executable, "-m", "disagg.worker.cli", "up", "--model", str(tiny_model), "--prefill", "1",
+           "--decode", "1", "--port", str(port), "--run-dir", str(run_dir), "--threads", "1",
+           "--num-gpu-blocks", "256", "--timeout", "150"]  # fmt: skip
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}, "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as out:
+        up = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while "ready: OpenAI-compatible endpoint" not in log.read_text():
+            assert up.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        secrets_dir = run_dir / "secrets"
+        assert stat.S_IMODE(secrets_dir.stat().st_mode) == 0o700
+        for name in ("internal-token", "redis-password", "redis.conf"):
+            assert stat.S_IMODE((secrets_dir / name).stat().st_mode) == 0o600, name
+        token = (secrets_dir / "internal-token").read_text()
+        password = (secrets_dir / "redis-password").read_text()
+        for pid in [up.pid, *_children(up.pid)]:
+            line = _cmdline(pid)
+            assert token not in line and password not in line, line
+        # its Redis refuses a client without the password
+        redis_port = int(next(ln.split()[1] for ln in (secrets_dir / "redis.conf").read_text().splitlines()
+                              if ln.startswith("port ")))  # fmt: skip
+        client = redis.Redis(port=redis_port)
+        with pytest.raises(redis.AuthenticationError):
+            client.ping()
+        client.close()
+
+        body = {"model": tiny_model.name, "prompt": list(range(5, 60)), "max_tokens": 4}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        # the decode worker dies: up starts it again, as Kubernetes restarts a pod
+        old = _worker_pid(up, "decode-0")
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 150
+        while True:
+            new = _worker_pid(up, "decode-0")
+            if new not in (None, old) and "decode-0" in _sees(url, token):
+                break
+            assert up.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert "decode-0 exited" in log.read_text() and up.poll() is None
+        for child_log in run_dir.glob("*.log"):
+            text = child_log.read_text(errors="replace")
+            assert token not in text and password not in text, child_log
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0, log.read_text()[-3000:]
