@@ -10,7 +10,6 @@ import pytest
 import yaml
 from kube_emulator import ROOT
 
-
 CHART = ROOT / "charts" / "disagg"
 KUBE_VERSION = "1.35"
 NAMESPACED = {"watchNamespace": "team-a", "grafanaDashboard": {"enabled": True}}
