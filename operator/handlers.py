@@ -6,17 +6,18 @@ per test), so several operators can live in one process under test.
 
 from __future__ import annotations
 
-import base64
 import logging
 from collections.abc import Callable
 
 import kopf
 
-from disagg.operator import cleanup, events
 from disagg.operator import constants as c
+from disagg.operator import events
 from disagg.operator import spec as specs
-from disagg.operator.kube import Kube
+from disagg.operator.builders import cleanup_job
+from disagg.operator.kube import Kube, KubeError
 from disagg.operator.reconcile import Reconciler
+from disagg.operator.settings import Settings
 
 CHILD_FILTER = {c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
 # (group, version, plural) of every kind the builders emit. A kind the cluster does not serve
@@ -27,6 +28,7 @@ CHILD_RESOURCES = (
     ("", "v1", "services"),
     ("", "v1", "configmaps"),
     ("", "v1", "serviceaccounts"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("autoscaling", "v2", "horizontalpodautoscalers"),
     ("monitoring.coreos.com", "v1", "servicemonitors"),
@@ -63,25 +65,17 @@ def _owner(body: dict) -> tuple[str, str, str] | None:
     return None
 
 
-async def _external_redis_password(kube: Kube, idep: specs.InferenceDeployment) -> str | None:
-    ref = idep.spec.redis.password
-    if ref is None:
-        return None
-    secret = await kube.get("v1", "Secret", idep.namespace, ref.name)
-    value = ((secret or {}).get("data") or {}).get(ref.key)
-    return base64.b64decode(value).decode() if value else None
-
-
 def register(
     registry: kopf.OperatorRegistry,
     *,
     login: Callable[..., kopf.ConnectionInfo] = default_login,
     kube: Kube | None = None,
     resync_seconds: float = 60.0,
+    settings: Settings | None = None,
 ) -> Reconciler:
     """Register every handler of the operator onto `registry`; returns the reconciler it uses."""
     kube = kube or Kube()
-    reconciler = Reconciler(kube)
+    reconciler = Reconciler(kube, settings=settings)
     resource = (c.GROUP, c.VERSION, c.PLURAL)
 
     @kopf.on.startup(registry=registry, id="disagg-settings")
@@ -115,6 +109,7 @@ def register(
     async def _resync(body, logger, **_):
         # Safety net for missed watch events; a no-op when nothing drifted.
         if not body.get("metadata", {}).get("deletionTimestamp"):
+            reconciler.recheck_secret(body.get("metadata", {}).get("uid", ""))
             await reconciler.reconcile(dict(body), logger)
 
     @kopf.on.delete(*resource, registry=registry, id="cleanup")
@@ -127,25 +122,25 @@ def register(
             return
         if idep.spec.redis.managed:
             return  # the managed Redis is garbage-collected with the other children
-        password = await _external_redis_password(kube, idep)
-        count = await cleanup.delete_keys(
-            idep.spec.redis.url, idep.deployment_id, password=password, logger=logger
-        )
-        if count is None:
+        # The keys go where the password is mounted: a Job, not this process (see cleanup_job).
+        manifest = cleanup_job.job(idep)
+        pattern = f"{idep.spec.redis.url}: keys of {idep.deployment_id}"
+        try:
+            await kube.create_only(manifest)
+        except KubeError as exc:
             events.post(
                 body,
                 type="Warning",
                 reason="CleanupSkipped",
-                message=f"Redis at {idep.spec.redis.url} unreachable; "
-                f"keys {cleanup.key_pattern(idep.deployment_id)} left",
+                message=f"could not start Job {manifest['metadata']['name']} ({exc}); {pattern} left",
             )
-        else:
-            events.post(
-                body,
-                type="Normal",
-                reason="CleanedUp",
-                message=f"deleted {count} Redis keys of {idep.deployment_id}",
-            )
+            return
+        events.post(
+            body,
+            type="Normal",
+            reason="CleanupScheduled",
+            message=f"Job {manifest['metadata']['name']} deletes {pattern}",
+        )
 
     async def _child_changed(event, body, logger, **_):
         obj = dict(body)

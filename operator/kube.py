@@ -33,6 +33,8 @@ PLURALS = {
     "ServiceAccount": "serviceaccounts",
     "ConfigMap": "configmaps",
     "Secret": "secrets",
+    "NetworkPolicy": "networkpolicies",
+    "Job": "jobs",
     "Pod": "pods",
     "Service": "services",
     "StatefulSet": "statefulsets",
@@ -124,8 +126,10 @@ class Kube:
         *,
         retry: Retry = Retry(),  # noqa: B008  (frozen)
         timeout_seconds: float = 30.0,
+        user_agent: str = FIELD_MANAGER,
     ):
         self._source = self._as_source(source)
+        self.user_agent = user_agent
         self.retry = retry
         self.timeout = timeout_seconds
         self._client: ApiClient | None = None
@@ -160,7 +164,7 @@ class Kube:
             if self._client is None:
                 cfg: Configuration = await self._source()
                 self._client = ApiClient(cfg)
-                self._client.user_agent = FIELD_MANAGER
+                self._client.user_agent = self.user_agent
             return self._client
 
     async def request(
@@ -226,6 +230,20 @@ class Kube:
             # A resourceVersion is a precondition: its 409 is the answer, not a race to retry.
             repeatable_conflict=not guarded,
         )
+
+    async def create_only(self, obj: dict) -> bool:
+        """POST `obj`; True when created, False when it already exists (409), which is left as it is.
+        The answer is dropped: for a Secret it would carry the values back."""
+        meta = obj["metadata"]
+        try:
+            await self.request(
+                "POST", resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace")), body=obj
+            )
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
 
     async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict | None:
         return await self.request("GET", resource_path(api_version, kind, namespace, name), missing_ok=True)

@@ -14,6 +14,7 @@ from disagg.operator import handlers
 from disagg.operator.autoscaling import handlers as autoscaler
 from disagg.operator.kube import Kube
 from disagg.operator.reconcile import Reconciler
+from disagg.operator.settings import Settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +51,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=60.0,
         help="how often every resource is re-checked for drift (default 60)",
     )
+    parser.add_argument(
+        "--allow-host-path",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="let model.source.hostPath mount node directories under PREFIX (repeatable; none by default)",
+    )
+    parser.add_argument(
+        "--operator-namespace",
+        default=os.environ.get("POD_NAMESPACE"),
+        metavar="NS",
+        help="the namespace this operator runs in: NetworkPolicies let its autoscaler scrape /metrics "
+        "from there (default: $POD_NAMESPACE)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -60,20 +75,30 @@ def register_all(
     resync_seconds: float = 60.0,
     autoscaler_settings: autoscaler.Settings | None = None,
     env=os.environ,
+    settings: Settings | None = None,
 ) -> Reconciler:
     """The operator's handlers, plus the autoscaler's unless DISAGG_AUTOSCALER_DISABLED is set."""
-    reconciler = handlers.register(registry, login=login, resync_seconds=resync_seconds)
+    reconciler = handlers.register(registry, login=login, resync_seconds=resync_seconds, settings=settings)
     if env.get("DISAGG_AUTOSCALER_DISABLED", "") not in ("1", "true"):
         # One process, one API client: the autoscaler uses the one the operator's login configures.
         autoscaler.register(registry, kube=reconciler.kube, settings=autoscaler_settings)
     return reconciler
 
 
-def build_registry(resync_seconds: float = 60.0) -> kopf.OperatorRegistry:
+def build_registry(resync_seconds: float = 60.0, settings: Settings | None = None) -> kopf.OperatorRegistry:
     """The default registry with every handler of the process."""
     registry = kopf.get_default_registry()
-    register_all(registry, resync_seconds=resync_seconds)
+    register_all(registry, resync_seconds=resync_seconds, settings=settings)
     return registry
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    for prefix in args.allow_host_path:
+        if not prefix.startswith("/"):
+            raise SystemExit(f"disagg operator: --allow-host-path {prefix!r} must be an absolute path")
+    return Settings(
+        host_path_prefixes=tuple(args.allow_host_path), operator_namespace=args.operator_namespace or None
+    )
 
 
 # kopf's peering resources: namespaced for a namespaced operator, cluster-wide otherwise.
@@ -102,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         args.log_format
     ]
     kopf.configure(verbose=args.verbose, log_format=fmt)
-    registry = build_registry(args.resync_seconds)
+    registry = build_registry(args.resync_seconds, settings_from(args))
     clusterwide = args.all_namespaces or not args.namespace
     standalone = args.standalone or args.peering is None
     if not standalone:

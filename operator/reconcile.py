@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import kopf
 
 from disagg.operator import constants as c
-from disagg.operator import events, replicas, rollout
+from disagg.operator import credential_secret, events, replicas, rollout
 from disagg.operator import spec as specs
 from disagg.operator import status as statuses
 from disagg.operator.builders import build_children, common
 from disagg.operator.children import UNKNOWN, Children
 from disagg.operator.drift import differences
 from disagg.operator.kube import Kube, KubeError
+from disagg.operator.settings import Settings
 
 DISCOVERY_TTL_SECONDS = 60.0
 
@@ -97,8 +98,16 @@ def describe(manifest: dict, was: dict | None, seen_before: bool) -> tuple[str, 
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, post: Callable[..., None] = events.post, children: Children | None = None):
+    def __init__(
+        self,
+        kube: Kube,
+        post: Callable[..., None] = events.post,
+        children: Children | None = None,
+        settings: Settings | None = None,
+    ):
         self.kube = kube
+        self.settings = settings or Settings()
+        self._secret_ensured: set[str] = set()  # uids whose credentials Secret exists (as far as we know)
         self.post = post  # Events on the InferenceDeployment
         self.children = children if children is not None else Children()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -110,9 +119,23 @@ class Reconciler:
         return self._locks.setdefault(uid, asyncio.Lock())
 
     def forget(self, uid: str) -> None:
+        self._secret_ensured.discard(uid)
         self._locks.pop(uid, None)
         self._waiting.pop(uid, None)
         self._held.pop(uid, None)
+
+    def recheck_secret(self, uid: str) -> None:
+        """Have the next run create the credentials Secret again if it went (the slow resync asks:
+        the operator does not watch Secrets, which would need the right to read them)."""
+        self._secret_ensured.discard(uid)
+
+    async def _ensure_secret(self, body: dict, idep: specs.InferenceDeployment) -> None:
+        if idep.uid in self._secret_ensured:
+            return
+        if await credential_secret.ensure(self.kube, idep):
+            name = credential_secret.secrets.credentials_name(idep)
+            self.post(body, type="Normal", reason="Created", message=f"created Secret {name}")
+        self._secret_ensured.add(idep.uid)
 
     async def _service_monitors_served(self) -> bool:
         # Discovery changes rarely (installing the Prometheus Operator); ask once a minute at most.
@@ -213,7 +236,10 @@ class Reconciler:
             idep = specs.parse(body)
             sm_available = idep.spec.monitoring.service_monitor and await self._service_monitors_served()
             desired = [
-                rollout.stamp(m) for m in build_children(idep, body, service_monitor_available=sm_available)
+                rollout.stamp(m)
+                for m in build_children(
+                    idep, body, service_monitor_available=sm_available, settings=self.settings
+                )
             ]
         except specs.SpecError as exc:
             await self._reject(body, str(exc))
@@ -232,7 +258,13 @@ class Reconciler:
 
         problem = None
         applied = []
-        for manifest in plan.apply:
+        try:
+            await self._ensure_secret(body, idep)  # before any pod that references it
+        except KubeError as exc:
+            problem = ("ApplyFailed", f"Secret {credential_secret.secrets.credentials_name(idep)}: {exc}")
+            self.post(body, type="Warning", reason="ApplyFailed", message=problem[1])
+            logger.error("creating the credentials Secret failed: %s", exc)
+        for manifest in plan.apply if problem is None else []:
             key = _key(manifest)
             was = observed.get(key)
             try:

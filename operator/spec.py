@@ -193,6 +193,19 @@ class Monitoring:
 
 
 @dataclass(frozen=True)
+class GrpcTLS:
+    secret_name: str
+    server_name: str | None = None
+
+
+@dataclass(frozen=True)
+class NetworkPolicy:
+    enabled: bool = True
+    clients_from: tuple[dict, ...] | None = None  # None: the default sources (see builders/network)
+    metrics_namespaces: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Spec:
     model: Model
     image: Image
@@ -202,6 +215,8 @@ class Spec:
     kv_transfer: KvTransfer
     redis: Redis
     monitoring: Monitoring
+    grpc_tls: GrpcTLS | None = None
+    network_policy: NetworkPolicy = field(default_factory=NetworkPolicy)
 
     def role(self, name: str) -> Role:
         return self.prefill if name == "prefill" else self.decode
@@ -277,6 +292,34 @@ def _role(spec: dict, name: str) -> Role:
     )
 
 
+def _grpc_tls(spec: dict) -> GrpcTLS | None:
+    tls = _section(spec, "grpcTLS", "spec")
+    if not tls:
+        return None
+    return GrpcTLS(
+        secret_name=_get(tls, "secretName", "spec.grpcTLS", str, required=True),
+        server_name=_get(tls, "serverName", "spec.grpcTLS", str, None),
+    )
+
+
+def _network_policy(spec: dict) -> NetworkPolicy:
+    path = "spec.networkPolicy"
+    body = _section(spec, "networkPolicy", "spec")
+    clients = _get(body, "clientsFrom", path, list, None)
+    for i, peer in enumerate(clients or []):
+        if not isinstance(peer, dict):
+            raise SpecError(f"{path}.clientsFrom[{i}]", "must be a NetworkPolicyPeer object")
+    namespaces = _get(body, "metricsNamespaces", path, list, [])
+    for i, ns in enumerate(namespaces):
+        if not isinstance(ns, str) or not ns:
+            raise SpecError(f"{path}.metricsNamespaces[{i}]", "must be a namespace name")
+    return NetworkPolicy(
+        enabled=_get(body, "enabled", path, bool, True),
+        clients_from=None if clients is None else tuple(clients),
+        metrics_namespaces=tuple(namespaces),
+    )
+
+
 def parse_spec(spec: dict) -> Spec:
     if not isinstance(spec, dict):
         raise SpecError("spec", "is required")
@@ -335,6 +378,8 @@ def parse_spec(spec: dict) -> Spec:
             service_monitor=_get(mon, "serviceMonitor", "spec.monitoring", bool, True),
             interval=_get(mon, "interval", "spec.monitoring", str, "15s"),
         ),
+        grpc_tls=_grpc_tls(spec),
+        network_policy=_network_policy(spec),
     )
 
 

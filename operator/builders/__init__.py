@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from disagg.operator.builders import config, disruption, monitoring, redis, router, service_account, workers
+from disagg.operator.builders import (
+    config,
+    disruption,
+    monitoring,
+    network,
+    policy,
+    redis,
+    router,
+    service_account,
+    workers,
+)
+from disagg.operator.settings import Settings
 from disagg.operator.spec import InferenceDeployment
 
 
@@ -21,9 +32,14 @@ def hpa_children(idep: InferenceDeployment, body: dict) -> list[dict]:
     return [build_hpa(idep, role) for role in roles]
 
 
-def infrastructure(idep: InferenceDeployment) -> list[dict]:
-    """Everything the worker pools need before they start, in apply order."""
-    out = [service_account.service_account(idep), config.configmap(idep)]
+def infrastructure(idep: InferenceDeployment, settings: Settings = Settings()) -> list[dict]:  # noqa: B008
+    """Everything the worker pools need before they start, in apply order (the generated
+    credentials Secret is not here: it is created once, never applied; see credential_secret)."""
+    out = [
+        service_account.service_account(idep),
+        config.configmap(idep),
+        *network.policies(idep, settings),
+    ]
     if idep.spec.redis.managed:
         out += [redis.service(idep), redis.statefulset(idep)]
     for role in ("decode", "prefill"):
@@ -47,14 +63,20 @@ def extras(idep: InferenceDeployment, body: dict, service_monitor_available: boo
 
 
 def build_children(
-    idep: InferenceDeployment, body: dict | None = None, *, service_monitor_available: bool = False
+    idep: InferenceDeployment,
+    body: dict | None = None,
+    *,
+    service_monitor_available: bool = False,
+    settings: Settings = Settings(),  # noqa: B008  (frozen)
 ) -> list[dict]:
     """Every child in apply order: infrastructure, decode, prefill, router, monitoring and HPAs.
 
-    `body` is the raw InferenceDeployment object, handed to the HPA builder.
+    `body` is the raw InferenceDeployment object, handed to the HPA builder; `settings` are the
+    operator's own (allowed host paths, its namespace).
     """
+    policy.check(idep, settings)
     return [
-        *infrastructure(idep),
+        *infrastructure(idep, settings),
         role_statefulset(idep, "decode"),
         role_statefulset(idep, "prefill"),
         *frontend(idep),

@@ -8,7 +8,19 @@ import json
 from disagg.operator import constants as c
 from disagg.operator.spec import InferenceDeployment
 
-RESERVED_ENV = ("DISAGG_ROLE", "DISAGG_DEPLOYMENT", "POD_NAME", "POD_IP")
+RESERVED_ENV = (
+    "DISAGG_ROLE",
+    "DISAGG_DEPLOYMENT",
+    "POD_NAME",
+    "POD_IP",
+    # Credentials: a user's env entry could otherwise swap in a token or password of its choosing.
+    "DISAGG_INTERNAL_TOKEN",
+    "DISAGG_INTERNAL_TOKEN_FILE",
+    "DISAGG_REDIS_PASSWORD",
+    "DISAGG_REDIS_PASSWORD_FILE",
+    "DISAGG_GRPC_TLS_DIR",
+    "DISAGG_INSECURE_INTERNAL",
+)
 
 
 def role_name(idep: InferenceDeployment, role: str) -> str:
@@ -42,22 +54,11 @@ def endpoint(idep: InferenceDeployment) -> str:
 
 
 def redis_url(idep: InferenceDeployment) -> str:
-    """The URL workers and the router get, without a password (see `redis_password_env`)."""
+    """The URL workers and the router get, without a password (see `secrets.redis_password_env`)."""
     redis = idep.spec.redis
     if redis.managed:
         return f"redis://{redis_name(idep)}.{idep.namespace}.svc:{c.REDIS_PORT}/0"
     return redis.url
-
-
-def redis_password_env(idep: InferenceDeployment) -> list[dict]:
-    """The external Redis password, from its Secret. The CLIs quote it into the URL themselves:
-    spliced in here it would break the URL on any '/', '@' or '%' it contains."""
-    ref = idep.spec.redis.password
-    if ref is None or idep.spec.redis.managed:
-        return []
-    return [
-        {"name": "DISAGG_REDIS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
-    ]
 
 
 def selector_labels(idep: InferenceDeployment, component: str) -> dict[str, str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import posixpath
 
+from disagg.operator.builders import hardening
 from disagg.operator.constants import MODEL_MOUNT
 from disagg.operator.spec import InferenceDeployment
 
@@ -64,9 +65,7 @@ def make_model_args(idep: InferenceDeployment) -> list[str]:
     return ["make-model", model_dir(idep), "--preset", src.preset, "--seed", str(GENERATE_SEED)]
 
 
-def init_containers(
-    idep: InferenceDeployment, security_context: dict, tokenizer_only: bool = False
-) -> list[dict]:
+def init_containers(idep: InferenceDeployment, tokenizer_only: bool = False) -> list[dict]:
     """The container that puts the checkpoint in place before the pod starts (none for pvc/hostPath).
 
     With `tokenizer_only` a Hugging Face download fetches just the router's files.
@@ -78,19 +77,21 @@ def init_containers(
     base = {
         "image": spec.image.ref,
         "imagePullPolicy": spec.image.pull_policy,
-        "volumeMounts": [{"name": VOLUME, "mountPath": MODEL_MOUNT}],
-        "securityContext": security_context,
+        # The pod's /tmp volume as well: the root file system is read-only.
+        "volumeMounts": [{"name": VOLUME, "mountPath": MODEL_MOUNT}, *hardening.scratch_mounts()],
+        "securityContext": hardening.container(),
     }
     if src.kind == "generate":
         return [
             {
                 **base,
                 "name": "make-model",
+                "env": hardening.scratch_env(),
                 "command": ["disagg"],
                 "args": make_model_args(idep),
             }
         ]
-    env = [{"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.hf"}]
+    env = [*hardening.scratch_env(), {"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.hf"}]
     if src.token is not None:
         env.append(
             {

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from disagg.operator.builders import common, config, model, workers
+from disagg.operator.builders import common, config, hardening, model, secrets, workers
 from disagg.operator.spec import InferenceDeployment
 
 API_KEYS_DIR = "/etc/disagg/api-keys"
 HEALTH_PATH = "/health"  # 200 once a decode worker is known, else 503: readiness only
 LIVE_PATH = "/metrics"  # answers whenever the server runs, whether or not workers are up yet
-SECURITY = {
-    "allowPrivilegeEscalation": False,
-    "readOnlyRootFilesystem": True,
-    "capabilities": {"drop": ["ALL"]},
-}
 
 
 def _args(idep: InferenceDeployment) -> list[str]:
     router = idep.spec.router
     args = [
         "router",
+        "--host",
+        workers.BIND_ALL,
         "--port",
         str(router.port),
         "--redis-url",
@@ -50,7 +47,7 @@ def deployment(idep: InferenceDeployment) -> dict:
         "imagePullPolicy": spec.image.pull_policy,
         "command": ["disagg"],
         "args": _args(idep),
-        "env": common.redis_password_env(idep),
+        "env": [*secrets.serving_env(idep), *hardening.scratch_env()],
         "envFrom": [{"configMapRef": {"name": common.config_name(idep)}}],
         "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": health, "periodSeconds": 5, "failureThreshold": 2},
@@ -59,22 +56,28 @@ def deployment(idep: InferenceDeployment) -> dict:
             "periodSeconds": 10,
             "failureThreshold": 6,
         },
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, model.mount(idep, read_only=True)],
-        "securityContext": SECURITY,
+        "volumeMounts": [
+            *hardening.scratch_mounts(),
+            model.mount(idep, read_only=True),
+            *secrets.tls_mounts(idep),
+        ],
+        "securityContext": hardening.container(),
     }
-    if not container["env"]:
-        del container["env"]
     if router.resources:
         container["resources"] = router.resources
-    volumes = [{"name": "tmp", "emptyDir": {}}, model.volume(idep, tokenizer_only=True)]
+    volumes = [
+        *hardening.scratch_volumes(),
+        model.volume(idep, tokenizer_only=True),
+        *secrets.tls_volumes(idep),
+    ]
     if router.api_key is not None:
         container["volumeMounts"].append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
         volumes.append({"name": "api-keys", "secret": {"secretName": router.api_key.name}})
     pod_spec = {
         "serviceAccountName": common.service_account_name(idep),
         "automountServiceAccountToken": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
-        "initContainers": model.init_containers(idep, workers.CONTAINER_SECURITY, tokenizer_only=True),
+        "securityContext": hardening.pod(),
+        "initContainers": model.init_containers(idep, tokenizer_only=True),
         "containers": [container],
         "volumes": volumes,
     }

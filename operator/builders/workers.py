@@ -7,13 +7,12 @@ here and nowhere else; user-supplied env may not override it.
 from __future__ import annotations
 
 from disagg.operator import constants as c
-from disagg.operator.builders import common, config, model
+from disagg.operator.builders import common, config, hardening, model, secrets
 from disagg.operator.spec import InferenceDeployment, Role, SpecError
 from disagg.worker.engine.args import cli_flag
 
 GPU = "nvidia.com/gpu"
 SHM_VOLUME = "dshm"
-CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 # Of a pod's termination grace period, what the worker keeps for deregistering and stopping after
 # its in-flight streams have drained (at most this, at most a third of the period).
 STOP_MARGIN_SECONDS = 10
@@ -21,6 +20,8 @@ STOP_MARGIN_SECONDS = 10
 HEALTH_PATH = "/health"  # 200 once loaded and registered, 503 while loading or draining
 LIVE_PATH = "/live"  # 200 while the process and its engine loop run, draining included
 DRAIN_PATH = "/drain"  # stops admitting; answers once in-flight streams are done
+# The interface the servers bind: the pod's own (they default to loopback outside a pod).
+BIND_ALL = "0.0.0.0"
 
 
 def drain_timeout(grace_seconds: int) -> float:
@@ -103,6 +104,8 @@ def _args(idep: InferenceDeployment, role: Role) -> list[str]:
         # $(VAR) is expanded by the kubelet from the container's env (the downward API values).
         "--worker-id",
         "$(POD_NAME)",
+        "--host",
+        BIND_ALL,
         "--advertise-host",
         "$(POD_IP)",
         "--port",
@@ -131,6 +134,29 @@ def _args(idep: InferenceDeployment, role: Role) -> list[str]:
     return args
 
 
+def check_memory_limit(role: Role) -> None:
+    """A CPU worker's KV cache and weights live in the pod's memory: without a limit the worker
+    would size from the node's memory and the pod be killed by the node, not by its own bound."""
+    if device(role) == "cpu" and not (role.resources.get("limits") or {}).get("memory"):
+        raise SpecError(
+            f"spec.{role.name}.resources.limits.memory",
+            "is required on CPU: the worker sizes its KV cache from the pod's memory limit",
+        )
+
+
+def prestop_command(role: Role) -> list[str]:
+    """`disagg drain` inside the pod: /drain needs the internal credential, which a kubelet httpGet
+    hook cannot send; the command reads it from the container's environment like the worker."""
+    return [
+        "disagg",
+        "drain",
+        "--url",
+        f"http://127.0.0.1:{c.WORKER_METRICS_PORT}{DRAIN_PATH}",
+        "--timeout",
+        str(role.termination_grace_seconds),
+    ]
+
+
 def _env(idep: InferenceDeployment, role: Role) -> list[dict]:
     for i, item in enumerate(role.env):
         if item["name"] in common.RESERVED_ENV:
@@ -140,7 +166,8 @@ def _env(idep: InferenceDeployment, role: Role) -> list[dict]:
         {"name": "DISAGG_DEPLOYMENT", "value": idep.deployment_id},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        *common.redis_password_env(idep),
+        *secrets.serving_env(idep),
+        *hardening.scratch_env(cache=True),
     ]
     transports = idep.spec.kv_transfer.ucx_transports
     if transports:
@@ -150,9 +177,9 @@ def _env(idep: InferenceDeployment, role: Role) -> list[dict]:
 
 def _container(idep: InferenceDeployment, role: Role) -> dict:
     spec = idep.spec
-    security = dict(CONTAINER_SECURITY)
+    security = hardening.container()
     if spec.kv_transfer.rdma_count > 0:
-        # RDMA registers (pins) memory, which needs IPC_LOCK.
+        # RDMA registers (pins) memory, which needs IPC_LOCK (beyond `restricted`: see docs/security.md).
         security["capabilities"] = {"drop": ["ALL"], "add": ["IPC_LOCK"]}
     resources = _resources(idep, role)
     http_health = {"path": HEALTH_PATH, "port": "metrics"}
@@ -175,8 +202,13 @@ def _container(idep: InferenceDeployment, role: Role) -> dict:
         "livenessProbe": {"httpGet": http_live, "periodSeconds": 10, "failureThreshold": 6},
         # Drain: stop admitting work and return once in-flight requests have finished (bounded by
         # --drain-timeout, which is shorter than the grace period); SIGTERM follows the hook.
-        "lifecycle": {"preStop": {"httpGet": {"path": DRAIN_PATH, "port": "metrics"}}},
-        "volumeMounts": [model.mount(idep), {"name": SHM_VOLUME, "mountPath": "/dev/shm"}],
+        "lifecycle": {"preStop": {"exec": {"command": prestop_command(role)}}},
+        "volumeMounts": [
+            model.mount(idep),
+            {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+            *hardening.scratch_mounts(cache=True),
+            *secrets.tls_mounts(idep),
+        ],
         "securityContext": security,
     }
     if resources:
@@ -190,17 +222,20 @@ def statefulset(idep: InferenceDeployment, role_name: str) -> dict:
     name = common.role_name(idep, role_name)
     container = _container(idep, role)
     check_supported(idep, role)
+    check_memory_limit(role)
     pod_spec = {
         "serviceAccountName": common.service_account_name(idep),
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": role.termination_grace_seconds,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000},
-        "initContainers": model.init_containers(idep, CONTAINER_SECURITY),
+        "securityContext": hardening.pod(),
+        "initContainers": model.init_containers(idep),
         "containers": [container],
         "volumes": [
             model.volume(idep),
             # NCCL and UCX shared-memory transports need more than the container runtime's 64 MiB /dev/shm.
             {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+            *hardening.scratch_volumes(cache=True),
+            *secrets.tls_volumes(idep),
         ],
     }
     if not pod_spec["initContainers"]:

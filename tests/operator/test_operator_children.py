@@ -111,6 +111,10 @@ async def test_a_reconcile_reads_children_from_the_cache_not_by_listing(cluster)
     later = calls[len(first) :]
     owner = "/apis/disagg.dev/v1alpha1/namespaces/default/inferencedeployments/tiny"
     wanted = build_children(specs.parse(idep), idep)
+    # The credentials Secret is create-only: a fresh process POSTs it once (409: it exists).
+    secret = ("POST", "/api/v1/namespaces/default/secrets")
+    assert first.count(secret) == 1
+    first.remove(secret)
     # (Besides discovery: is the ServiceMonitor kind served?)
     children = sorted(p for m, p in first if p != owner and "/namespaces/" in p)
     assert children == sorted(object_path(m) for m in wanted)

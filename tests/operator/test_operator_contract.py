@@ -5,12 +5,14 @@ parsed by the real `disagg` sub-command parsers with the container's environment
 way the kubelet applies it (ConfigMap, downward API, Secrets, `$(VAR)` expansion); the settings
 that come out must agree with the probes, Services, volumes and with each other. The probe and
 preStop paths are requested from the real HTTP servers, the generated-model init container is run,
-and the finalizer's Redis cleanup is checked against keys written by the workers' own `KVState`.
+the managed Redis runs from its pod spec, and the deletion Job's Redis cleanup is checked against
+keys written by the workers' own `KVState`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -31,9 +33,9 @@ import yaml
 from aiohttp.test_utils import TestServer
 from kube_emulator import ROOT, load_example
 
-from disagg.operator import cleanup
 from disagg.operator import spec as specs
 from disagg.operator.builders import build_children, model, workers
+from disagg.operator.settings import Settings
 from disagg.worker import cli
 from disagg.worker.kv_state import KVState, WorkerInfo
 from disagg.worker.kv_state.keys import Keys
@@ -61,6 +63,10 @@ def _pvc(spec: dict) -> None:
 
 def _host_path(spec: dict) -> None:
     spec["model"]["source"] = {"hostPath": {"path": "/data/tiny"}}
+
+
+# What an installer that allows host paths under /data runs the operator with.
+SETTINGS = Settings(host_path_prefixes=("/data",))
 
 
 def _api_key_and_auto_dtype(spec: dict) -> None:
@@ -93,7 +99,8 @@ def _body(example: str, variant: str | None) -> dict:
 
 
 def _children(body: dict) -> dict[tuple[str, str], dict]:
-    return {(m["kind"], m["metadata"]["name"]): m for m in build_children(specs.parse(body), body)}
+    kids = build_children(specs.parse(body), body, settings=SETTINGS)
+    return {(m["kind"], m["metadata"]["name"]): m for m in kids}
 
 
 # ---- what the kubelet does to a container before it runs -------------------------------------------
@@ -122,11 +129,6 @@ def container_env(
         else:
             assert "secretKeyRef" in ref, item
             env[item["name"]] = SECRET_VALUE
-    # Workers and the router refuse to start without the deployment's internal credential. The
-    # operator is to wire it from a Secret (issue 13, its Kubernetes half); until it does, these
-    # tests stand in for that Secret. `test_pods_get_the_internal_credential_from_a_secret` fails
-    # once the operator sets it, so this stand-in goes then.
-    env.setdefault(INTERNAL_TOKEN_ENV, SECRET_VALUE)
     return env
 
 
@@ -206,9 +208,19 @@ def _probe_paths(container: dict) -> dict[str, tuple[str, str]]:
             http = container[kind]["httpGet"]
             out[kind] = (http["path"], http["port"])
     if "lifecycle" in container:
-        http = container["lifecycle"]["preStop"]["httpGet"]
-        out["preStop"] = (http["path"], http["port"])
+        url = urllib.parse.urlsplit(_prestop(container)[1].url)
+        assert url.hostname == "127.0.0.1"  # the hook runs inside the pod
+        (name,) = [p["name"] for p in container["ports"] if p["containerPort"] == url.port]
+        out["preStop"] = (url.path, name)
     return out
+
+
+def _prestop(container: dict, env: dict | None = None):
+    """The preStop exec hook as the real `disagg` CLI parses it (in the container's environment)."""
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "disagg"
+    with container_environ(env or {}):
+        return cli.parse(command[1:])
 
 
 def _checkpoint(path: Path, dtype: str = "float32") -> Path:
@@ -305,9 +317,18 @@ def test_worker_containers_parse_with_the_real_cli(example, variant, role, tmp_p
     assert cfg.worker_id == POD_NAME and cfg.role == role
     _check_redis_url(cfg.redis_url, idep, kids, cfg.redis_password)
 
+    # The native-kernel cache is a writable, pod-private volume (the root file system is read-only).
+    from disagg.kernels import cpu_native
+
+    with container_environ(env) as kernel_reads:
+        cache = str(cpu_native._cache_dirs()[0])
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "emptyDir" in _mounted_volume(pod, container, cache), cache
+    assert "emptyDir" in _mounted_volume(pod, container, env["HOME"])
+
     # Every DISAGG_* variable the operator sets is one the worker reads.
     container_vars = _disagg_env(container) | {k for k in env if k.startswith("DISAGG_")}
-    unread = container_vars - recording.read - read_later.read
+    unread = container_vars - recording.read - read_later.read - kernel_reads.read
     assert not unread, f"the worker ignores {sorted(unread)}"
 
 
@@ -324,7 +345,8 @@ def _check_redis_url(url: str, idep, kids: dict, password: str | None) -> None:
         svc = kids["Service", f"{idep.name}-redis"]
         assert kwargs["host"] == f"{svc['metadata']['name']}.{idep.namespace}.svc"
         assert kwargs["port"] == svc["spec"]["ports"][0]["port"]
-        assert kwargs.get("password") is None
+        # the managed Redis requires the generated password (the Secret's value, here SECRET_VALUE)
+        assert kwargs["password"] == SECRET_VALUE
     else:
         expected = urllib.parse.urlsplit(idep.spec.redis.url)
         assert (kwargs["host"], kwargs["port"]) == (expected.hostname, expected.port)
@@ -370,16 +392,24 @@ async def test_worker_serves_its_probe_and_prestop_paths(tmp_path):
         async with aiohttp.ClientSession() as http:
             for kind, (path, port) in _probe_paths(container).items():
                 assert port == "metrics"
-                # /drain needs the internal credential: sent as `disagg drain` in the pod sends it
-                headers = INTERNAL_HEADERS if kind == "preStop" else {}
-                async with http.get(f"http://127.0.0.1:{proc.metrics_port}{path}", headers=headers) as resp:
+                if kind == "preStop":
+                    continue  # run below, as the kubelet runs it
+                async with http.get(f"http://127.0.0.1:{proc.metrics_port}{path}") as resp:
                     status[kind] = resp.status
             async with http.get(f"http://127.0.0.1:{proc.metrics_port}/metrics") as resp:
                 assert resp.status == 200
+            # /drain refuses a caller without the credential ...
+            async with http.get(f"http://127.0.0.1:{proc.metrics_port}{workers.DRAIN_PATH}") as resp:
+                assert resp.status == 401
+        # ... and the hook's own command, in the container's environment, carries it.
+        module, hook = _prestop(container, env)
+        hook.url = hook.url.replace(f":{_port(container, 'metrics')}/", f":{proc.metrics_port}/")
+        with container_environ(env):
+            status["preStop"] = await asyncio.to_thread(module.run, hook)
     finally:
         await proc.http.cleanup()
     # Not loaded yet: not ready, but alive (a restart would not help); the drain answers at once.
-    assert status == {"startupProbe": 503, "readinessProbe": 503, "livenessProbe": 200, "preStop": 200}
+    assert status == {"startupProbe": 503, "readinessProbe": 503, "livenessProbe": 200, "preStop": 0}
 
 
 # ---- the generated model ----------------------------------------------------------------------------
@@ -560,42 +590,68 @@ async def test_router_serves_its_probe_paths_and_finds_the_registered_workers(
 # ---- the finalizer's Redis cleanup ------------------------------------------------------------------
 
 
-def _populate(url: str, deployment: str) -> set[bytes]:
+def _populate(url: str, deployment: str, password: str) -> set[bytes]:
     """Registry entry, a transfer with its lease, a prefix-index entry: the keys a worker writes."""
-    state = KVState(url, deployment, "w1")
+    state = KVState(url, deployment, "w1", password=password)
     try:
         state.register(WorkerInfo(id="w1", role="prefill", address="10.0.0.1:50051", model="tiny"))
         state.publish_blocks([1, 2, 3])
         state.begin_transfer("req-1", "w1", "w2", [1, 2], [3, 4], lease_seconds=30)
     finally:
         state.close()
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(url, password=password)
     try:
         return set(client.scan_iter(match=f"*{{{deployment}}}*"))
     finally:
         client.close()
 
 
-async def test_finalizer_cleanup_removes_exactly_this_deployments_worker_keys(redis_url):
-    idep = specs.parse(load_example("cpu-tiny.yaml"))
-    ours = _populate(redis_url, idep.deployment_id)
+def test_deletion_job_removes_exactly_this_deployments_worker_keys(secure_redis):
+    """The Job the finalizer starts for an external Redis runs `disagg cleanup` with the password
+    from the user's Secret (the operator never holds it); run here as its pod would run it."""
+    from disagg.operator.builders import cleanup_job
+
+    body = load_example("cpu-tiny.yaml")
+    _external_redis(body["spec"])
+    idep = specs.parse(body)
+    url, password = secure_redis.url, secure_redis.password
+    ours = _populate(url, idep.deployment_id, password)
     assert len(ours) >= 4 and all(k.decode().startswith(Keys(idep.deployment_id).prefix) for k in ours)
     # Deployments whose ids share a prefix with ours, or live in another namespace.
     others = set()
     for deployment in (f"{idep.deployment_id}2", idep.deployment_id[:-1], f"other.{idep.name}"):
-        others |= _populate(redis_url, deployment)
-    client = redis.Redis.from_url(redis_url)
+        others |= _populate(url, deployment, password)
+    client = redis.Redis.from_url(url, password=password)
     client.set("unrelated", "1")
+    job = cleanup_job.job(idep)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    command = list(container["command"])
+    _replace(command, "--redis-url", url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
+    env.update(container_env(container, {}))
+    env["DISAGG_REDIS_PASSWORD"] = password  # what the user's Secret holds
     try:
-        deleted = await cleanup.delete_keys(redis_url, idep.deployment_id)
-        assert deleted == len(ours)
+        assert command[:2] == ["disagg", "cleanup"] and "ownerReferences" not in job["metadata"]
+        done = subprocess.run(
+            [sys.executable, "-m", "disagg.worker.cli", *command[1:]],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == f"deleted {len(ours)} keys of {idep.deployment_id}"
         assert set(client.scan_iter()) == others | {b"unrelated"}
+        # Without the password: refused, and it says so without printing one.
+        env.pop("DISAGG_REDIS_PASSWORD")
+        refused = subprocess.run(
+            [sys.executable, "-m", "disagg.worker.cli", *command[1:]],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert refused.returncode == 1 and password not in refused.stderr + refused.stdout
     finally:
         client.close()
 
 
-def test_operator_cleanup_imports_no_torch():
-    code = "import sys, disagg.operator.cleanup, disagg.operator.handlers; assert 'torch' not in sys.modules"
+def test_operator_imports_no_torch():
+    code = "import sys, disagg.operator.handlers, disagg.operator.main; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -669,8 +725,69 @@ def _wait(
     pytest.fail(f"timed out waiting for {what}\n{logs}")
 
 
+@contextlib.contextmanager
+def managed_redis(kids: dict, name: str, tmp_path: Path):
+    """The managed Redis pod's containers run locally: the init container's script writes the auth
+    config from the Secret-backed environment, then redis-server starts with the pod's arguments
+    (its mount swapped for a local folder, its port for a free one). Yields (url, server process)."""
+    from disagg.operator.builders import redis as redis_builder
+
+    pod = kids["StatefulSet", f"{name}-redis"]["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    (server,) = pod["containers"]
+    auth = tmp_path / "redis-auth"
+    auth.mkdir()
+    env = container_env(init, kids)
+    script = init["command"][2].replace(redis_builder.AUTH_DIR, str(auth))
+    subprocess.run([*init["command"][:2], script], env=env, check=True, timeout=30)
+    port = _free_port()
+    args = [a.replace(redis_builder.AUTH_DIR, str(auth)) for a in server["args"]]
+    proc = subprocess.Popen(
+        [*server["command"], *args, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                redis.Redis.from_url(url, password=SECRET_VALUE, socket_timeout=1).ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.1)
+        yield url, proc
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_managed_redis_requires_the_generated_password_and_keeps_it_off_command_lines(tmp_path):
+    kids = _children(load_example("cpu-tiny.yaml"))
+    pod = kids["StatefulSet", "tiny-redis"]["spec"]["template"]["spec"]
+    assert "--protected-mode" in pod["containers"][0]["args"]
+    assert pod["containers"][0]["args"][pod["containers"][0]["args"].index("--protected-mode") + 1] == "yes"
+    with managed_redis(kids, "tiny", tmp_path) as (url, proc):
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(url).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(url, password="wrong").ping()
+        assert redis.Redis.from_url(url, password=SECRET_VALUE).ping()
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        assert SECRET_VALUE.encode() not in cmdline
+    (init,) = pod["initContainers"]
+    assert init["env"] == [
+        {
+            "name": "REDIS_PASSWORD",
+            "valueFrom": {"secretKeyRef": {"name": "tiny-credentials", "key": "redis-password"}},
+        }
+    ]
+
+
 @pytest.mark.slow
-def test_the_pods_command_lines_serve_a_chat_completion_and_drain(generated_model, redis_url, tmp_path):
+def test_the_pods_command_lines_serve_a_chat_completion_and_drain(generated_model, tmp_path):
     """Prefill, decode and router processes started from the cpu-tiny example's own containers find
     each other through Redis, answer a chat completion, and the decode pod's preStop drains it."""
     body = load_example("cpu-tiny.yaml")
@@ -678,6 +795,12 @@ def test_the_pods_command_lines_serve_a_chat_completion_and_drain(generated_mode
     kids = _children(body)
     procs: dict[str, subprocess.Popen] = {}
     metrics: dict[str, int] = {}
+    with contextlib.ExitStack() as stack:
+        redis_url, _ = stack.enter_context(managed_redis(kids, "tiny", tmp_path))
+        _serve_and_drain(kids, idep, procs, metrics, generated_model, redis_url, tmp_path)
+
+
+def _serve_and_drain(kids, idep, procs, metrics, generated_model, redis_url, tmp_path) -> None:
     try:
         for role in ("decode", "prefill"):
             (container,) = kids["StatefulSet", f"tiny-{role}"]["spec"]["template"]["spec"]["containers"]
@@ -687,11 +810,17 @@ def test_the_pods_command_lines_serve_a_chat_completion_and_drain(generated_mode
                 "--port": str(_free_port()),
                 "--metrics-port": str(metrics[role]),
                 "--redis-url": redis_url,
+                "--host": "127.0.0.1",
             }
             procs[role] = _launch(container, kids, f"tiny-{role}-0", swaps, tmp_path / f"{role}.log")
         (router,) = kids["Deployment", "tiny-router"]["spec"]["template"]["spec"]["containers"]
         port = _free_port()
-        swaps = {"--model": str(generated_model), "--port": str(port), "--redis-url": redis_url}
+        swaps = {
+            "--model": str(generated_model),
+            "--port": str(port),
+            "--redis-url": redis_url,
+            "--host": "127.0.0.1",
+        }
         procs["router"] = _launch(router, kids, "tiny-router-0", swaps, tmp_path / "router.log")
 
         def router_sees_both():
@@ -700,7 +829,7 @@ def test_the_pods_command_lines_serve_a_chat_completion_and_drain(generated_mode
             return status == 200 and {"prefill", "decode"} <= roles
 
         _wait(router_sees_both, procs, tmp_path, "the router to discover both workers through Redis")
-        registry = KVState(redis_url, idep.deployment_id, "probe")
+        registry = KVState(redis_url, idep.deployment_id, "probe", password=SECRET_VALUE)
         ids = {w.id for w in registry.workers()}
         registry.close()
         assert ids == {"tiny-decode-0", "tiny-prefill-0"}
@@ -730,9 +859,18 @@ def test_the_pods_command_lines_serve_a_chat_completion_and_drain(generated_mode
         ]
         assert remote and remote[0] >= 1, exposition
 
-        # The preStop hook, then what readiness and liveness see while the pod terminates.
-        status, drained = _get(f"http://127.0.0.1:{metrics['decode']}{workers.DRAIN_PATH}", INTERNAL_HEADERS)
-        assert (status, drained) == (200, {"drained": True, "streams": 0})
+        # The preStop hook (its exec command, in the container's environment), then what readiness
+        # and liveness see while the pod terminates.
+        (decode,) = kids["StatefulSet", "tiny-decode"]["spec"]["template"]["spec"]["containers"]
+        hook = list(decode["lifecycle"]["preStop"]["exec"]["command"])
+        hook[hook.index("--url") + 1] = f"http://127.0.0.1:{metrics['decode']}{workers.DRAIN_PATH}"
+        hook_env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
+        hook_env.update(container_env(decode, kids))
+        done = subprocess.run(
+            [sys.executable, "-m", "disagg.worker.cli", *hook[1:]],
+            env=hook_env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0 and json.loads(done.stdout) == {"drained": True, "streams": 0}, done
         assert _get(f"http://127.0.0.1:{metrics['decode']}{workers.HEALTH_PATH}")[0] == 503
         assert _get(f"http://127.0.0.1:{metrics['decode']}{workers.LIVE_PATH}")[0] == 200
     finally:
@@ -763,11 +901,9 @@ async def test_tensor_parallel_request_is_reported_in_the_status_naming_the_fiel
     assert cluster.live("apps/v1/statefulsets", "tiny-prefill") is None
 
 
-# ---- what the operator half of issue 13 still has to wire ---------------------------------------------
-# Strict: each passes (and so fails here, to be unmarked) once the operator does it.
+# ---- the internal credential and the interfaces ---------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 (Kubernetes half): the operator passes --host 0.0.0.0")
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_pods_bind_their_pod_address_explicitly(role):
     """Workers and the router listen on loopback unless told otherwise; pods must be told."""
@@ -778,7 +914,6 @@ def test_pods_bind_their_pod_address_explicitly(role):
     assert parse_container(router, kids)[0].host == "0.0.0.0"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 (Kubernetes half): the operator wires the credential Secret")
 def test_pods_get_the_internal_credential_from_a_secret():
     kids = _children(load_example("cpu-tiny.yaml"))
     for kind, name in (
@@ -791,7 +926,6 @@ def test_pods_get_the_internal_credential_from_a_secret():
         assert INTERNAL_TOKEN_ENV in env and "secretKeyRef" in env[INTERNAL_TOKEN_ENV]["valueFrom"], name
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13 (Kubernetes half): preStop runs `disagg drain` (exec)")
 def test_worker_prestop_hook_carries_the_credential():
     """A kubelet httpGet cannot send a Secret's value; /drain answers it 401."""
     kids = _children(load_example("cpu-tiny.yaml"))

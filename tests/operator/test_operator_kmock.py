@@ -175,17 +175,16 @@ async def test_invalid_spec_is_reported_and_builds_nothing(cluster):
     assert (progressing["status"], progressing["reason"]) == ("False", "InvalidSpec")
 
 
-@pytest.mark.parametrize("reachable", [True, False])
-async def test_delete_runs_finalizer_and_cleans_external_redis(cluster, redis_url, reachable):
-    import redis
-
+@pytest.mark.parametrize("jobs_served", [True, False])
+async def test_delete_runs_finalizer_and_schedules_the_redis_cleanup_job(cluster, jobs_served):
+    """The operator never connects to Redis (that needs the password): for an external Redis the
+    finalizer starts the cleanup Job (whose `disagg cleanup` the contract suite runs for real)."""
+    if not jobs_served:  # e.g. RBAC without `create jobs`: the API server refuses the Job
+        cluster.k8s.forbidden.add(("create", "jobs"))
     body = load_example("cpu-tiny.yaml")
-    url = redis_url if reachable else "redis://127.0.0.1:1/0"
-    body["spec"]["redis"] = {"external": {"url": url}}
-    client = redis.Redis.from_url(redis_url)
-    client.set("disagg:{default.tiny}:worker:a", "1")
-    client.set("disagg:{default.tiny}:leases", "1")
-    client.set("disagg:{default.other}:worker:a", "1")
+    body["spec"]["redis"] = {
+        "external": {"url": "redis://cache.infra:6379/1", "passwordSecret": {"name": "redis-auth"}}
+    }
     await create(cluster, body)
     await cluster.eventually(
         lambda: c.FINALIZER in (cluster.live(IDEP, "tiny") or {}).get("metadata", {}).get("finalizers", []),
@@ -195,18 +194,26 @@ async def test_delete_runs_finalizer_and_cleans_external_redis(cluster, redis_ur
 
     await cluster.api.delete(c.API_VERSION, c.KIND, "default", "tiny")
     await cluster.eventually(lambda: cluster.live(IDEP, "tiny") is None, what="deletion finished")
-    remaining = sorted(k.decode() for k in client.keys("disagg:*"))
-    if reachable:
-        assert remaining == ["disagg:{default.other}:worker:a"]
-        await cluster.eventually(
-            lambda: "CleanedUp" in {e.get("reason") for e in cluster.events()}, what="CleanedUp event"
-        )
-    else:
-        assert len(remaining) == 3
+    job = cluster.live("batch/v1/jobs", "tiny-cleanup-uid-1")
+    if not jobs_served:
+        assert job is None
         await cluster.eventually(
             lambda: "CleanupSkipped" in {e.get("reason") for e in cluster.events()},
             what="CleanupSkipped event",
         )
+        return
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == [
+        "disagg", "cleanup", "--redis-url", "redis://cache.infra:6379/1", "--deployment", "default.tiny"
+    ]  # fmt: skip
+    assert {
+        "name": "DISAGG_REDIS_PASSWORD",
+        "valueFrom": {"secretKeyRef": {"name": "redis-auth", "key": "password"}},
+    } in container["env"]
+    assert "ownerReferences" not in job["metadata"] and job["spec"]["ttlSecondsAfterFinished"] > 0
+    await cluster.eventually(
+        lambda: "CleanupScheduled" in {e.get("reason") for e in cluster.events()}, what="CleanupScheduled"
+    )
 
 
 async def test_hand_scaled_pool_is_reverted_with_a_reason(cluster):
@@ -225,3 +232,33 @@ async def test_hand_scaled_pool_is_reverted_with_a_reason(cluster):
         ),
         what="ReplicasReverted event",
     )
+
+
+async def test_host_path_source_is_refused_by_default_naming_the_field(cluster):
+    body = load_example("cpu-tiny.yaml")
+    body["spec"]["model"]["source"] = {"hostPath": {"path": "/var/lib/kubelet"}}
+    await create(cluster, body)
+    await cluster.eventually(
+        lambda: condition(cluster.live(IDEP, "tiny"), "Degraded").get("reason") == "InvalidSpec",
+        what="Degraded",
+    )
+    assert condition(cluster.live(IDEP, "tiny"), "Degraded")["message"].startswith(
+        "spec.model.source.hostPath.path: '/var/lib/kubelet' is not allowed"
+    )
+    assert cluster.live(STS, "tiny-decode") is None and cluster.live(DEPLOY, "tiny-router") is None
+
+
+async def test_credentials_secret_is_created_once_and_never_read(cluster):
+    await create(cluster, load_example("cpu-tiny.yaml"))
+    await settle(cluster)
+    secret = cluster.live("v1/secrets", "tiny-credentials")
+    assert set(secret["stringData"]) == {"internal-token", "redis-password"}
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    # A spec change reconciles again: the Secret keeps its values (create-only), nothing reads it.
+    body = load_example("cpu-tiny.yaml")
+    body["spec"]["decode"]["replicas"] = 2
+    await create(cluster, body)
+    await cluster.eventually(lambda: cluster.live(STS, "tiny-decode")["spec"]["replicas"] == 2, what="scaled")
+    assert cluster.live("v1/secrets", "tiny-credentials")["stringData"] == secret["stringData"]
+    secret_calls = {v for client, _, r, v in cluster.k8s.calls if r == "secrets"}
+    assert secret_calls == {"create"}

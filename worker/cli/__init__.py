@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("disagg.worker.cli.worker", "run a prefill, decode or colocated worker"),
     "router": ("disagg.worker.cli.router", "run the OpenAI-compatible router"),
     "drain": ("disagg.worker.cli.drain", "drain a worker (its pod's preStop hook)"),
+    "cleanup": ("disagg.worker.cli.cleanup", "delete a deployment's keys from Redis (its deletion Job)"),
     "up": ("disagg.worker.cli.up", "run Redis, workers and the router on this machine"),
     "plan": ("disagg.worker.cli.plan", "advise prefill/decode replica counts for a workload and its SLOs"),
     "operator": ("disagg.operator.main", "run the Kubernetes operator"),

@@ -29,50 +29,72 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
-{{/* Rules on the objects an InferenceDeployment owns: the same whether cluster-wide or namespaced.
-Every owned kind is watched (children are read from watch events) and deleted when pruned. */}}
+{{/* The namespace the operator serves when not cluster-wide. */}}
+{{- define "disagg.watchNamespace" -}}
+{{- default .Release.Namespace .Values.watchNamespace -}}
+{{- end -}}
+
+{{/* Exactly the calls the operator makes (tests/operator/test_operator_rbac.py derives them from
+the code and fails on any rule beyond them): children are applied (patch, and create: an apply that
+creates an object is authorized as create), watched and read once when not yet seen (get, list,
+watch); only kinds that can leave the desired set are deleted (pruning). Secrets and Jobs are create-only: the operator never reads a
+Secret. The same rules namespaced (Role) or cluster-wide (ClusterRole). */}}
 {{- define "disagg.workloadRules" -}}
 - apiGroups: [disagg.dev]
   resources: [inferencedeployments]
-  verbs: [get, list, watch, patch, update]
+  verbs: [get, list, watch, patch]
 - apiGroups: [disagg.dev]
   resources: [inferencedeployments/status]
-  verbs: [get, patch, update]
+  verbs: [patch]
+# Children carry blockOwnerDeletion owner references: the OwnerReferencesPermissionEnforcement
+# admission plugin, where enabled, checks this right on the owner.
 - apiGroups: [disagg.dev]
   resources: [inferencedeployments/finalizers]
   verbs: [update]
 - apiGroups: [apps]
-  resources: [statefulsets, deployments]
-  verbs: [get, list, watch, create, patch, update, delete]
+  resources: [statefulsets]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
-  resources: [services, configmaps, serviceaccounts]
-  verbs: [get, list, watch, create, patch, update, delete]
+  resources: [services]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [configmaps, serviceaccounts]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch]
+  verbs: [list]
 - apiGroups: [""]
-  resources: [secrets]
-  verbs: [get]
-- apiGroups: ["", events.k8s.io]
-  resources: [events]
-  verbs: [create, patch]
+  resources: [secrets, events]
+  verbs: [create]
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [create]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
 {{- end -}}
 
-{{/* What kopf needs cluster-wide even when it serves one namespace: resource and namespace discovery. */}}
+{{/* What kopf needs cluster-wide whatever it serves: it discovers resources by watching CRDs, and
+a namespaced kopf lists and watches the namespaces it serves. */}}
 {{- define "disagg.discoveryRules" -}}
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [list, watch]
+{{- if not .Values.clusterWide }}
 - apiGroups: [""]
   resources: [namespaces]
   verbs: [list, watch]
+{{- end }}
 {{- end -}}
