@@ -108,9 +108,7 @@ def _node(node: dict, path: str, out: list[str], *, root: bool = False) -> None:
         out.append(f"{here}.items: must be specified for arrays")
     if node.get("format", "") not in FORMATS:
         out.append(f"{here}.format: unsupported format {node['format']!r}")
-    if node.get("nullable") and "default" in node and node["default"] is None:
-        pass  # a null default is fine only with nullable, which this is
-    elif "default" in node and node["default"] is None:
+    if "default" in node and node["default"] is None and not node.get("nullable"):
         out.append(f"{here}.default: null needs nullable: true")
     if root and "default" in node:
         out.append(f"{here}.default: must not be set at the root")
