@@ -115,6 +115,8 @@ class TextPart(_Strict):
 
 
 class FunctionDef(_Strict):
+    """A function a model may call: chat nests it under `function`, /v1/responses inlines its fields."""
+
     name: Text = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: Text | None = None
     parameters: dict[str, Any] | None = None

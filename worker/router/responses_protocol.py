@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
-from disagg.worker.router.protocol import Int, Number, Text, _FieldError, _Strict
+from disagg.worker.router.protocol import FunctionDef, Int, Number, Text, _FieldError, _Strict
 
 RESPONSES_IGNORED_FIELDS = {
     "user": "an end-user identifier for the caller's own abuse monitoring; not used",
@@ -89,12 +89,8 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(FunctionDef):
     type: Literal["function"]
-    name: Text = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: Text | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # the parameters schema is enforced when the call is forced
 
 
 class NamedFunction(_Strict):
