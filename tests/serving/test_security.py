@@ -107,6 +107,14 @@ def test_router_health_names_no_worker_or_address(cluster):
     assert {w["id"] for w in detail["workers"]} == set(cluster.workers)
 
 
+def test_worker_health_names_no_worker_address_or_load(cluster):
+    for name, proc in cluster.workers.items():
+        r = httpx.get(proc.health, timeout=5)
+        assert r.status_code == 200 and r.json()["ready"] is True
+        text = r.text
+        assert name not in text and proc.grpc_address not in text and "load" not in text, text
+
+
 def test_redis_refuses_clients_without_the_password(secure_redis):
     client = redis.Redis.from_url(secure_redis.url)
     try:

@@ -131,8 +131,9 @@ class WorkerProcess:
         async def health(_r):
             s = self.service
             ready = bool(s and s.ready and self.loop.alive and not s.draining)
-            body = {"ready": ready, "worker_id": self.cfg.worker_id, "role": self.cfg.role, "address": self.address,
-                    "draining": bool(s and s.draining), "load": s.core.load if s else {}}  # fmt: skip
+            # readiness only: the metrics port has no credential, so it names no worker, address or
+            # load (the router reads those over authenticated gRPC)
+            body = {"ready": ready, "role": self.cfg.role, "draining": bool(s and s.draining)}
             return web.json_response(body, status=200 if ready else 503)
 
         async def live(_r):
