@@ -249,9 +249,10 @@ def measure_unloaded(dep: Deployment, wl: Workload, vocab: int) -> SLO:
     return SLO(float(out.ttft.min()), float(out.tpot.min()))
 
 
-def sweep(args, name: str, wl: Workload, slo: SLO, start: float, vocab: int) -> dict[float, Outcome]:
+def sweep(args, name: str, wl: Workload, slo: SLO, start: float, vocab: int, field: dict[float, float]):
     """Attainment at `args.points` rates: doubling (or halving) until the base scale's attainment
-    crosses 90%, then bisection."""
+    crosses 90%, then bisection. With --aiperf, `field` gets aiperf's attainment at the base scale
+    for each rate, from its own run right after ours."""
     dep = deploy(args, f"{wl.name}-{name}", *LAYOUTS[name])
     tried: dict[float, Outcome] = {}
     try:
@@ -268,6 +269,10 @@ def sweep(args, name: str, wl: Workload, slo: SLO, start: float, vocab: int) -> 
             print(f"[{wl.name}/{name}]   attainment at scale {BASE_SCALE:g}: "
                   f"{attainment(tried[rate], slo.scaled(BASE_SCALE)):.0%}" + (f", {failed} failed" if failed else ""),
                   flush=True)  # fmt: skip
+            if args.aiperf:
+                out = Path(args.run_dir) / f"aiperf-{wl.name}-{name}-{len(tried)}"
+                field[rate] = aiperf_attainment(args, dep, wl, rate, len(plan), slo.scaled(BASE_SCALE), out)
+                print(f"[{wl.name}/{name}]   aiperf at the same rate: {field[rate]:.0%}", flush=True)
             if i == args.points - 1:
                 break
             passing, failing = (rate, failing) if ok else (passing, rate)
@@ -283,10 +288,14 @@ def sweep(args, name: str, wl: Workload, slo: SLO, start: float, vocab: int) -> 
 
 
 def goodput_of(tried: dict[float, Outcome], slo: SLO) -> tuple[float, str]:
+    return crossing({r: attainment(out, slo) for r, out in tried.items()})
+
+
+def crossing(att_by_rate: dict[float, float]) -> tuple[float, str]:
     """The rate where attainment crosses 90%, interpolated between the tested rates around it;
     a bound ('>=' or '<') when the sweep did not bracket it."""
-    rates = sorted(tried)
-    att = [attainment(tried[r], slo) for r in rates]
+    rates = sorted(att_by_rate)
+    att = [att_by_rate[r] for r in rates]
     passing = [i for i, a in enumerate(att) if a >= TARGET]
     if not passing:
         return 0.0, f"< {rates[0]:.3f}"
@@ -296,6 +305,26 @@ def goodput_of(tried: dict[float, Outcome], slo: SLO) -> tuple[float, str]:
     r0, r1, a0, a1 = rates[i], rates[i + 1], att[i], att[i + 1]
     value = r0 + (r1 - r0) * (a0 - TARGET) / (a0 - a1) if a0 != a1 else r0
     return value, f"{value:.3f}"
+
+
+def aiperf_attainment(
+    args, dep: Deployment, wl: Workload, rate: float, count: int, slo: SLO, out: Path
+) -> float:
+    """The same rate driven by aiperf (the field's client) with DistServe goodput constraints:
+    good requests / requests. Its synthetic prompts match the workload's length distribution."""
+    spread = lambda lo, hi: (hi - lo) / math.sqrt(12)  # noqa: E731 - the stddev of a uniform range
+    cmd = [
+        args.aiperf, "profile", "--model", dep.model.name, "--url", dep.router_url, "--endpoint-type", "completions",
+        "--streaming", "--tokenizer", str(dep.model), "--request-rate", f"{rate:.4f}", "--request-count", str(count),
+        "--isl", str(int(wl.mean_prompt)), "--isl-stddev", f"{spread(*wl.prompt_tokens):.0f}",
+        "--osl", str(int(wl.mean_output)), "--osl-stddev", f"{spread(*wl.output_tokens):.0f}",
+        "--extra-inputs", "ignore_eos:true", "--random-seed", str(args.seed), "--ui-type", "none",
+        "--goodput", f"time_to_first_token:{1e3 * slo.ttft:.1f} inter_token_latency:{1e3 * slo.tpot:.2f}",
+        "--artifact-dir", str(out),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=30 * 60)
+    report = json.loads((out / "profile_export_aiperf.json").read_text())
+    return report["good_request_count"]["avg"] / report["request_count"]["avg"]
 
 
 def plot(path: Path, wl: Workload, base: SLO, curves: dict[str, dict[float, Outcome]]) -> None:
@@ -352,7 +381,8 @@ def goodput_main(args) -> int:
             dep.stop()
         print(f"[{wl.name}] unloaded latency (SLO scale 1): {base}", flush=True)
         start = args.start_rate or 0.5 * 2 / (base.ttft + wl.mean_output * base.tpot)
-        curves = {name: sweep(args, name, wl, base, start, vocab) for name in LAYOUTS}
+        field: dict[str, dict[float, float]] = {name: {} for name in LAYOUTS}
+        curves = {name: sweep(args, name, wl, base, start, vocab, field[name]) for name in LAYOUTS}
         png = out_dir / f"goodput-{wl.name}.png"
         plot(png, wl, base, curves)
         print(f"\n[{wl.name}] SLO attainment by rate (req/s); plot: {png}")
@@ -374,6 +404,13 @@ def goodput_main(args) -> int:
                 measured = found["disaggregated"][0]
                 line += f"; planner predicts 1P+1D {predicted:.3f} req/s (measured/predicted {measured / predicted:.2f})"
             print(line, flush=True)
+            if args.aiperf and scale == BASE_SCALE:
+                for name in LAYOUTS:
+                    theirs = crossing(field[name])
+                    ours = found[name][0]
+                    agree = f"aiperf / ours {theirs[0] / ours:.2f}" if ours and theirs[0] else "not bracketed"
+                    cells = "  ".join(f"{r:.3f}:{a:>4.0%}" for r, a in sorted(field[name].items()))
+                    print(f"    aiperf {name:<14} {cells}   goodput {theirs[1]} ({agree})", flush=True)
             summary.append((wl.name, scale, found["colocated"][1], found["disaggregated"][1], ratio))
     print(f"\n{'workload':<14}{'scale':>6}{'colocated':>12}{'1P+1D':>12}{'ratio':>7}   (goodput, req/s)")
     for name, scale, a, b, ratio in summary:
@@ -413,6 +450,9 @@ def main(argv=None) -> int:
         "--transfer-gbps", type=float, default=3.0, help="KV transfer bandwidth the planner assumes"
     )
     p.add_argument("--no-prediction", action="store_true", help="skip the planner's prediction")
+    p.add_argument("--aiperf", metavar="PATH",
+                   help="the aiperf executable: also drive every rate with it (goodput constraints at the base "
+                        "SLO scale) and print its goodput beside ours")  # fmt: skip
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the two runs with the long prompts cached beforehand (no prefill interference)")  # fmt: skip
     args = p.parse_args(argv)
