@@ -10,17 +10,10 @@ import jsonschema
 import openai
 import pytest
 
+from .tool_schemas import WEATHER
+
 pytestmark = pytest.mark.timeout(300)
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Oslo", "Lima"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Forecast", "parameters": WEATHER}]
 CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
 ASK = "What is the weather in Oslo this week?"

@@ -12,17 +12,10 @@ import pytest
 
 from disagg.worker.engine.sampling_params import SamplingParams
 
+from .tool_schemas import WEATHER
+
 pytestmark = pytest.mark.timeout(300)
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Oslo", "Lima"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
        "required": ["a"], "additionalProperties": False}  # fmt: skip
 TOOLS = [
