@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import math
 import sys
 import time
@@ -70,14 +69,12 @@ def measure(preset: str) -> dict:
 
 def load_profile(args) -> tuple[Profile, dict]:
     if args.profile:
-        data = json.loads(Path(args.profile).read_text())
-    elif DEFAULT_PROFILE.exists() and not args.remeasure:
-        data = json.loads(DEFAULT_PROFILE.read_text())
-    else:
-        print(f"measuring the engine ({args.preset} preset) ...", file=sys.stderr)
-        data = measure(args.preset)
-        DEFAULT_PROFILE.parent.mkdir(parents=True, exist_ok=True)
-        DEFAULT_PROFILE.write_text(json.dumps(data, indent=2) + "\n")
+        return profiles.load(args.profile)
+    if DEFAULT_PROFILE.exists() and not args.remeasure:
+        return profiles.load(DEFAULT_PROFILE)
+    print(f"measuring the engine ({args.preset} preset) ...", file=sys.stderr)
+    data = measure(args.preset)
+    profiles.save(data, DEFAULT_PROFILE)
     return Profile.from_json(data), data
 
 
