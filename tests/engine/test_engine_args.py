@@ -133,6 +133,9 @@ def test_auto_dtype_reads_the_checkpoint(tmp_path):
     assert EngineArgs(model=str(tmp_path)).resolved_dtype() == "bfloat16"
     (tmp_path / "config.json").write_text('{"torch_dtype": "float64"}')
     assert EngineArgs(model=str(tmp_path)).resolved_dtype() == "float32"  # not one we run
+    # both keys (a 4.x checkpoint re-saved by 5.x): `dtype` wins, as in ModelConfig, which loads it
+    (tmp_path / "config.json").write_text('{"torch_dtype": "float16", "dtype": "bfloat16"}')
+    assert EngineArgs(model=str(tmp_path)).resolved_dtype() == "bfloat16"
 
 
 def test_parser_types_are_real_argparse_types():

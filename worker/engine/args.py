@@ -153,7 +153,8 @@ def checkpoint_dtype(model_dir: Path) -> str:
     none the engine runs."""
     config = model_dir / "config.json"
     raw = json.loads(config.read_text()) if config.is_file() else {}
-    name = str(raw.get("torch_dtype") or raw.get("dtype") or "float32").removeprefix("torch.")
+    # transformers 5 writes `dtype`, 4.x `torch_dtype`: the same precedence as ModelConfig
+    name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch.")
     return name if name in DTYPES else "float32"
 
 
