@@ -170,6 +170,7 @@ def deploy(args, name: str, prefill: int, decode: int, both: int) -> Deployment:
     ns = argparse.Namespace(
         model=args.model, prefill=prefill, decode=decode, both=both, port=free_port(),
         kv_transfer=args.kv_transfer, disagg_threshold=args.disagg_threshold, threads=1,
+        prefill_placement=args.prefill_placement,
         run_dir=str(Path(args.run_dir) / name), demo=False, timeout=600.0, worker_arg=[],
         max_num_batched_tokens=args.max_num_batched_tokens,  # engine settings absent here take EngineArgs' defaults
     )  # fmt: skip
@@ -435,6 +436,8 @@ def main(argv=None) -> int:
     p.add_argument("--itl-slo", type=float, default=0.05, help="goodput: mean ITL target (s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--disagg-threshold", type=int, default=256)
+    p.add_argument("--prefill-placement", choices=("load", "threshold"), default="load",
+                   help="where the decode worker prefills (threshold: every long prompt remotely)")  # fmt: skip
     p.add_argument("--kv-transfer", choices=("nixl", "grpc"), default="nixl")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default=".run/bench")

@@ -689,15 +689,22 @@ def _get(url: str, headers: dict | None = None) -> tuple[int, dict]:
         return 0, {}
 
 
-def _launch(container: dict, kids: dict, pod_name: str, swaps: dict[str, str], log: Path) -> subprocess.Popen:
+def _launch(
+    container: dict,
+    kids: dict,
+    pod_name: str,
+    swaps: dict[str, str],
+    log: Path,
+    extra_env: dict | None = None,
+) -> subprocess.Popen:
     """Start the container's command line as a local process: same arguments and environment, with
-    the pod's volume, ports and Redis Service swapped for local ones."""
+    the pod's volume, ports and Redis Service swapped for local ones (and `extra_env` added)."""
     env = container_env(container, kids, pod_name=pod_name, pod_ip="127.0.0.1")
     argv = [_expand(a, env) for a in container["args"]]
     for flag, value in swaps.items():
         _replace(argv, flag, value)
     proc_env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
-    proc_env.update(env, OMP_NUM_THREADS="1")
+    proc_env.update(env, OMP_NUM_THREADS="1", **(extra_env or {}))
     with open(log, "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "disagg.worker.cli", *argv],
@@ -812,7 +819,11 @@ def _serve_and_drain(kids, idep, procs, metrics, generated_model, redis_url, tmp
                 "--redis-url": redis_url,
                 "--host": "127.0.0.1",
             }
-            procs[role] = _launch(container, kids, f"tiny-{role}-0", swaps, tmp_path / f"{role}.log")
+            # The decode pod places prefills by load, and the tiny model prefills this test's prompt
+            # faster than any trip to another process: the threshold placement forces the
+            # disaggregated path, which is what this test must see work from the pods' commands.
+            extra = {"DISAGG_PREFILL_PLACEMENT": "threshold"} if role == "decode" else None
+            procs[role] = _launch(container, kids, f"tiny-{role}-0", swaps, tmp_path / f"{role}.log", extra)
         (router,) = kids["Deployment", "tiny-router"]["spec"]["template"]["spec"]["containers"]
         port = _free_port()
         swaps = {

@@ -38,7 +38,7 @@ def api_cluster(tiny_model, tmp_path_factory, redis_server):
         redis_url=redis_server.url,
         prefill=1,
         decode=1,
-        worker_args=("--disagg-threshold", str(API_THRESHOLD)),
+        worker_args=("--prefill-placement", "threshold", "--disagg-threshold", str(API_THRESHOLD)),
         router_args=("--tool-call-parser", "llama3_json"),
         deployment="api",
     )

@@ -30,6 +30,8 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         prefill=2,
         decode=3,
         worker_args=(
+            "--prefill-placement",
+            "threshold",
             "--disagg-threshold",
             "8",
             "--max-num-batched-tokens",

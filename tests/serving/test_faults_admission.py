@@ -29,7 +29,14 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         redis_url=redis_server.url,
         prefill=1,
         decode=2,
-        worker_args=("--disagg-threshold", "8", "--lease-seconds", str(LEASE)),
+        worker_args=(
+            "--prefill-placement",
+            "threshold",
+            "--disagg-threshold",
+            "8",
+            "--lease-seconds",
+            str(LEASE),
+        ),
         router_args=("--max-queue", str(MAX_QUEUE)),
         deployment="faults-admission",
     )

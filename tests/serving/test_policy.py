@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from disagg.worker.router.policy import WorkerView, choose_decode, rank_prefill
-from disagg.worker.serving.disagg_policy import should_disaggregate
 
 
 def w(wid, role="decode", running=0, waiting=0, free=100, total=100, inflight=0):
@@ -52,9 +53,7 @@ def test_prefill_longest_prefix_then_queue():
     assert rank_prefill([w("d")], {}) == []
 
 
-def test_conditional_disaggregation():
-    assert should_disaggregate(100, 0, 64, True)
-    assert not should_disaggregate(100, 48, 64, True)  # 52 uncached tokens < threshold
-    assert not should_disaggregate(100, 0, 64, False)  # no prefill worker
-    assert should_disaggregate(64, 0, 64, True)
-    assert should_disaggregate(1, 0, 0, True)
+def test_prefill_ranking_prefers_the_shorter_token_queue():
+    light = replace(w("p1", role="prefill", running=3), queued_prefill_tokens=100)
+    heavy = replace(w("p2", role="prefill"), queued_prefill_tokens=5000)
+    assert [p.worker_id for p in rank_prefill([heavy, light], {})] == ["p1", "p2"]

@@ -194,7 +194,14 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         redis_url=redis_server.url,
         prefill=1,
         decode=1,
-        worker_args=("--disagg-threshold", "8", "--max-model-len", str(WORKER_CONTEXT)),
+        worker_args=(
+            "--prefill-placement",
+            "threshold",
+            "--disagg-threshold",
+            "8",
+            "--max-model-len",
+            str(WORKER_CONTEXT),
+        ),
         deployment="batch",
     )
     try:

@@ -36,7 +36,7 @@ def cluster(tiny_model, tmp_path_factory, secure_redis):
         tmp_path_factory.mktemp("security"),
         redis_url=secure_redis.url,
         kv_transfer="grpc",
-        worker_args=("--disagg-threshold", "8"),
+        worker_args=("--prefill-placement", "threshold", "--disagg-threshold", "8"),
         deployment="security",
         env={"DISAGG_REDIS_PASSWORD": secure_redis.password},
     )
@@ -261,7 +261,7 @@ def test_grpc_over_mutual_tls(tiny_model, tmp_path, redis_server):
     tls = _certificates(tmp_path / "tls")
     env = {"DISAGG_GRPC_TLS_DIR": str(tls), "DISAGG_GRPC_TLS_SERVER_NAME": "disagg-internal"}
     c = Cluster(tiny_model, tmp_path, redis_url=redis_server.url, kv_transfer="grpc",
-                worker_args=("--disagg-threshold", "8"), deployment="tls", env=env)  # fmt: skip
+                worker_args=("--prefill-placement", "threshold", "--disagg-threshold", "8"), deployment="tls", env=env)  # fmt: skip
     try:
         c.start()
         r = _complete(c, list(range(5, 45)))

@@ -86,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--kv-transfer", choices=("nixl", "grpc"), default="nixl")
     p.add_argument("--disagg-threshold", type=int, default=32)
+    p.add_argument("--prefill-placement", choices=("load", "threshold"), default=None,
+                   help="where decode workers prefill (see `disagg worker --help`); default: load, "
+                        "except --demo, which sends its prompt through a prefill worker to show that path")  # fmt: skip
     p.add_argument("--run-dir", default=".run", help="where logs go")
     p.add_argument("--demo", action="store_true", help="stream one chat completion once ready, then exit")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for everything to be ready")
@@ -192,6 +195,7 @@ class Deployment:
         secret_env = {"DISAGG_INTERNAL_TOKEN_FILE": str(token_file.resolve()),
                       "DISAGG_REDIS_PASSWORD_FILE": str(password_file.resolve())}  # fmt: skip
         n_workers = a.prefill + a.decode + a.both
+        placement = a.prefill_placement or ("threshold" if a.demo else "load")
         engine = EngineArgs.from_cli_args(a, model=str(model))
         if engine.threads is None:
             engine.threads = max(1, (os.cpu_count() or 1) // n_workers)
@@ -204,7 +208,8 @@ class Deployment:
                     "worker", "--role", role, "--model", str(model), "--worker-id", name,
                     "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport),
                     "--redis-url", self.redis_url, "--deployment", "local", "--kv-transfer", a.kv_transfer,
-                    "--disagg-threshold", str(a.disagg_threshold), *engine.to_cli_args(), *a.worker_arg,
+                    "--disagg-threshold", str(a.disagg_threshold), "--prefill-placement", placement,
+                    *engine.to_cli_args(), *a.worker_arg,
                 ]  # fmt: skip
                 self.children.append(
                     Child(

@@ -46,6 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transfer", choices=("nixl", "grpc"), default=_env("KV_TRANSFER", "nixl"))
     p.add_argument("--disagg-threshold", type=int, default=int(_env("THRESHOLD", 64)),
                    help="decode workers prefill locally when fewer prompt tokens than this are uncached")  # fmt: skip
+    p.add_argument("--prefill-placement", choices=("load", "threshold"), default=_env("PREFILL_PLACEMENT", "load"),
+                   help="load: a decode worker prefills where the first token comes sooner (protecting its "
+                        "running streams); threshold: every prompt with --disagg-threshold uncached tokens "
+                        "goes to a prefill worker")  # fmt: skip
+    p.add_argument("--disagg-busy-slack", type=float, default=float(_env("DISAGG_BUSY_SLACK", 2.0)),
+                   help="with load placement, a decoding worker sends a prompt to a prefill worker unless "
+                        "that delays its first token more than this factor over a local prefill")  # fmt: skip
     p.add_argument("--lease-seconds", type=float, default=float(_env("LEASE_SECONDS", 30)),
                    help="lease of a KV transfer record; a dead peer's blocks are reclaimed after it")  # fmt: skip
     p.add_argument("--prefill-timeout", type=float, default=float(_env("PREFILL_TIMEOUT", 120)))
@@ -90,6 +97,8 @@ def config_from_args(args):
         deployment=args.deployment,
         kv_transfer=args.kv_transfer,
         disagg_threshold=args.disagg_threshold,
+        prefill_placement=args.prefill_placement,
+        disagg_busy_slack=args.disagg_busy_slack,
         lease_seconds=args.lease_seconds,
         prefill_timeout=args.prefill_timeout,
         drain_timeout=args.drain_timeout,

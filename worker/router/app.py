@@ -67,6 +67,15 @@ class RouterConfig:
     decode_attempts: int = 3  # decode workers tried for a generation before nothing was streamed
 
 
+def _load_fields(v: WorkerView) -> dict[str, int | float]:
+    """A worker's load at the last poll, as routing sees it."""
+    return {
+        "running": v.running, "waiting": v.waiting, "free_blocks": v.free_blocks,
+        "total_blocks": v.total_blocks, "queued_prefill_tokens": v.queued_prefill_tokens,
+        "prefill_tokens_per_s": v.prefill_tokens_per_s,
+    }  # fmt: skip
+
+
 @dataclass
 class _Choice:
     """One generation of a request: its worker request and where it runs."""
@@ -198,6 +207,7 @@ class Router:
                     "address": addr,
                     "role": v.role if v else None,
                     "ready": ready,
+                    "load": _load_fields(v) if v else None,
                 }
                 for v, ready, addr in self.pool.all_views()
             ],
@@ -354,7 +364,12 @@ class Router:
                     raise APIError(503, "No decode worker is ready; retry shortly.", code="no_workers",
                                    retry_after=2)  # fmt: skip
                 targets = [
-                    worker_pb2.PrefillTarget(worker_id=w.worker_id, address=w.address)
+                    worker_pb2.PrefillTarget(
+                        worker_id=w.worker_id,
+                        address=w.address,
+                        queued_prefill_tokens=w.queued_prefill_tokens,
+                        prefill_tokens_per_s=w.prefill_tokens_per_s,
+                    )  # fmt: skip
                     for w in rank_prefill(views, matches[p], self.config.prefill_candidates)
                 ]
                 req = worker_pb2.GenerateRequest(

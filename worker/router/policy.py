@@ -3,7 +3,7 @@
 Decode: the least loaded worker, where load counts queued work heavier than running work and a
 nearly full KV cache as more load (a full D preempts); a cached prefix on D lowers its cost, since
 those tokens need neither prefill nor transfer. Prefill: longest cached prefix first (fewer
-tokens to compute), then the shortest queue. The router's own count of requests it has in flight
+tokens to compute), then the fewest prompt tokens queued, then the shortest queue. The router's own count of requests it has in flight
 on a worker is fresher than the worker's last heartbeat, so load takes the larger of the two.
 """
 
@@ -22,6 +22,8 @@ class WorkerView:
     free_blocks: int = 0
     total_blocks: int = 0
     inflight: int = 0  # requests this router has outstanding on the worker
+    queued_prefill_tokens: int = 0  # prompt tokens waiting for its prefill steps
+    prefill_tokens_per_s: float = 0.0  # its measured prefill rate; 0 until measured
 
     @property
     def queue(self) -> int:
@@ -64,8 +66,13 @@ def choose_decode(
 def rank_prefill(
     workers: list[WorkerView], prefix_match: dict[str, int] | None = None, limit: int = 2
 ) -> list[WorkerView]:
-    """Prefill workers in order of preference: longest cached prefix, then shortest queue."""
+    """Prefill workers in order of preference: longest cached prefix, then fewest queued prompt
+    tokens, then shortest queue."""
     prefix_match = prefix_match or {}
     candidates = [w for w in workers if w.role == "prefill"]
-    candidates.sort(key=lambda w: (-prefix_match.get(w.worker_id, 0), w.queue, -w.free_blocks, w.worker_id))
+    candidates.sort(
+        key=lambda w: (
+            -prefix_match.get(w.worker_id, 0), w.queued_prefill_tokens, w.queue, -w.free_blocks, w.worker_id,
+        )
+    )  # fmt: skip
     return candidates[:limit]

@@ -133,6 +133,8 @@ class WorkerPool:
             waiting=load.waiting,
             free_blocks=load.free_blocks,
             total_blocks=load.total_blocks,
+            queued_prefill_tokens=load.queued_prefill_tokens,
+            prefill_tokens_per_s=load.prefill_tokens_per_s,
         )
 
     async def _drop(self, addr: str) -> None:

@@ -13,11 +13,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from disagg.proto import worker_pb2 as pb
 from disagg.worker.engine.block_hash import block_hashes
 from disagg.worker.engine.llm_engine import Reservation
 from disagg.worker.engine.outputs import RequestOutput, TokenLogprob
+from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.serving.metrics import ServingMetrics
+from disagg.worker.serving.prefill_estimate import PrefillRate
 
 log = logging.getLogger("disagg.worker.core")
 
@@ -43,6 +47,18 @@ class PrefillJob:
     failed: str = ""
     state: str = "prefilling"  # prefilling -> sending -> (released)
     started: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None  # its first prefill step began
+    prefilled_at: float | None = None  # its last prompt token was computed
+
+    def stage_seconds(self, now: float) -> dict[str, float]:
+        """Queue (until the first step), compute, and the KV still moving after the compute."""
+        scheduled = self.scheduled_at if self.scheduled_at is not None else self.started
+        prefilled = self.prefilled_at if self.prefilled_at is not None else now
+        return {
+            "queue_seconds": max(scheduled - self.started, 0.0),
+            "compute_seconds": max(prefilled - scheduled, 0.0),
+            "seconds": max(now - prefilled, 0.0),
+        }
 
 
 @dataclass
@@ -76,7 +92,8 @@ class WorkerCore:
         self.quarantine_seconds = 30.0
         self._published_prefill: set[str] = set()
         self._on_publish = on_publish
-        self.load: dict[str, int] = {}
+        self.load: dict[str, int | float] = {}
+        self.prefill_rate = PrefillRate()
         self.kv_bytes_sent = 0
         self._peer_payloads: dict[str, bytes] = {}
 
@@ -135,6 +152,23 @@ class WorkerCore:
         """Leading prompt tokens this worker's prefix cache holds (what a local prefill would skip)."""
         hashes = block_hashes(prompt_ids, self.block_size)
         return len(self.engine.block_manager.lookup(hashes, prompt_ids)) * self.block_size
+
+    def on_loop_prefill_price(self, prompt_ids: list[int]) -> tuple[int, int, float | None, int]:
+        """What pricing a local prefill of `prompt_ids` needs: its cached tokens here, the prompt
+        tokens already queued here, this worker's prefill rate, and how many streams it decodes."""
+        return (
+            self.on_loop_cached_tokens(prompt_ids),
+            self.queued_prefill_tokens(),
+            self.prefill_rate.tokens_per_s,
+            self.engine.num_running,
+        )
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt (or recomputation) tokens not yet computed: waiting requests and part-way ones.
+        A running request with one token left is decoding, not queued for prefill."""
+        sched = self.engine.scheduler
+        waiting = sum(r.num_uncomputed for r in sched.waiting)
+        return waiting + sum(r.num_uncomputed for r in sched.running if r.num_uncomputed > 1)
 
     def on_loop_evicted(self, hashes: list[int]) -> list[int]:
         """Which of `hashes` the prefix cache no longer holds (their blocks were reused)."""
@@ -231,6 +265,7 @@ class WorkerCore:
         job.logprob = comp.logprobs[0] if comp.logprobs else None
         job.prompt_logprobs = out.prompt_logprobs
         job.cached_tokens = out.num_cached_tokens
+        job.prefilled_at = time.monotonic()
         job.state = "sending"  # from here on the blocks are pinned until `release`
         try:
             if not job.layers_sent:  # no layer hook ran (e.g. the whole prompt was cached): all at once
@@ -286,7 +321,7 @@ class WorkerCore:
                         "prompt_logprobs": job.prompt_logprobs,
                         "cached_tokens": job.cached_tokens,
                         "kv_bytes": nbytes,
-                        "seconds": time.monotonic() - job.started,
+                        **job.stage_seconds(time.monotonic()),
                     }
                 )
         return any(j.state == "sending" for j in self.prefills.values())
@@ -331,17 +366,54 @@ class WorkerCore:
         for sink in sinks:
             sink(error)
 
+    # ---- start-up --------------------------------------------------------------------------------
+    def warm_up(self, max_tokens: int = 256, passes: int = 3) -> None:
+        """Prefill a random prompt a few times before serving: the first pass pays the one-off
+        costs (kernel builds, allocator growth, cold caches) that a user's first request would pay,
+        the fastest later pass seeds this worker's prefill rate (the fastest: other processes
+        starting beside this one only ever slow a pass down), so load-aware placement can price
+        prefills from the first request on. Leaves the engine as it found it (no request, stats
+        reset)."""
+        e = self.engine
+        sched = e.scheduler
+        n = min(max_tokens, sched.max_num_batched_tokens, e.max_model_len - 1,
+                (e.num_free_blocks - 1) * self.block_size)  # fmt: skip
+        if n < self.prefill_rate.min_tokens:
+            return
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, e.config.vocab_size, (n,), generator=g).tolist()
+        stats = (sched.prefix_query_tokens, sched.prefix_hit_tokens, sched.num_preemptions)
+        best = None
+        for i in range(passes):
+            # each pass must compute, not hit the prefix cache the one before filled
+            prompt[0] = (prompt[0] + 1) % e.config.vocab_size
+            e.add_request(f"warm-up-{i}", prompt, SamplingParams(max_tokens=1, temperature=0))
+            started = time.monotonic()
+            while e.has_unfinished():
+                e.step()
+            if i:
+                best = min(best or float("inf"), time.monotonic() - started)
+        sched.prefix_query_tokens, sched.prefix_hit_tokens, sched.num_preemptions = stats
+        if best is not None:
+            self.prefill_rate.observe(n, best)
+
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> None:
         hook = self._layer_hook if any(j.state == "prefilling" for j in self.prefills.values()) else None
         started = time.monotonic()
         outs = self.engine.step(layer_hook=hook)
         scheduled = self.engine.scheduled
+        if scheduled is not None and scheduled.is_prefill:
+            self.prefill_rate.observe(scheduled.num_tokens, time.monotonic() - started)
         if scheduled is not None and self.arrivals:
             for chunk in scheduled.chunks:
-                arrival = self.arrivals.pop(chunk.request.request_id, None)
+                rid = chunk.request.request_id
+                arrival = self.arrivals.pop(rid, None)
                 if arrival is not None:
                     self.metrics.queue_time.observe(max(started - arrival, 0.0))
+                    job = self.prefills.get(rid)
+                    if job is not None and job.scheduled_at is None:
+                        job.scheduled_at = started
         for out in outs:
             self._dispatch(out)
 
@@ -389,6 +461,8 @@ class WorkerCore:
             + len(self.reserved),
             "kv_transfers_inflight": sum(1 for j in self.prefills.values() if j.state == "sending")
             + len(self.kv_waits),
+            "queued_prefill_tokens": self.queued_prefill_tokens(),
+            "prefill_tokens_per_s": self.prefill_rate.tokens_per_s or 0.0,
         }
         self.metrics.running.set(e.num_running)
         self.metrics.waiting.set(e.num_waiting + len(self.reserved))

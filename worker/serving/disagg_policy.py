@@ -1,13 +1,63 @@
-"""When a decode worker sends a prompt to a prefill worker rather than prefilling it itself (pure)."""
+"""Where a decode worker prefills a prompt: itself, or on a prefill worker (pure).
+
+The price of each site is the time until the first token could be sampled there:
+
+  local  = (prompt tokens already queued on D + this prompt's uncached tokens) / D's prefill rate
+  remote = (tokens queued on P + uncached tokens) / P's prefill rate + transfer + hop overhead
+
+An idle D (nothing decoding) takes the cheaper site, so at low load a disaggregated deployment
+prefills like a colocated one and never loses TTFT to it. A D that is decoding has something to
+protect: a local prefill stalls every running stream's next tokens for as long as it computes.
+Then the remote site wins unless it would delay the first token by more than `busy_slack` times
+the local price. Short prompts (under `threshold` uncached tokens) always stay local: their
+prefill costs less than the trip. A rate nobody measured yet falls back to the other side's
+(same hardware), and with neither measured, long prompts go remote as before.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
-def should_disaggregate(prompt_tokens: int, cached_tokens: int, threshold: int, have_prefill: bool) -> bool:
-    """Prefill remotely only when the uncached part of the prompt is long enough to pay for the trip.
 
-    Short prompts cost D less to prefill itself than a round trip plus a KV transfer costs.
-    """
-    if not have_prefill:
-        return False
-    return prompt_tokens - cached_tokens >= threshold
+@dataclass(frozen=True)
+class PrefillSite:
+    queued_tokens: int  # prompt tokens waiting for prefill there
+    tokens_per_s: float | None  # its measured prefill rate, None when not measured yet
+
+
+@dataclass(frozen=True)
+class Decision:
+    remote: bool
+    reason: str  # short label, also a metric label
+    local_s: float | None = None
+    remote_s: float | None = None
+
+
+def choose_prefill_site(
+    uncached_tokens: int,
+    threshold: int,
+    local: PrefillSite,
+    remote: PrefillSite | None,
+    remote_extra_s: float,
+    decoding: int,
+    busy_slack: float = 2.0,
+) -> Decision:
+    """Decide for one prompt. `remote_extra_s`: the transfer and hop cost for this prompt
+    (`RemoteCost.seconds`); `decoding`: streams D is generating for right now."""
+    if remote is None:
+        return Decision(False, "no_prefill_worker")
+    if uncached_tokens < threshold:
+        return Decision(False, "short")
+    local_rate = local.tokens_per_s or remote.tokens_per_s
+    remote_rate = remote.tokens_per_s or local.tokens_per_s
+    if not local_rate or not remote_rate:
+        return Decision(True, "unmeasured")
+    local_s = (local.queued_tokens + uncached_tokens) / local_rate
+    remote_s = (remote.queued_tokens + uncached_tokens) / remote_rate + remote_extra_s
+    if decoding == 0:
+        if remote_s < local_s:
+            return Decision(True, "remote_faster", local_s, remote_s)
+        return Decision(False, "idle_local_faster", local_s, remote_s)
+    if remote_s <= busy_slack * local_s:
+        return Decision(True, "protect_decode", local_s, remote_s)
+    return Decision(False, "prefill_pool_backlogged", local_s, remote_s)

@@ -41,6 +41,8 @@ class WorkerConfig:
     deployment: str = "default"
     kv_transfer: str = "nixl"
     disagg_threshold: int = 64
+    prefill_placement: str = "load"
+    disagg_busy_slack: float = 2.0
     prefill_timeout: float = 120.0
     lease_seconds: float = 30.0
     drain_timeout: float = 30.0
@@ -201,6 +203,7 @@ class WorkerProcess:
         # aborted transfers' blocks stay held until no late write can come: the prefill worker
         # gives up within the prefill timeout, or its lease is reclaimed
         core.quarantine_seconds = quarantine_seconds(self.cfg)
+        await asyncio.wrap_future(self.loop.call(core.warm_up))
         self.loop.engine = engine
         self.loop.step_fn = core.step
         self.loop.on_fatal = lambda e: self._engine_failed(core, e, aio)
@@ -215,6 +218,8 @@ class WorkerProcess:
             model_name=self.cfg.model_name,
             address=self.address,
             disagg_threshold=self.cfg.disagg_threshold,
+            prefill_placement=self.cfg.prefill_placement,
+            disagg_busy_slack=self.cfg.disagg_busy_slack,
             prefill_timeout=self.cfg.prefill_timeout,
             lease_seconds=self.cfg.lease_seconds,
         )

@@ -40,6 +40,7 @@ class _Families:
     prefix_routing_disabled: Counter
     rejected: Counter
     prefill_retries: Counter
+    remote_prefill_stages: Histogram
 
 
 _FAMILIES: dict[int, _Families] = {}
@@ -69,8 +70,9 @@ def _families(registry: CollectorRegistry) -> _Families:
             ),
             decisions=Counter(
                 "disagg_disaggregation_decisions",
-                "Where prompts were prefilled: remote (a prefill worker) or local (the decode worker).",
-                (*LABELS, "decision"),
+                "Where prompts were prefilled: remote (a prefill worker) or local (the decode worker), "
+                "and why (serving/disagg_policy.py).",
+                (*LABELS, "decision", "reason"),
                 registry=registry,
             ),
             prefix_hits=Counter(
@@ -107,6 +109,16 @@ def _families(registry: CollectorRegistry) -> _Families:
                 LABELS,
                 registry=registry,
             ),
+            remote_prefill_stages=Histogram(
+                "disagg_remote_prefill_stage_seconds",
+                "Where a remote prefill's time went, seen from the decode worker: setup (block "
+                "reservation, Redis transfer record), queue and compute on the prefill worker, the KV "
+                "still moving after the compute, overhead (the Prefill RPC's hops beyond those), "
+                "commit (the landed prompt joining the decode batch).",
+                (*LABELS, "stage"),
+                buckets=_LATENCY_BUCKETS,
+                registry=registry,
+            ),
         )
     return _FAMILIES[key]
 
@@ -140,6 +152,10 @@ class ServingMetrics:
             self.kv_free = f.kv_free.labels(**lab)
             self.kv_used = f.kv_used.labels(**lab)
             self.prefill_retries = f.prefill_retries.labels(**lab)
+            self._stages = {
+                stage: f.remote_prefill_stages.labels(**lab, stage=stage)
+                for stage in ("setup", "queue", "compute", "transfer", "overhead", "commit")
+            }
         self._requests = f.requests
         self._decisions = f.decisions
         self._rejected = f.rejected
@@ -149,10 +165,14 @@ class ServingMetrics:
             role=self.role, model=self.model, finish_reason=finish_reason or "unknown"
         ).inc()
 
-    def disaggregation_decision(self, remote: bool) -> None:
+    def disaggregation_decision(self, remote: bool, reason: str) -> None:
         self._decisions.labels(
-            role=self.role, model=self.model, decision="remote" if remote else "local"
+            role=self.role, model=self.model, decision="remote" if remote else "local", reason=reason
         ).inc()
+
+    def remote_prefill_stages(self, **seconds: float) -> None:
+        for stage, value in seconds.items():
+            self._stages[stage].observe(value)
 
     def rejected(self, status: int) -> None:
         self._rejected.labels(role=self.role, model=self.model, status=str(status)).inc()

@@ -28,9 +28,10 @@ from disagg.worker.serving.convert import (
     sampling_params,
 )
 from disagg.worker.serving.core import PrefillJob, WorkerCore
-from disagg.worker.serving.disagg_policy import should_disaggregate
+from disagg.worker.serving.disagg_policy import PrefillSite, choose_prefill_site
 from disagg.worker.serving.engine_loop import EngineLoop
 from disagg.worker.serving.metrics import ServingMetrics
+from disagg.worker.serving.prefill_estimate import RemoteCost
 from disagg.worker.serving.state_link import StateLink
 from disagg.worker.serving.stubs import WorkerStubs
 
@@ -44,9 +45,23 @@ class ServingOptions:
     model_name: str
     address: str  # our gRPC host:port as peers reach it
     disagg_threshold: int = 64  # uncached prompt tokens below which D prefills locally
+    # "load": D prices both sites (serving/disagg_policy.py); "threshold": every prompt with at
+    # least `disagg_threshold` uncached tokens goes to a prefill worker
+    prefill_placement: str = "load"
+    # a decoding D sends a prompt away unless that delays its first token by more than this
+    # factor over a local prefill
+    disagg_busy_slack: float = 2.0
     prefill_timeout: float = 120.0
     kv_wait_timeout: float = 60.0
     lease_seconds: float = 30.0
+
+    def __post_init__(self):
+        if self.prefill_placement not in ("load", "threshold"):
+            raise ValueError(f"prefill_placement must be load or threshold, got {self.prefill_placement!r}")
+        if not self.disagg_busy_slack >= 1.0:
+            raise ValueError(
+                f"disagg_busy_slack must be >= 1 (a factor over the local price), got {self.disagg_busy_slack}"
+            )
 
 
 class PrefillFailed(Exception):
@@ -81,6 +96,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.ready = False
         self.draining = False
         self.streams = 0  # Generate and Prefill calls in progress (drain waits for zero)
+        self.remote_cost = RemoteCost()  # what a remote prefill costs beyond P's queue and compute
         self._stubs = WorkerStubs(auth)
         self._handshaken: set[str] = set()  # prefill workers whose KV handshake we hold
         self._handshake_locks: dict[str, asyncio.Lock] = {}
@@ -135,9 +151,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         try:
             targets = list(request.prefill_targets)
             remote = False
+            reason = "no_prefill_worker"
             if self.opts.role == "decode" and targets and len(prompt) + 1 < self.max_model_len:
-                cached = await self._call(self.core.on_loop_cached_tokens, prompt)
-                remote = should_disaggregate(len(prompt), cached, self.opts.disagg_threshold, True)
+                remote, reason = await self._prefill_remotely(prompt, targets[0])
             try:
                 if remote:
                     try:
@@ -160,7 +176,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                         remote = False
                 if not remote:
                     await self._call(self.core.on_loop_add, rid, prompt, params, sink, arrival)
-                self.metrics.disaggregation_decision(remote)
+                self.metrics.disaggregation_decision(remote, reason)
             except ValueError as e:  # the engine refused the prompt (too long, bad token id)
                 yield pb.GenerateResponse(error=error("invalid_request", str(e)))
                 finished = True
@@ -230,6 +246,30 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self.loop.call(self.core.on_loop_abort, rid)
                 self.metrics.request_finished("abort")
 
+    async def _prefill_remotely(self, prompt: list[int], target: pb.PrefillTarget) -> tuple[bool, str]:
+        """Price the prompt's prefill here and on the router's first choice of prefill worker."""
+        cached, queued, rate, decoding = await self._call(self.core.on_loop_prefill_price, prompt)
+        uncached = len(prompt) - cached
+        if self.opts.prefill_placement == "threshold":
+            remote = uncached >= self.opts.disagg_threshold
+            return remote, "threshold" if remote else "short"
+        decision = choose_prefill_site(
+            uncached,
+            self.opts.disagg_threshold,
+            PrefillSite(queued, rate),
+            PrefillSite(target.queued_prefill_tokens, target.prefill_tokens_per_s or None),
+            self.remote_cost.seconds(uncached),
+            decoding,
+            self.opts.disagg_busy_slack,
+        )
+        if decision.local_s is not None:
+            log.debug(
+                "prefill of %d uncached tokens: local %.1f ms, remote %.1f ms -> %s (%s)",
+                uncached, decision.local_s * 1e3, decision.remote_s * 1e3,
+                "remote" if decision.remote else "local", decision.reason,
+            )  # fmt: skip
+        return decision.remote, decision.reason
+
     async def _begin_transfer(self, rid: str, prefill_owner: str, blocks: list[int], previous: int) -> int:
         """`state.begin_transfer`, settled even when the request is cancelled meanwhile: the Redis
         write finishes in its thread regardless, and a record nobody finishes would hold the
@@ -249,6 +289,7 @@ class WorkerService(pb_grpc.WorkerServicer):
 
         Returns the prefill worker's id; raises PrefillFailed after the blocks were freed.
         """
+        began = time.monotonic()
         dst = await self._call(self.core.on_loop_reserve, rid, prompt, params, sink)
         reasons = []
         gen = 0
@@ -258,7 +299,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             gen = await self._begin_transfer(rid, target.worker_id, dst.fresh_block_ids, gen)
             transfer_id = f"{rid}:{gen}:{attempt}"
             try:
-                await self._prefill_once(rid, prompt, request, target, dst, gen, transfer_id)
+                await self._prefill_once(rid, prompt, request, target, dst, gen, transfer_id, began)
                 await self.state.finish_transfer(rid, gen)
                 return target.worker_id
             except asyncio.CancelledError:
@@ -290,7 +331,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         except grpc.aio.AioRpcError:
             pass
 
-    async def _prefill_once(self, rid, prompt, request, target, dst, gen, transfer_id) -> None:
+    async def _prefill_once(self, rid, prompt, request, target, dst, gen, transfer_id, began: float) -> None:
         aio = asyncio.get_running_loop()
         landed: asyncio.Future = aio.create_future()
 
@@ -314,8 +355,12 @@ class WorkerService(pb_grpc.WorkerServicer):
         )
         renew = asyncio.create_task(self._renew_lease(rid, gen))
         try:
+            handshakes = 0.0  # once per peer, not a cost of each prompt: left out of the stages
             for _ in range(2):  # a second time only after a fresh handshake
+                shaking = time.monotonic()
                 await self._handshake(target)
+                sent = time.monotonic()
+                handshakes += sent - shaking
                 resp = await stub.Prefill(req, timeout=self.opts.prefill_timeout)
                 if resp.error.code != "handshake_required":
                     break
@@ -327,6 +372,12 @@ class WorkerService(pb_grpc.WorkerServicer):
                 raise PrefillFailed(f"KV transfer failed: {reason}")
         finally:
             renew.cancel()
+        landed_at = time.monotonic()
+        wall = landed_at - sent
+        fresh_tokens = len(prompt) - dst.num_cached_blocks * self.core.block_size
+        self.remote_cost.observe(
+            wall, resp.queue_seconds, resp.compute_seconds, resp.transfer_seconds, fresh_tokens
+        )
         lp = logprob_from_proto(resp.first_token) if request.params.HasField("logprobs") else None
         prompt_lps = None
         if request.params.HasField("prompt_logprobs"):
@@ -334,6 +385,14 @@ class WorkerService(pb_grpc.WorkerServicer):
         committed = await self._call(self.core.on_loop_commit, rid, resp.first_token.token_id, lp, prompt_lps)
         if not committed:
             raise RequestGone(rid)  # aborted while the KV was moving
+        self.metrics.remote_prefill_stages(
+            setup=max(sent - began - handshakes, 0.0),  # decision, block reservation, Redis record
+            queue=resp.queue_seconds,
+            compute=resp.compute_seconds,
+            transfer=resp.transfer_seconds,
+            overhead=max(wall - resp.queue_seconds - resp.compute_seconds - resp.transfer_seconds, 0.0),
+            commit=time.monotonic() - landed_at,
+        )
 
     async def _renew_lease(self, rid: str, gen: int) -> None:
         while True:
@@ -418,6 +477,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             cached_tokens=r["cached_tokens"],
             kv_bytes=r["kv_bytes"],
             transfer_seconds=r["seconds"],
+            queue_seconds=r["queue_seconds"],
+            compute_seconds=r["compute_seconds"],
         )
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:

@@ -1,0 +1,175 @@
+"""Where a disaggregated request's time to first token goes, at low load.
+
+One request at a time (fresh random prompts: no prefix hits), for a few prompt lengths, against
+three deployments on the same cores (each worker pinned to its own core, one torch thread):
+
+  colocated     one `--role both` worker: the TTFT to beat
+  forced P/D    1 prefill + 1 decode, every prompt prefilled remotely (`--prefill-placement threshold`)
+  load P/D      1 prefill + 1 decode with the default load-aware placement
+
+For the forced P/D run the decode worker's `disagg_remote_prefill_stage_seconds` split each
+remote prefill into the prefill worker's queue and compute, the KV still moving after the compute
+(layer-by-layer sends overlap the rest), and the hops (RPCs, handshake-free Prefill call, Redis
+record, commit); what the client saw beyond the decode worker's own TTFT is the router and HTTP.
+The bound checked is the issue's: P/D TTFT <= colocated TTFT + KV transfer + 5 ms.
+
+    python bench/ttft_breakdown.py --preset small --lengths 256,1024 --requests 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+# Safe-path mode (PYTHONSAFEPATH=1, which the Makefile sets) keeps this folder off sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import serve  # noqa: E402
+
+STAGES = ("setup", "queue", "compute", "transfer", "overhead", "commit")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of a /metrics page, labels kept in the key."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def series_sum(samples: dict[str, float], name: str, **labels: str) -> float:
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in samples.items() if k.split("{", 1)[0] == name and all(w in k for w in want))
+
+
+def metrics_url(dep, name: str) -> str:
+    (child,) = [c for c in dep.children if c.name == name]
+    return child.health_url.replace("/health", "/metrics")
+
+
+def requests_for(length: int, count: int, vocab: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed * 1000 + length)
+    return [[rng.randrange(10, vocab - 10) for _ in range(length)] for _ in range(count)]
+
+
+async def sequential(url: str, model: str, prompts: list[list[int]]) -> list[float]:
+    """Client TTFT of each prompt, one at a time (max_tokens 2: the first token is what counts)."""
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        out = []
+        for p in prompts:
+            r = await serve.one(session, url, model, "probe", p, 2)
+            if not r.ok:
+                raise RuntimeError(f"a probe failed: {r.error}")
+            out.append(r.ttft)
+        return out
+
+
+def run(args, name: str, layout: tuple[int, int, int], placement: str, lengths, vocab) -> dict:
+    """{length: {"ttft": [...], "stages": {stage: mean s}, "worker_ttft": mean s, "remote": n}}."""
+    args.prefill_placement = placement
+    print(f"\n[{name}] starting ...", flush=True)
+    dep = serve.deploy(args, name, *layout)
+    results = {}
+    try:
+        dep.start()
+        serving = "decode-0" if layout[1] else "both-0"
+        asyncio.run(sequential(dep.router_url, dep.model.name, requests_for(64, 3, vocab, 99)))  # warm paths
+        for n in lengths:
+            before = scrape(metrics_url(dep, serving))
+            ttfts = asyncio.run(
+                sequential(dep.router_url, dep.model.name, requests_for(n, args.requests, vocab, args.seed))
+            )
+            after = scrape(metrics_url(dep, serving))
+
+            def delta(metric, before=before, after=after, **labels):
+                return series_sum(after, metric, **labels) - series_sum(before, metric, **labels)
+
+            remote = delta("disagg_disaggregation_decisions_total", decision="remote")
+            stages = {
+                s: delta("disagg_remote_prefill_stage_seconds_sum", stage=s) / remote if remote else 0.0
+                for s in STAGES
+            }
+            worker_ttft = delta("disagg_time_to_first_token_seconds_sum") / max(
+                delta("disagg_time_to_first_token_seconds_count"), 1
+            )
+            results[n] = {"ttft": ttfts, "stages": stages, "worker_ttft": worker_ttft, "remote": remote}
+            print(f"[{name}] {n:>5} tokens: TTFT p50 {statistics.median(ttfts) * 1e3:7.1f} ms, "
+                  f"{remote:.0f}/{len(ttfts)} prefilled remotely", flush=True)  # fmt: skip
+    finally:
+        dep.stop()
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="model directory (default: .models/<preset>, made if missing)")
+    p.add_argument("--preset", choices=("tiny", "small"), default="small")
+    p.add_argument("--lengths", default="256,1024", help="prompt lengths, comma-separated")
+    p.add_argument("--requests", type=int, default=8, help="sequential requests per length")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-transfer", choices=("nixl", "grpc"), default="nixl")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--run-dir", default=".run/bench-ttft")
+    args = p.parse_args(argv)
+    args.disagg_threshold = 1
+    if args.model is None:
+        path = Path(".models") / args.preset
+        if not (path / "config.json").is_file():
+            from disagg.worker.tools.make_model import make_model
+
+            print(f"making the {args.preset} model under {path} ...", flush=True)
+            make_model(path, preset=args.preset)
+        args.model = str(path)
+    from disagg.worker.model.config import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(args.model).vocab_size
+    lengths = [int(x) for x in args.lengths.split(",")]
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    colocated = run(args, "colocated", (0, 0, 1), "load", lengths, vocab)
+    forced = run(args, "forced-pd", (1, 1, 0), "threshold", lengths, vocab)
+    by_load = run(args, "load-pd", (1, 1, 0), "load", lengths, vocab)
+
+    ms = 1e3
+    print(f"\nTTFT at low load, median of {args.requests} sequential requests (ms); model {args.model}, "
+          f"KV transfer {args.kv_transfer}; load before: {load}")  # fmt: skip
+    head = (f"{'prompt':>7} {'colocated':>10} {'forced P/D':>11} {'extra':>7} | {'D setup':>8} {'P queue':>8} "
+            f"{'P compute':>10} {'KV after':>9} {'hops':>6} {'commit':>7} {'router':>7} | {'bound':>7} {'met':>4} | "
+            f"{'load P/D':>9} {'remote':>7}")  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    for n in lengths:
+        c, f, lp = colocated[n], forced[n], by_load[n]
+        c50, f50, l50 = (statistics.median(x["ttft"]) for x in (c, f, lp))
+        st = f["stages"]
+        router = f50 - f["worker_ttft"]
+        bound = c50 + st["transfer"] + 0.005
+        print(f"{n:>7} {c50 * ms:>10.1f} {f50 * ms:>11.1f} {(f50 - c50) * ms:>7.1f} | {st['setup'] * ms:>8.1f} "
+              f"{st['queue'] * ms:>8.1f} {st['compute'] * ms:>10.1f} {st['transfer'] * ms:>9.1f} "
+              f"{st['overhead'] * ms:>6.1f} {st['commit'] * ms:>7.1f} "
+              f"{router * ms:>7.1f} | {bound * ms:>7.1f} {'yes' if f50 <= bound else 'no':>4} | "
+              f"{l50 * ms:>9.1f} {lp['remote']:>4.0f}/{len(lp['ttft'])}")  # fmt: skip
+    print("\nextra = forced P/D - colocated. D setup: placement decision, block reservation, Redis transfer "
+          "record; P queue/compute: on the prefill worker; KV after: transfer still running when the compute "
+          "ended; hops: the Prefill RPC's wait beyond those; commit: the landed prompt joining the decode "
+          "batch; router: client TTFT beyond the decode worker's own. bound = colocated + KV after "
+          "+ 5 ms. load P/D: the default placement, whose idle decode worker prefills locally when that is "
+          "sooner.")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Where a decode worker prefills (serving/disagg_policy.py) and the estimates it prices with."""
+
+import pytest
+
+from disagg.worker.serving.disagg_policy import PrefillSite, choose_prefill_site
+from disagg.worker.serving.prefill_estimate import PrefillRate, RemoteCost
+
+RATE = 4000.0  # prompt tokens per second on both sides unless a test says otherwise
+
+
+def decide(uncached=1000, threshold=64, local=PrefillSite(0, RATE), remote=PrefillSite(0, RATE),
+           extra=0.01, decoding=0, slack=2.0):  # fmt: skip
+    return choose_prefill_site(uncached, threshold, local, remote, extra, decoding, slack)
+
+
+def test_short_prompts_and_no_prefill_worker_stay_local():
+    assert decide(uncached=63) == decide(uncached=0)
+    assert not decide(uncached=63).remote and decide(uncached=63).reason == "short"
+    assert decide(remote=None).reason == "no_prefill_worker" and not decide(remote=None).remote
+
+
+def test_an_idle_decode_worker_never_pays_the_trip_on_equal_hardware():
+    # the same rate on both sides: the remote site is the local one plus the transfer, so an idle
+    # D prefills itself, and its TTFT is what a colocated worker's would be
+    d = decide()
+    assert not d.remote and d.reason == "idle_local_faster"
+    assert d.remote_s == pytest.approx(d.local_s + 0.01)
+
+
+def test_an_idle_decode_worker_uses_a_faster_or_less_loaded_prefill_site():
+    assert decide(remote=PrefillSite(0, 4 * RATE)).remote  # a faster prefill pool
+    # D's own queue of prompts is longer than the prefill worker's
+    d = decide(local=PrefillSite(8000, RATE), remote=PrefillSite(1000, RATE))
+    assert d.remote and d.reason == "remote_faster"
+    assert d.local_s == pytest.approx(9000 / RATE) and d.remote_s == pytest.approx(2000 / RATE + 0.01)
+
+
+def test_a_decoding_worker_protects_its_streams_unless_the_prefill_pool_is_backlogged():
+    d = decide(decoding=4)
+    assert d.remote and d.reason == "protect_decode"
+    # the prefill worker is so far behind that the first token would take > 2x the local time
+    backlog = decide(decoding=4, remote=PrefillSite(3000, RATE))
+    assert not backlog.remote and backlog.reason == "prefill_pool_backlogged"
+    # a larger slack tolerates it
+    assert decide(decoding=4, remote=PrefillSite(3000, RATE), slack=5.0).remote
+
+
+def test_unmeasured_rates():
+    # one side measured: it stands in for the other (same hardware)
+    assert not decide(local=PrefillSite(0, None)).remote
+    assert not decide(remote=PrefillSite(0, None)).remote
+    # neither measured yet: long prompts go remote, which measures the prefill pool
+    d = decide(local=PrefillSite(0, None), remote=PrefillSite(0, None))
+    assert d.remote and d.reason == "unmeasured"
+
+
+def test_prefill_rate_ignores_tiny_steps_and_follows_the_load():
+    r = PrefillRate(min_tokens=16)
+    assert r.tokens_per_s is None
+    r.observe(4, 0.001)  # a handful of tokens measures step overhead, not throughput
+    assert r.tokens_per_s is None
+    r.observe(1000, 0.25)
+    assert r.tokens_per_s == pytest.approx(4000)
+    for _ in range(30):  # the machine got twice as slow
+        r.observe(1000, 0.5)
+    assert r.tokens_per_s == pytest.approx(2000, rel=0.01)
+    r.observe(1000, 0.0)  # a zero duration is not a measurement
+    assert r.tokens_per_s == pytest.approx(2000, rel=0.01)
+
+
+def test_remote_cost_splits_fixed_overhead_from_per_token_transfer():
+    c = RemoteCost(default_overhead_s=0.02)
+    assert c.seconds(1000) == pytest.approx(0.02)  # nothing observed: the default, no transfer part
+    # D waited 0.40 s: P queued 0.05, computed 0.25, moved KV for 0.06 after the compute
+    c.observe(wall_s=0.40, queue_s=0.05, compute_s=0.25, transfer_s=0.06, tokens=600)
+    assert c.overhead_s == pytest.approx(0.04)
+    assert c.seconds(1000) == pytest.approx(0.04 + 1000 * 0.0001)
+    # P's clock and D's can disagree by a little: the overhead never goes negative
+    c = RemoteCost()
+    c.observe(wall_s=0.30, queue_s=0.05, compute_s=0.25, transfer_s=0.01, tokens=100)
+    assert c.overhead_s == 0.0
