@@ -113,6 +113,34 @@ def test_same_tokens_under_chunking_caching_preemption(tiny_llama_dir, hf_model,
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
+def test_mixed_steps_match_alternating_steps_and_transformers(tiny_llama_dir, hf_model, native, monkeypatch):
+    """Prompts arriving while others decode: with mixed steps their chunks ride in the same steps
+    as the running requests' tokens (decode rows through the decode kernel, chunks through the
+    prefill kernel); the greedy tokens equal transformers' either way."""
+    monkeypatch.setenv("DISAGG_CPU_NATIVE", native)
+    prompts = ragged_prompts(lens=(3, 17, 31, 46, 9, 26))
+    expected = hf_greedy(hf_model, tiny_llama_dir, prompts)
+    for mixed in (True, False):
+        engine = LLMEngine(tiny_llama_dir, block_size=8, max_num_batched_tokens=12, num_gpu_blocks=128,
+                           mixed_steps=mixed)  # fmt: skip
+        pending, outs, led_by_decode = list(enumerate(prompts)), {}, 0
+        for step in range(10_000):
+            if not pending and not engine.has_unfinished():
+                break
+            if pending and step % 2 == 0:  # a new prompt every other step
+                i, p = pending.pop(0)
+                engine.add_request(str(i), p, greedy())
+            for o in engine.step():
+                if o.finished:
+                    outs[int(o.request_id)] = o.outputs[0].token_ids
+            s = engine.scheduled
+            led_by_decode += s is not None and s.is_prefill and s.chunks[0].decode
+        assert [outs[i] for i in range(len(prompts))] == expected, f"mixed_steps={mixed}"
+        assert bool(led_by_decode) == mixed  # prefill steps that also carried decode tokens
+        assert_all_free(engine)
+
+
 def test_prefix_cache_shares_blocks_between_live_requests(tiny_llama_dir, hf_model):
     """A request admitted while another with the same prefix runs reuses its computed blocks."""
     prompts = shared_prefix_prompts()

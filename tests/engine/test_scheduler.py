@@ -198,3 +198,59 @@ def test_bad_limits():
         Scheduler(BlockManager(4, 4), max_num_seqs=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Scheduler(BlockManager(4, 4), max_num_batched_tokens=0)
+
+
+def test_mixed_steps_carry_every_decode_and_fill_the_rest_of_the_budget():
+    bm = BlockManager(64, 4)
+    s = Scheduler(bm, max_num_batched_tokens=8, mixed_steps=True)
+    short = make_req("short", 2, max_tokens=10)
+    s.add(short)
+    run_step(s)  # prefill of "short"
+    long = make_req("long", 40, max_tokens=2, base=100)
+    s.add(long)
+    log = []
+    run_all(s, log)
+    # while "long" prefills, every step also carries "short"'s next token, first in the batch
+    prefilling = [o for o in log if any(c.request is long and not c.decode for c in o.chunks)]
+    assert [[(c.request.request_id, c.num_tokens, c.decode) for c in o.chunks] for o in prefilling] == [
+        [("short", 1, True), ("long", 7, False)]
+    ] * 5 + [[("short", 1, True), ("long", 5, False)]]
+    assert all(o.is_prefill for o in prefilling)
+    # then both decode together in plain decode steps
+    assert not log[len(prefilling)].is_prefill and len(log[len(prefilling)].chunks) == 2
+    assert_all_free(bm)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mixed_steps_through_a_small_cache_never_preempt_a_scheduled_chunk(seed):
+    import random
+
+    rng = random.Random(seed)
+    bm = BlockManager(12, 4)
+    s = Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=10, mixed_steps=True)
+    pending = [make_req(f"r{i}", rng.randrange(2, 30), max_tokens=rng.randrange(1, 12), base=100 * i)
+               for i in range(16)]  # fmt: skip
+    steps = mixed = preempted = 0
+    while pending or s.has_work():
+        if pending and rng.random() < 0.5:  # arrivals while others run: mixed steps happen
+            s.add(pending.pop())
+        if not s.has_work():
+            continue
+        out = s.schedule()
+        assert out is not None
+        scheduled = {c.request.request_id for c in out.chunks}
+        assert not scheduled & {r.request_id for r in out.preempted}
+        mixed += out.is_prefill and out.chunks[0].decode
+        preempted += len(out.preempted)
+        for c in out.chunks:  # every chunk's K/V has its blocks
+            assert len(c.request.block_ids) * 4 >= c.end
+        s.advance(out)
+        for c in out.chunks:
+            if c.samples:
+                c.request.output_token_ids.append(7)
+                if c.request.num_output_tokens >= c.request.params.max_tokens:
+                    s.finish(c.request, RequestStatus.FINISHED_LENGTH)
+        steps += 1
+        assert steps < 5000
+    assert mixed and preempted, (mixed, preempted)  # the run exercised both
+    assert_all_free(bm)

@@ -50,6 +50,11 @@ class EngineArgs:
     max_model_len: int | None = _setting(None, "longest sequence (prompt + output); default: the model's limit",
                                          minimum=2)  # fmt: skip
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of prompt prefixes already computed")
+    mixed_steps: bool = _setting(
+        True,
+        "a step carries every running request's next token and, in the rest of the token budget, prompt "
+        "chunks (decode is never starved, prompts progress every step); off: decode and prefill steps alternate",
+    )
     num_gpu_blocks: int | None = _setting(
         None, "KV-cache blocks to allocate (overrides kv_cache_memory and gpu_memory_utilization)", minimum=1
     )

@@ -58,7 +58,7 @@ def build_packed(
     logits_rows: list[int] = []
     for c in chunks:
         req = c.request
-        if out.is_prefill:
+        if out.is_prefill and not c.decode:
             prompt_len = req.num_prompt_tokens
             if c.end <= prompt_len:
                 ids.extend(req.prompt_token_ids[c.start : c.end])
@@ -85,7 +85,13 @@ def build_packed(
     positions = torch.arange(cu[-1], dtype=torch.int64) - cu_t[:-1][seq_index] + starts_t[seq_index]
     blocks = table[seq_index, positions // bs].to(torch.int64)
     slots = blocks * bs + positions % bs
+    num_decodes = 0
+    if out.is_prefill:
+        while num_decodes < len(chunks) and chunks[num_decodes].decode:
+            num_decodes += 1
+        assert not any(c.decode for c in chunks[num_decodes:]), "decode chunks lead a mixed step"
     return ForwardBatch(
+        num_decodes=num_decodes,
         input_ids=torch.tensor(ids, dtype=torch.int64),
         positions=positions,
         slot_mapping=slots,

@@ -120,7 +120,9 @@ class LLMEngine:
         # a lone request must always fit in the cache, or preemption could never make progress
         self.max_model_len = min(model_len, num_blocks * block_size)
         self.block_manager = BlockManager(num_blocks, block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, args.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager, max_num_seqs, args.max_num_batched_tokens, mixed_steps=args.mixed_steps
+        )
         self.runner = ModelRunner(
             self.model,
             block_size,

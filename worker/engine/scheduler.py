@@ -1,14 +1,18 @@
 """Which tokens of which requests the next forward pass computes.
 
 Two queues: `waiting` (FIFO; preempted requests go back to its front) and `running`
-(admitted, holding blocks, ordered oldest first). Every step is either
+(admitted, holding blocks, ordered oldest first). A step computes
 
-  * a prefill step: chunks of uncomputed tokens, at most `max_num_batched_tokens` in all:
-    first the running requests still in prefill, then newly admitted waiting requests; or
-  * a decode step: one token for every running request that has exactly one left.
+  * decode work: one token for every running request that has exactly one left; and/or
+  * prefill work: chunks of uncomputed tokens within `max_num_batched_tokens`: first the
+    running requests still in prefill, then newly admitted waiting requests.
 
-When both kinds of work exist the steps alternate, so a stream of long prompts never
-starves decoding and decoding never starves admission. Admission takes the longest cached
+With `mixed_steps` (the engine's default) every step carries all the decode work and fills
+the rest of the token budget with prefill chunks, decode tokens first in the batch, as vLLM's
+scheduler does: decoding never waits for a prompt and prompts progress every step, for the
+price of one pass over the weights. Without it, when both kinds of work exist the steps
+alternate, so a stream of long prompts never starves decoding and decoding never starves
+admission. Admission takes the longest cached
 prefix of full blocks (always leaving at least the last token to compute, whose logits
 are needed). When a running request needs a block and none is free, the newest running
 request is preempted: its blocks are freed and it recomputes everything later.
@@ -31,6 +35,7 @@ class ScheduledChunk:
     request: Request
     start: int  # first position computed this step (= num_computed_tokens when scheduled)
     num_tokens: int
+    decode: bool = False  # a running request's one next token (leading chunks of a mixed step)
     # whether this chunk reaches the end of the sequence, so a token is sampled after it
     samples: bool = field(init=False)
 
@@ -44,7 +49,7 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
-    is_prefill: bool
+    is_prefill: bool  # any prefill chunk in the step (decode chunks may lead it: a mixed step)
     chunks: list[ScheduledChunk]
     preempted: list[Request] = field(default_factory=list)
 
@@ -60,6 +65,7 @@ class Scheduler:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         watermark: float = 0.01,
+        mixed_steps: bool = False,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -69,6 +75,7 @@ class Scheduler:
         self.block_size = block_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.mixed_steps = mixed_steps
         # blocks kept free when admitting next to running requests, so that admission does
         # not immediately force a preemption on the next decode step
         self.watermark_blocks = max(1, int(watermark * block_manager.num_blocks))
@@ -149,6 +156,9 @@ class Scheduler:
 
     # ---- scheduling -------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
+        if self.mixed_steps:
+            out = self._schedule_mixed()
+            return out if out.chunks else None
         has_decode = any(r.num_uncomputed == 1 for r in self.running)
         if has_decode and self._last_was_prefill:
             out = self._schedule_decode()
@@ -161,16 +171,31 @@ class Scheduler:
         self._last_was_prefill = out.is_prefill
         return out
 
-    def _schedule_prefill(self) -> SchedulerOutput:
+    def _schedule_mixed(self) -> SchedulerOutput:
+        """All the decode work, then prefill chunks in the rest of the budget. The prefill part
+        preempts nobody when decode chunks are scheduled (a victim could be one of them): a
+        prompt that does not fit waits for decoding requests to finish and free blocks."""
+        out = self._schedule_decode()
+        budget = self.max_num_batched_tokens - len(out.chunks)
+        if out.preempted or budget <= 0:
+            return out
+        prefill = self._schedule_prefill(budget, preempt=not out.chunks)
+        if not prefill.chunks:
+            return out
+        return SchedulerOutput(
+            is_prefill=True, chunks=out.chunks + prefill.chunks, preempted=prefill.preempted
+        )
+
+    def _schedule_prefill(self, budget: int | None = None, preempt: bool = True) -> SchedulerOutput:
         out = SchedulerOutput(is_prefill=True, chunks=[])
-        budget = self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens if budget is None else budget
         # 1. running requests part-way through their prompt (or a recomputation)
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING or req.num_uncomputed <= 1:
                 continue
-            n = self._fit(req, min(req.num_uncomputed, budget), out)
+            n = self._fit(req, min(req.num_uncomputed, budget), out, preempt)
             if n:
                 out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
                 budget -= n
@@ -193,7 +218,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING or req.num_uncomputed != 1:
                 continue
             if self._fit(req, 1, out):
-                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1))
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1, decode=True))
         return out
 
     def _admit(self, req: Request, budget: int) -> int:
@@ -222,10 +247,11 @@ class Scheduler:
         self.prefix_hit_tokens += num_cached
         return n
 
-    def _fit(self, req: Request, want: int, out: SchedulerOutput) -> int:
+    def _fit(self, req: Request, want: int, out: SchedulerOutput, preempt: bool = True) -> int:
         """Make room for `want` more tokens of running `req`, shrinking the chunk to the free
         blocks or, when not even one token fits, preempting the newest running requests
-        (possibly `req` itself). Returns the number of tokens that fit (0 if `req` was preempted)."""
+        (possibly `req` itself; with `preempt` off, nobody: 0). Returns the number of tokens that
+        fit (0 if `req` was preempted)."""
         while True:
             capacity = (len(req.block_ids) + self.bm.num_free_blocks) * self.block_size
             n = min(want, capacity - req.num_computed_tokens)
@@ -234,6 +260,8 @@ class Scheduler:
                 if need > 0:
                     req.block_ids += self.bm.allocate(need)
                 return n
+            if not preempt:
+                return 0
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is req:

@@ -1,8 +1,9 @@
 """What one model forward pass needs to know about its packed batch.
 
 The scheduler/model runner builds it; the model and the attention ops read it. A step is
-either a prefill step (packed prompt chunks, any length each) or a decode step (exactly one
-new token per sequence). Shapes follow `disagg.kernels.torch_ops`.
+either a prefill step (packed prompt chunks, any length each; in a mixed step the first
+`num_decodes` sequences are single decode tokens, whose attention takes the decode kernel) or a
+decode step (exactly one new token per sequence). Shapes follow `disagg.kernels.torch_ops`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [N] int64 rows of the packed batch whose logits are wanted
     is_prefill: bool
     cu_seqlens_q: torch.Tensor | None = None  # [B+1] int32, prefill only
+    num_decodes: int = 0  # prefill steps: leading sequences that are one decode token each
 
     @property
     def num_tokens(self) -> int:
@@ -44,4 +46,5 @@ class ForwardBatch:
             logits_indices=move(self.logits_indices),
             is_prefill=self.is_prefill,
             cu_seqlens_q=move(self.cu_seqlens_q),
+            num_decodes=self.num_decodes,
         )

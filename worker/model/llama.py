@@ -7,6 +7,7 @@ same model runs the torch twins on CPU and Triton kernels on CUDA.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -106,6 +107,42 @@ def decode_attention_one_group(
     kv = flat.index_select(0, group.rows).view(2, b, kv_cache.shape[3], group.length, d)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], scale=scale, enable_gqa=True)
     return o.squeeze(2)
+
+
+def prefill_step_attention(
+    ops,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    decode_attention: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Attention of a prefill step. In a mixed step the leading `batch.num_decodes` rows are one
+    decode token each: they take the decode kernel (`decode_attention(q_rows)` when given, the op
+    table's otherwise), the prompt chunks after them the prefill kernel."""
+    nd = batch.num_decodes
+    if nd == 0:
+        return ops.prefill_attention(
+            q, k, v, kv_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, scale
+        )
+    out = torch.empty_like(q)
+    if decode_attention is not None:
+        out[:nd] = decode_attention(q[:nd])
+    else:
+        out[:nd] = ops.decode_attention(q[:nd], kv_cache, batch.block_tables[:nd], batch.seq_lens[:nd], scale)
+    out[nd:] = ops.prefill_attention(
+        q[nd:],
+        k[nd:],
+        v[nd:],
+        kv_cache,
+        batch.block_tables[nd:],
+        batch.cu_seqlens_q[nd:] - nd,
+        batch.seq_lens[nd:],
+        scale,
+    )
+    return out
 
 
 class LlamaForCausalLM:
@@ -213,9 +250,7 @@ class LlamaForCausalLM:
             if layer_hook is not None:
                 layer_hook(i)
             if batch.is_prefill:
-                attn = ops.prefill_attention(
-                    q, k, v, kv_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, self.scale
-                )
+                attn = prefill_step_attention(ops, q, k, v, kv_cache, batch, self.scale)
             elif fast and single is not None:
                 attn = decode_attention_one_group(q, kv_cache, single, self.scale)
             elif planned:
@@ -285,9 +320,10 @@ class LlamaForCausalLM:
             batch.positions, batch.slot_mapping, self.cos_sin_cache.shape[0], num_blocks * block_size
         )
         decode_attention = None
-        if not batch.is_prefill:  # lengths and tables are the same in every layer of the step
+        nd = num_tokens if not batch.is_prefill else batch.num_decodes  # rows of one decode token each
+        if nd:  # lengths and tables are the same in every layer of the step
             decode_attention = cpu_native.PagedDecodeAttention(
-                batch.block_tables, batch.seq_lens, hq, hkv, num_blocks
+                batch.block_tables[:nd], batch.seq_lens[:nd], hq, hkv, num_blocks
             )
         residual = F.embedding(batch.input_ids, w.embed)  # a fresh tensor: the sum accumulates in it
         hidden = cpu_native.add_rms_norm(residual, w.layers[0].input_norm, eps)
@@ -302,14 +338,15 @@ class LlamaForCausalLM:
             if layer_hook is not None:
                 layer_hook(i)
             q = qkv[:, :q_end].view(num_tokens, hq, d)
-            if decode_attention is not None:
+            if not batch.is_prefill:
                 attn = decode_attention(q, kv_cache, self.scale)
             else:
                 k = qkv[:, q_end:k_end].view(num_tokens, hkv, d)
                 v = qkv[:, k_end:].view(num_tokens, hkv, d)
-                attn = self.ops.prefill_attention(
-                    q, k, v, kv_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, self.scale
-                )
+                attn = prefill_step_attention(
+                    self.ops, q, k, v, kv_cache, batch, self.scale,
+                    decode_attention and functools.partial(decode_attention, kv_cache=kv_cache, scale=self.scale),
+                )  # fmt: skip
             hidden = F.linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
             hidden = cpu_native.add_rms_norm(hidden, layer.post_norm, eps, residual)
             gate_up = F.linear(hidden, layer.gate_up, layer.gate_up_bias)
