@@ -265,6 +265,7 @@ class WorkerProcess:
         if transport is not None and self.loop.alive:
             await asyncio.wrap_future(self.loop.call(transport.close))
         self.loop.stop()
+        s.core.engine.close()  # the other tensor-parallel ranks, if any
         log.info("worker %s stopped", self.cfg.worker_id)
 
     async def _wait_for_streams(self, s) -> int:

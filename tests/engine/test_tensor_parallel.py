@@ -1,0 +1,118 @@
+"""`LLMEngine(..., tensor_parallel_size=2)`: rank processes over gloo give the same greedy outputs and
+logits as one rank, through ragged batches and chunked prefill, and a killed rank fails the next step
+instead of hanging it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from disagg.worker.engine.llm_engine import LLMEngine
+from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.model.tp_executor import RankFailedError
+
+from .conftest import qwen2_config, save_hf_model
+
+pytestmark = pytest.mark.slow  # each engine starts a second process (torch import, model load)
+
+SETTINGS = dict(
+    device="cpu", dtype="float32", block_size=8, num_gpu_blocks=64, max_num_batched_tokens=16, threads=1
+)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, tuple[list[int], list]]:
+    """Generate for every prompt at once (a ragged batch; prompts longer than the token budget are
+    chunked); token ids and top logprobs per request."""
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, GREEDY)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
+    assert engine.num_free_blocks == engine.num_total_blocks  # every block back
+    return done
+
+
+def _prompts(n_lens=(3, 13, 29)) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(2, 500, (n,), generator=gen).tolist() for n in n_lens]
+
+
+def _assert_same(got, want):
+    assert got.keys() == want.keys()
+    for rid, (ids, lps) in want.items():
+        assert got[rid][0] == ids, rid
+        for a, b in zip(got[rid][1], lps, strict=True):
+            assert a.top_logprobs.keys() == b.top_logprobs.keys()
+            for tok, lp in b.top_logprobs.items():
+                assert a.top_logprobs[tok] == pytest.approx(lp, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_one_kv_head_dir(tmp_path_factory):
+    return save_hf_model(qwen2_config(num_key_value_heads=1), tmp_path_factory.mktemp("qwen2-1kv"), seed=4)
+
+
+@pytest.mark.parametrize(
+    "model_fixture", ["tiny_llama_dir", "tiny_qwen2_one_kv_head_dir", "tiny_mistral_dir"]
+)
+def test_two_ranks_generate_what_one_does(request, model_fixture, one_torch_thread):
+    model_dir = request.getfixturevalue(model_fixture)
+    prompts = _prompts()
+    want = _run(LLMEngine(model_dir, load_tokenizer=False, **SETTINGS), prompts)
+    engine = LLMEngine(model_dir, load_tokenizer=False, tensor_parallel_size=2, **SETTINGS)
+    try:
+        assert engine.kv_cache.shape[4] == 1  # rank 0 holds one KV head (split, or replicated)
+        _assert_same(_run(engine, prompts), want)
+    finally:
+        engine.close()
+    assert [p.returncode for p in engine.ranks.procs] == [0]  # stopped cleanly
+
+
+def test_a_killed_rank_fails_the_next_step(tiny_llama_dir, one_torch_thread):
+    engine = LLMEngine(tiny_llama_dir, load_tokenizer=False, tensor_parallel_size=2, **SETTINGS)
+    try:
+        engine.add_request("a", _prompts((20,))[0], GREEDY)
+        engine.step()
+        os.kill(engine.ranks.procs[0].pid, signal.SIGKILL)
+        engine.ranks.procs[0].wait(10)
+        start = time.monotonic()
+        with pytest.raises(RankFailedError, match="rank 1"):
+            while engine.has_unfinished():
+                engine.step()
+        assert time.monotonic() - start < 10
+    finally:
+        engine.close()
+
+
+def test_a_rank_killed_inside_a_collective_fails_the_step(tiny_llama_dir, one_torch_thread):
+    """Rank 1 dies after it has the batch but before it joins the step's collectives: rank 0's
+    collective fails (the peer's connection closes) instead of waiting forever."""
+    engine = LLMEngine(tiny_llama_dir, load_tokenizer=False, tensor_parallel_size=2, **SETTINGS)
+    try:
+        engine.add_request("a", _prompts((20,))[0], GREEDY)
+        ranks = engine.ranks
+        send = ranks.send
+
+        def send_then_kill(batch):
+            send(batch)
+            os.kill(ranks.procs[0].pid, signal.SIGKILL)
+
+        ranks.send = send_then_kill
+        start = time.monotonic()
+        with pytest.raises(RankFailedError):
+            engine.step()
+        assert time.monotonic() - start < 30
+    finally:
+        engine.close()
+
+
+def test_a_model_the_ranks_cannot_split_is_refused_before_any_rank_starts(tiny_llama_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide num_attention_heads 4"):
+        LLMEngine(tiny_llama_dir, load_tokenizer=False, tensor_parallel_size=3, **SETTINGS)
