@@ -72,29 +72,37 @@ def shard_plan(
         raise ValueError(f"tensor_parallel_size {w} must divide num_attention_heads {hq}")
     if intermediate_size % w:
         raise ValueError(f"tensor_parallel_size {w} must divide intermediate_size {intermediate_size}")
-    if w <= hkv:
-        if hkv % w:
-            raise ValueError(f"tensor_parallel_size {w} must divide num_key_value_heads {hkv}")
-        kv_per_rank, kv_start = hkv // w, rank * (hkv // w)
-    else:
-        if w % hkv:
-            raise ValueError(
-                f"tensor_parallel_size {w} exceeds num_key_value_heads {hkv} and must be a multiple "
-                f"of it (each KV head is then replicated on {w} // {hkv} ranks)"
-            )
-        kv_per_rank, kv_start = 1, rank // (w // hkv)
+    kv = kv_head_range(rank, w, hkv)
     return ShardPlan(
         rank=rank,
         world_size=w,
         num_heads=hq // w,
-        num_kv_heads=kv_per_rank,
+        num_kv_heads=len(kv),
         q_head_start=rank * (hq // w),
-        kv_head_start=kv_start,
+        kv_head_start=kv.start,
         intermediate=intermediate_size // w,
         vocab_shard=-(-vocab_size // w),
         vocab_size=vocab_size,
         total_kv_heads=hkv,
     )
+
+
+def kv_head_range(rank: int, world_size: int, num_kv_heads: int) -> range:
+    """The KV heads rank `rank` of `world_size` holds: an equal split while there are at least as
+    many heads as ranks, else the one head its query heads read (each head on world_size //
+    num_kv_heads consecutive ranks)."""
+    w, hkv = world_size, num_kv_heads
+    if w <= hkv:
+        if hkv % w:
+            raise ValueError(f"tensor_parallel_size {w} must divide num_key_value_heads {hkv}")
+        return range(rank * (hkv // w), (rank + 1) * (hkv // w))
+    if w % hkv:
+        raise ValueError(
+            f"tensor_parallel_size {w} exceeds num_key_value_heads {hkv} and must be a multiple "
+            f"of it (each KV head is then replicated on {w} // {hkv} ranks)"
+        )
+    head = rank // (w // hkv)
+    return range(head, head + 1)
 
 
 def check_shardable(world_size: int, config) -> None:
