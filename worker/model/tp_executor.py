@@ -87,6 +87,10 @@ class RankProcesses:
             raise ValueError(f"tensor_parallel_size must be >= 2 for rank processes, got {world_size}")
         self.world_size = world_size
         self.timeout = timeout
+        if device.type == "cpu" and threads is None:
+            # ranks on one machine share its cores: each takes its share, rank 0 (this process) too
+            threads = max(1, len(os.sched_getaffinity(0)) // world_size)
+            torch.set_num_threads(threads)
         config = ModelConfig.from_pretrained(model_path)
         plan = plan_for(0, world_size, config)  # refuse before starting anything
         self.procs: list[subprocess.Popen] = []
