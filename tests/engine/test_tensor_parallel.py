@@ -116,3 +116,37 @@ def test_a_rank_killed_inside_a_collective_fails_the_step(tiny_llama_dir, one_to
 def test_a_model_the_ranks_cannot_split_is_refused_before_any_rank_starts(tiny_llama_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide num_attention_heads 4"):
         LLMEngine(tiny_llama_dir, load_tokenizer=False, tensor_parallel_size=3, **SETTINGS)
+
+
+def test_ranks_exit_when_rank_0_is_killed(tiny_llama_dir, tmp_path):
+    """No orphans: a child rank whose rank 0 died (SIGKILL, no cleanup) exits on its own."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, time\n"
+        "from disagg.worker.engine.llm_engine import LLMEngine\n"
+        f"e = LLMEngine({str(tiny_llama_dir)!r}, load_tokenizer=False, tensor_parallel_size=2, device='cpu',"
+        " dtype='float32', num_gpu_blocks=16, block_size=8, threads=1)\n"
+        "print(e.ranks.procs[0].pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-P", "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 20
+        while os.path.exists(f"/proc/{child}") and "zombie" not in _state(child):
+            assert time.monotonic() < deadline, "the rank outlived its rank 0"
+            time.sleep(0.1)
+    finally:
+        parent.kill()
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(line for line in f if line.startswith("State:")).lower()
+    except (OSError, StopIteration):
+        return "zombie"
