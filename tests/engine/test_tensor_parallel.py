@@ -150,3 +150,23 @@ def _state(pid: int) -> str:
             return next(line for line in f if line.startswith("State:")).lower()
     except (OSError, StopIteration):
         return "zombie"
+
+
+def test_after_a_failed_step_every_step_fails_at_once(tiny_llama_dir, one_torch_thread):
+    """A step that failed on rank 0 leaves the ranks out of step: the group is not used again."""
+    engine = LLMEngine(tiny_llama_dir, load_tokenizer=False, tensor_parallel_size=2, **SETTINGS)
+    try:
+        engine.add_request("a", _prompts((20,))[0], GREEDY)
+        real = engine.runner.runner.forward
+
+        def broken(batch, hook=None):
+            raise RuntimeError("device error")
+
+        engine.runner.runner.forward = broken
+        with pytest.raises(RankFailedError, match="device error"):
+            engine.step()
+        engine.runner.runner.forward = real
+        with pytest.raises(RankFailedError, match="failed earlier: RuntimeError: device error"):
+            engine.step()
+    finally:
+        engine.close()

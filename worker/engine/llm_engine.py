@@ -162,7 +162,10 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one rank); idempotent."""
-        if self.ranks is not None:
+        runner = getattr(self, "runner", None)  # absent when construction failed before it
+        if hasattr(runner, "close"):
+            runner.close()
+        elif self.ranks is not None:
             self.ranks.close()
 
     def _eos_ids(self) -> set[int]:

@@ -225,11 +225,17 @@ class RankProcesses:
 
 
 class TensorParallelRunner:
-    """Rank 0's `ModelRunner` that brings the other ranks along: the engine calls it the same way."""
+    """Rank 0's `ModelRunner` that brings the other ranks along: the engine calls it the same way.
+
+    A step that fails on rank 0 leaves the ranks out of step with each other (some may wait in a
+    collective rank 0 never joins), so after one failure every later step fails at once: the
+    engine gives up and its process exits, to be restarted whole.
+    """
 
     def __init__(self, runner, ranks: RankProcesses):
         self.runner = runner
         self.ranks = ranks
+        self.failure: str | None = None
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -237,14 +243,18 @@ class TensorParallelRunner:
         return self.runner.kv_cache
 
     def forward(self, batch: ForwardBatch, layer_hook: Callable[[int], None] | None = None) -> torch.Tensor:
-        self.ranks.send(batch)
+        if self.failure is not None:
+            raise RankFailedError(f"the tensor-parallel group failed earlier: {self.failure}")
         try:
+            self.ranks.send(batch)
             return self.runner.forward(batch, layer_hook)
-        except RuntimeError as exc:  # a collective broke: a peer died or timed out
+        except BaseException as exc:
+            self.failure = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, RankFailedError):
                 raise
-            self.ranks.check_alive()
-            raise RankFailedError(f"a tensor-parallel collective failed: {exc}") from exc
+            self.ranks.check_alive()  # a dead rank is the likeliest cause: name it
+            raise RankFailedError(f"a tensor-parallel step failed on rank 0: {self.failure}") from exc
 
     def close(self) -> None:
-        self.ranks.close()
+        # after a failure the other ranks may sit in a collective until its timeout: do not wait
+        self.ranks.close(timeout=10.0 if self.failure is None else 1.0)
