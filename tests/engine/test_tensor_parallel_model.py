@@ -14,7 +14,7 @@ from disagg.worker.model import parallel
 from disagg.worker.model.loader import load_model
 from disagg.worker.model.parallel import TensorParallel, shard_plan
 
-from .conftest import mistral_config, qwen2_config, save_hf_model
+from .conftest import llama_config, mistral_config, qwen2_config, save_hf_model
 
 BLOCK_SIZE = 8
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -132,6 +132,13 @@ def tiny_qwen2_one_kv_head_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def tiny_llama_all_biases_dir(tmp_path_factory):
+    """Llama with attention and MLP biases: the row-parallel o and down biases are added once."""
+    config = llama_config(attention_bias=True, mlp_bias=True)
+    return save_hf_model(config, tmp_path_factory.mktemp("llama-biases"), seed=6)
+
+
+@pytest.fixture(scope="module")
 def tiny_mistral_odd_vocab_dir(tmp_path_factory):
     """Mistral with a vocabulary four ranks cannot split evenly (the last shard is padded)."""
     return save_hf_model(mistral_config(vocab_size=510), tmp_path_factory.mktemp("mistral-510"), seed=5)
@@ -141,6 +148,7 @@ def tiny_mistral_odd_vocab_dir(tmp_path_factory):
     ("model_fixture", "world"),
     [
         ("tiny_llama_dir", 2),
+        ("tiny_llama_all_biases_dir", 2),
         ("tiny_qwen2_dir", 2),
         ("tiny_qwen2_one_kv_head_dir", 2),
         ("tiny_mistral_dir", 2),
