@@ -9,6 +9,8 @@ import itertools
 import pytest
 import torch
 
+from disagg.worker.kv_transfer import IncompatiblePeer, KVLayout
+from disagg.worker.kv_transfer.handshake import decode_handshake, encode_handshake
 from disagg.worker.kv_transfer.tp_layout import HeadCopy, TPLayout, block_segments, head_copies
 
 BLOCK_SIZE, HEAD_DIM = 4, 3
@@ -80,3 +82,41 @@ def test_segments_rebuild_every_decode_ranks_block_from_the_prefill_ranks(src_tp
             written[copy.dst_rank] |= span
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g.view(torch.float32).view(w.shape), w)
+
+
+def _layout(**over) -> KVLayout:
+    fields = dict(
+        model_id="m", dtype="float32", num_layers=2, num_blocks=8, block_size=4, num_kv_heads=4, head_dim=8
+    )
+    return KVLayout(**{**fields, **over})
+
+
+def test_the_handshake_carries_the_tensor_parallel_layout():
+    one_rank = _layout()
+    assert (one_rank.tp_size, one_rank.model_kv_heads) == (1, 4)
+    sharded = _layout(num_kv_heads=2, tp_size=2, model_kv_heads=4)
+    _msg, remote = decode_handshake(encode_handshake(sharded, "grpc", "p"), sharded, "grpc")
+    assert remote == sharded
+    # a one-rank layout hashes as before tensor parallelism existed; a sharded one differs
+    assert one_rank.compat_hash() == _layout(tp_size=1, model_kv_heads=4).compat_hash()
+    assert sharded.compat_hash() != _layout(num_kv_heads=2).compat_hash()
+
+
+def test_a_peer_split_differently_is_refused_saying_how():
+    local = _layout()
+    peer = _layout(num_kv_heads=2, tp_size=2, model_kv_heads=4)
+    with pytest.raises(
+        IncompatiblePeer, match=r"local TP=1 \(4 of 4 KV heads per rank\), peer TP=2 \(2 of 4"
+    ):
+        decode_handshake(encode_handshake(peer, "nixl", "p"), local, "nixl")
+
+
+def test_a_payload_without_tensor_parallel_fields_is_one_rank():
+    from disagg.proto import kv_transfer_pb2 as pb
+
+    msg = pb.KVHandshake()
+    msg.ParseFromString(encode_handshake(_layout(), "nixl", "p"))
+    msg.layout.ClearField("tp_size")
+    msg.layout.ClearField("model_kv_heads")
+    _msg, remote = decode_handshake(msg.SerializeToString(), _layout(), "nixl")
+    assert (remote.tp_size, remote.model_kv_heads) == (1, 4)
