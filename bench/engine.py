@@ -2,6 +2,7 @@
 
     python bench/engine.py                      # 64 prompts of 32-512 tokens, 16-256 new tokens each
     python bench/engine.py --num-prompts 16 --max-prompt 256 --max-output 64   # a quicker run
+    python bench/engine.py --tensor-parallel-size 2   # TP=2 against TP=1 on the same cores only
 
 Both sides run the same checkpoint (the `small` preset, made into .models/small when missing),
 float32, greedy, the same prompts and the same number of new tokens per prompt. transformers
@@ -160,12 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's, one per core)"
     )
+    ap.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="N > 1: only compare TP=N with TP=1 on the same cores (decode step, prefill, collectives)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
 
     model_dir = ensure_model(args.model, args.preset)
+    if args.tensor_parallel_size > 1:
+        import tensor_parallel
+
+        tensor_parallel.report(model_dir, args.tensor_parallel_size, log)
+        return 0
     from disagg.kernels import cpu_native
     from disagg.worker.model.config import ModelConfig
 

@@ -65,6 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the namespace this operator runs in: NetworkPolicies let its autoscaler scrape /metrics "
         "from there (default: $POD_NAMESPACE)",
     )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        metavar="N",
+        help="most GPUs a node offers one pod: a GPU role with a larger tensorParallelSize is refused "
+        "(one pod holds all of a worker's ranks; multi-node workers are not supported) (default 8)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -96,8 +104,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
     for prefix in args.allow_host_path:
         if not prefix.startswith("/"):
             raise SystemExit(f"disagg operator: --allow-host-path {prefix!r} must be an absolute path")
+    if args.gpus_per_node < 1:
+        raise SystemExit(f"disagg operator: --gpus-per-node must be at least 1, got {args.gpus_per_node}")
     return Settings(
-        host_path_prefixes=tuple(args.allow_host_path), operator_namespace=args.operator_namespace or None
+        host_path_prefixes=tuple(args.allow_host_path),
+        operator_namespace=args.operator_namespace or None,
+        gpus_per_node=args.gpus_per_node,
     )
 
 

@@ -75,10 +75,13 @@ def build_children(
     operator's own (allowed host paths, its namespace).
     """
     policy.check(idep, settings)
-    return [
+    children = [
         *infrastructure(idep, settings),
         role_statefulset(idep, "decode"),
         role_statefulset(idep, "prefill"),
         *frontend(idep),
         *extras(idep, body or {}, service_monitor_available),
     ]
+    # after the builders, so a spec that is also malformed names its more specific field first
+    policy.check_kv_transfer(idep)
+    return children

@@ -13,6 +13,9 @@ from disagg.worker.engine.args import cli_flag
 
 GPU = "nvidia.com/gpu"
 SHM_VOLUME = "dshm"
+# /dev/shm per tensor-parallel rank: NCCL's intra-pod transport keeps its buffers
+# there (a memory-backed emptyDir counts against the pod's memory limit, so it is bounded).
+SHM_PER_RANK = 1  # GiB
 # Of a pod's termination grace period, what the worker keeps for deregistering and stopping after
 # its in-flight streams have drained (at most this, at most a third of the period).
 STOP_MARGIN_SECONDS = 10
@@ -40,11 +43,6 @@ def device(role: Role) -> str:
 
 def check_supported(idep: InferenceDeployment, role: Role) -> None:
     """Settings the CRD admits but this worker cannot run: refused with the field named."""
-    if role.tensor_parallel_size > 1:
-        raise SpecError(
-            f"spec.{role.name}.tensorParallelSize",
-            f"is {role.tensor_parallel_size}, but the worker does not shard models yet; set 1",
-        )
     prefill, decode = idep.spec.prefill.block_size, idep.spec.decode.block_size
     if prefill != decode:
         # KV blocks move from prefill to decode workers as they are, and the router hashes prompts
@@ -73,12 +71,20 @@ def _resources(idep: InferenceDeployment, role: Role) -> dict:
     path = f"spec.{role.name}.resources"
     requests = dict(role.resources.get("requests") or {})
     limits = dict(role.resources.get("limits") or {})
-    if GPU in limits and str(limits[GPU]).isdigit() and int(limits[GPU]) < role.tensor_parallel_size:
+    tp = role.tensor_parallel_size
+    if GPU in limits and str(limits[GPU]).isdigit() and int(limits[GPU]) < tp:
         raise SpecError(
             f"{path}.limits.{GPU}",
-            f"tensorParallelSize {role.tensor_parallel_size} needs at least that many GPUs, "
-            f"got {limits[GPU]}",
+            f"tensorParallelSize {tp} needs at least that many GPUs, got {limits[GPU]}",
         )
+    if tp > 1 and device(role) == "cuda":
+        # one GPU per rank, all in this pod: an extended resource's request equals its limit
+        count = int(limits.get(GPU) or requests.get(GPU))
+        if count != tp:
+            raise SpecError(
+                f"{path}.limits.{GPU}", f"must equal tensorParallelSize {tp} (one GPU per rank), got {count}"
+            )
+        requests[GPU] = limits[GPU] = tp
     rdma = idep.spec.kv_transfer
     if rdma.rdma_count > 0:
         requests[rdma.rdma_resource] = rdma.rdma_count
@@ -131,6 +137,8 @@ def _args(idep: InferenceDeployment, role: Role) -> list[str]:
     ]
     if spec.model.max_model_length is not None:
         args += [cli_flag("max_model_len"), str(spec.model.max_model_length)]
+    if role.tensor_parallel_size > 1:  # the worker starts its other ranks itself, in this pod
+        args += [cli_flag("tensor_parallel_size"), str(role.tensor_parallel_size)]
     return args
 
 
@@ -216,6 +224,15 @@ def _container(idep: InferenceDeployment, role: Role) -> dict:
     return container
 
 
+def shm_volume(role: Role) -> dict:
+    """/dev/shm: unbounded for one rank (UCX's shared-memory transport), bounded and sized by the
+    rank count for a tensor-parallel worker."""
+    empty_dir = {"medium": "Memory"}
+    if role.tensor_parallel_size > 1:
+        empty_dir["sizeLimit"] = f"{role.tensor_parallel_size * SHM_PER_RANK}Gi"
+    return {"name": SHM_VOLUME, "emptyDir": empty_dir}
+
+
 def statefulset(idep: InferenceDeployment, role_name: str) -> dict:
     role = idep.spec.role(role_name)
     spec = idep.spec
@@ -233,7 +250,7 @@ def statefulset(idep: InferenceDeployment, role_name: str) -> dict:
         "volumes": [
             model.volume(idep),
             # NCCL and UCX shared-memory transports need more than the container runtime's 64 MiB /dev/shm.
-            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+            shm_volume(role),
             *hardening.scratch_volumes(cache=True),
             *secrets.tls_volumes(idep),
         ],

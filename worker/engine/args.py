@@ -71,7 +71,18 @@ class EngineArgs:
     )
     cuda_graphs: bool | None = _setting(None, "capture decode steps as CUDA graphs (default: on CUDA)")
     seed: int = _setting(0, "seed of the per-request seeds of unseeded sampled requests")
-    threads: int | None = _setting(None, "torch intra-op threads on CPU (default: torch's choice)", minimum=1)
+    threads: int | None = _setting(
+        None,
+        "torch intra-op threads on CPU (default: torch's choice; with tensor_parallel_size N, each rank "
+        "takes 1/N of the cores)",
+        minimum=1,
+    )
+    tensor_parallel_size: int = _setting(
+        1,
+        "ranks the model is split over (one process each, one GPU each on CUDA); heads, MLP features "
+        "and vocabulary are divided among them",
+        minimum=1,
+    )
 
     def __post_init__(self):
         self.model = str(self.model)

@@ -91,7 +91,24 @@ class LLMEngine:
             torch.set_num_threads(args.threads)  # process-wide: the engine owns its process's CPU
         model, dtype, device = args.model, args.resolved_dtype(), args.resolved_device()
         block_size, max_num_seqs = args.block_size, args.max_num_seqs
-        self.model, self.config = load_model(model, dtype=dtype, device=device)
+        self.ranks = None  # the other tensor-parallel ranks' processes, when there are any
+        if args.tensor_parallel_size > 1:
+            from disagg.worker.model.tp_executor import RankProcesses
+
+            self.ranks = RankProcesses(
+                model, dtype, torch.device(device), args.tensor_parallel_size, threads=args.threads
+            )
+        try:
+            self.model, self.config = load_model(
+                model, dtype=dtype, device=device, tp=None if self.ranks is None else self.ranks.tp
+            )
+            self._build(args, block_size, max_num_seqs, load_tokenizer)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, args: EngineArgs, block_size: int, max_num_seqs: int, load_tokenizer: bool) -> None:
+        model, device = args.model, args.resolved_device()
         self.model_path = str(model)
         self.tokenizer = None
         if load_tokenizer:
@@ -123,20 +140,35 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, max_num_seqs, args.max_num_batched_tokens, mixed_steps=args.mixed_steps
         )
-        self.runner = ModelRunner(
-            self.model,
-            block_size,
-            num_blocks,
+        runner_kwargs = dict(
+            block_size=block_size,
+            num_blocks=num_blocks,
             max_num_seqs=max_num_seqs,
             max_model_len=self.max_model_len,
             cuda_graphs=args.cuda_graphs,
         )
+        if self.ranks is not None:
+            self.ranks.start_runners(**runner_kwargs)
+        self.runner = ModelRunner(self.model, **runner_kwargs)
+        if self.ranks is not None:
+            from disagg.worker.model.tp_executor import TensorParallelRunner
+
+            self.ranks.wait_ready()
+            self.runner = TensorParallelRunner(self.runner, self.ranks)
         self.sampler = Sampler()
         self.grammars: Grammars | None = None
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(args.seed)
         # what the current (or last) step computes; read by layer hooks
         self.scheduled: SchedulerOutput | None = None
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one rank); idempotent."""
+        runner = getattr(self, "runner", None)  # absent when construction failed before it
+        if hasattr(runner, "close"):
+            runner.close()
+        elif self.ranks is not None:
+            self.ranks.close()
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.config.eos_token_ids or ())

@@ -24,6 +24,8 @@ def layout_to_proto(layout: KVLayout) -> pb.KVLayoutSpec:
         block_size=layout.block_size,
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
+        tp_size=layout.tp_size,
+        model_kv_heads=layout.model_kv_heads,
     )
 
 
@@ -36,6 +38,8 @@ def layout_from_proto(spec: pb.KVLayoutSpec) -> KVLayout:
         block_size=spec.block_size,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
+        tp_size=spec.tp_size or 1,
+        model_kv_heads=spec.model_kv_heads or None,
     )
 
 
@@ -72,6 +76,11 @@ def decode_handshake(payload: bytes, local: KVLayout, backend: str) -> tuple[pb.
         remote = layout_from_proto(msg.layout)
     except ValueError as exc:
         raise ValueError(f"payload: bad layout ({exc})") from exc
+    if local.tp_key != remote.tp_key:
+        raise IncompatiblePeer(
+            f"tensor-parallel layouts differ: local {_tp_text(local)}, peer {_tp_text(remote)}; KV "
+            "transfer between workers split differently is not supported yet"
+        )
     for field in _COMPAT_FIELDS:
         mine, theirs = getattr(local, field), getattr(remote, field)
         if mine != theirs:
@@ -81,3 +90,7 @@ def decode_handshake(payload: bytes, local: KVLayout, backend: str) -> tuple[pb.
             f"KV compatibility hash differs: local {local.compat_hash()}, peer {msg.compat_hash}"
         )
     return msg, remote
+
+
+def _tp_text(layout: KVLayout) -> str:
+    return f"TP={layout.tp_size} ({layout.num_kv_heads} of {layout.model_kv_heads} KV heads per rank)"

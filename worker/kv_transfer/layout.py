@@ -24,19 +24,28 @@ class KVLayout:
     num_layers: int
     num_blocks: int
     block_size: int
-    num_kv_heads: int
+    num_kv_heads: int  # in this cache: one rank's share when tp_size > 1
     head_dim: int
+    tp_size: int = 1  # ranks the worker splits the model over
+    model_kv_heads: int | None = None  # the model's KV heads; None: num_kv_heads (one rank)
 
     def __post_init__(self):
         if self.dtype not in _ITEMSIZE:
             raise ValueError(f"dtype: unsupported KV dtype {self.dtype!r} (known: {sorted(_ITEMSIZE)})")
-        for field in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
+        if self.model_kv_heads is None:
+            object.__setattr__(self, "model_kv_heads", self.num_kv_heads)
+        for field in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "tp_size",
+                      "model_kv_heads"):  # fmt: skip
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{field}: must be a positive integer, got {value!r}")
 
     @classmethod
-    def from_tensor(cls, kv_cache: torch.Tensor, model_id: str) -> KVLayout:
+    def from_tensor(
+        cls, kv_cache: torch.Tensor, model_id: str, tp_size: int = 1, model_kv_heads: int | None = None
+    ) -> KVLayout:
+        """The layout of `kv_cache`; with tensor parallelism, `kv_cache` is one rank's part and
+        `model_kv_heads` the model's total."""
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError(
                 "kv_cache: expected shape [num_layers, num_blocks, 2, block_size, kv_heads, head_dim], "
@@ -51,7 +60,14 @@ class KVLayout:
             block_size=block_size,
             num_kv_heads=heads,
             head_dim=head_dim,
+            tp_size=tp_size,
+            model_kv_heads=model_kv_heads,
         )
+
+    @property
+    def tp_key(self) -> tuple[int, int]:
+        """(ranks, KV heads of the model): two workers' caches split the same way when equal."""
+        return self.tp_size, self.model_kv_heads
 
     @property
     def itemsize(self) -> int:
@@ -79,11 +95,13 @@ class KVLayout:
                 self.num_kv_heads, self.head_dim, self.block_size,
             )
         )  # fmt: skip
+        if self.tp_size > 1:  # one rank's hash is what it was before tensor parallelism
+            key += f"|tp{self.tp_size}/{self.model_kv_heads}"
         return hashlib.sha256(key.encode()).hexdigest()[:32]
 
     def check_tensor(self, kv_cache: torch.Tensor) -> None:
         """The tensor a transport registers must be exactly this layout, contiguous."""
-        actual = KVLayout.from_tensor(kv_cache, self.model_id)
+        actual = KVLayout.from_tensor(kv_cache, self.model_id, self.tp_size, self.model_kv_heads)
         if actual != self:
             raise ValueError(f"kv_cache: tensor layout {actual} does not match the given layout {self}")
         if not kv_cache.is_contiguous():

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from disagg.kernels import cpu_decode_step, cpu_native, get_ops, torch_ops
 from disagg.worker.model.config import ModelConfig, RopeConfig
 from disagg.worker.model.forward_batch import ForwardBatch
+from disagg.worker.model.parallel import TensorParallel
 
 
 @dataclass
@@ -148,14 +149,24 @@ def prefill_step_attention(
 class LlamaForCausalLM:
     """Forward passes over packed batches; see `forward`."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TensorParallel | None = None,
+    ):
         self.config = config
+        self.tp = tp  # this rank's shard and collectives; None: the whole model here
         self.weights = weights
         self.dtype = dtype
         self.device = torch.device(device)
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
+        if tp is not None:  # heads on this rank: the weights, the cache and attention are the shard's
+            self.num_heads, self.num_kv_heads = tp.plan.num_heads, tp.plan.num_kv_heads
         self.head_dim = config.head_dim
         self.vocab_size = config.vocab_size
         self.max_model_len = config.max_model_len
@@ -211,7 +222,7 @@ class LlamaForCausalLM:
             if not batch.is_prefill:
                 decode_plan = torch_ops.plan_decode(batch.block_tables, batch.seq_lens, block_size, hkv)
 
-        hidden = F.embedding(batch.input_ids, w.embed)
+        hidden = self._embed(batch.input_ids)
         # float32 on the torch path: the residual sum is accumulated in place (no new tensor per
         # add), rotary and single-group decode attention take their short forms below.
         fast = planned and w.norm.dtype == torch.float32 and hidden.dtype == torch.float32
@@ -257,13 +268,13 @@ class LlamaForCausalLM:
                 attn = torch_ops.decode_attention_planned(q, kv_cache, decode_plan, self.scale)
             else:
                 attn = ops.decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, self.scale)
-            hidden = F.linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
+            hidden = self._row_linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
             if fast:
                 hidden = add_rms_norm_(residual, hidden, layer.post_norm, eps)
             else:
                 hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
             gate_up = F.linear(hidden, layer.gate_up, layer.gate_up_bias)
-            hidden = F.linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
+            hidden = self._row_linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
 
         # Only the wanted rows go through the final norm and the (large) vocabulary projection.
         idx = batch.logits_indices
@@ -272,9 +283,23 @@ class LlamaForCausalLM:
         else:
             last = hidden.index_select(0, idx) + residual.index_select(0, idx)
         last = ops.rms_norm(last, w.norm, eps)
-        return F.linear(last, w.lm_head).float()
+        return self._lm_head(last)
 
     __call__ = forward
+
+    # The three places tensor parallelism changes the math; plain torch calls without it.
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.weights.embed)
+        return self.tp.embed(input_ids, self.weights.embed)
+
+    def _row_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias) if self.tp is None else self.tp.row_linear(x, weight, bias)
+
+    def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.linear(x, self.weights.lm_head).float()
+        return self.tp.lm_head(x, self.weights.lm_head).float()
 
     def _native_ok(self, kv_caches: torch.Tensor) -> bool:
         """float32 on CPU with the plain-torch op table: the native kernels can take the step."""
@@ -306,7 +331,8 @@ class LlamaForCausalLM:
         Decode steps of a few sequences run whole in one native call (`native_decode_step`)."""
         w, eps = self.weights, self.config.rms_norm_eps
         num_tokens = batch.input_ids.shape[0]
-        if not batch.is_prefill and layer_hook is None and num_tokens <= cpu_decode_step.MAX_BATCH:
+        whole_step = self.tp is None and layer_hook is None  # the native step has no collectives
+        if not batch.is_prefill and whole_step and num_tokens <= cpu_decode_step.MAX_BATCH:
             logits = self.native_decode_step()(
                 F.embedding(batch.input_ids, w.embed), batch.positions, batch.slot_mapping, kv_caches,
                 batch.block_tables, batch.seq_lens,
@@ -325,7 +351,7 @@ class LlamaForCausalLM:
             decode_attention = cpu_native.PagedDecodeAttention(
                 batch.block_tables[:nd], batch.seq_lens[:nd], hq, hkv, num_blocks
             )
-        residual = F.embedding(batch.input_ids, w.embed)  # a fresh tensor: the sum accumulates in it
+        residual = self._embed(batch.input_ids)  # a fresh tensor: the sum accumulates in it
         hidden = cpu_native.add_rms_norm(residual, w.layers[0].input_norm, eps)
         for i, layer in enumerate(w.layers):
             if i > 0:
@@ -347,10 +373,10 @@ class LlamaForCausalLM:
                     self.ops, q, k, v, kv_cache, batch, self.scale,
                     decode_attention and functools.partial(decode_attention, kv_cache=kv_cache, scale=self.scale),
                 )  # fmt: skip
-            hidden = F.linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
+            hidden = self._row_linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
             hidden = cpu_native.add_rms_norm(hidden, layer.post_norm, eps, residual)
             gate_up = F.linear(hidden, layer.gate_up, layer.gate_up_bias)
-            hidden = F.linear(cpu_native.silu_and_mul(gate_up), layer.down, layer.down_bias)
+            hidden = self._row_linear(cpu_native.silu_and_mul(gate_up), layer.down, layer.down_bias)
 
         idx = batch.logits_indices
         if idx.shape[0] == num_tokens and not batch.is_prefill:  # decode: every row samples
@@ -358,4 +384,4 @@ class LlamaForCausalLM:
         else:
             rows = hidden.index_select(0, idx)
             last = cpu_native.add_rms_norm(rows, w.norm, eps, residual.index_select(0, idx))
-        return F.linear(last, w.lm_head).float()
+        return self._lm_head(last)

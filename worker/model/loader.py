@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from disagg.worker.model import parallel
 from disagg.worker.model.config import ModelConfig
 from disagg.worker.model.llama import LayerWeights, LlamaForCausalLM, ModelWeights
+from disagg.worker.model.parallel import ShardPlan, TensorParallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,9 +109,14 @@ def expected_names(config: ModelConfig) -> list[str]:
 
 
 def build_weights(
-    config: ModelConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    config: ModelConfig,
+    tensors: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: ShardPlan | None = None,
 ) -> ModelWeights:
-    """Check names and shapes, convert, fuse. Missing or unexpected tensors are errors naming them."""
+    """Check names and shapes, convert, fuse. Missing or unexpected tensors are errors naming them.
+    With a `shard` plan, only that rank's slices are kept (`parallel`'s split)."""
     names = {k for k in tensors if not k.endswith(_IGNORED_SUFFIXES)}
     wanted = expected_names(config)
     missing = [n for n in wanted if n not in names]
@@ -133,7 +140,25 @@ def build_weights(
 
     def place(*parts: torch.Tensor) -> torch.Tensor:
         fused = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if shard is not None and len(parts) == 1:
+            fused = fused.clone()  # a slice would keep the whole checkpoint tensor alive
         return fused.to(device=device, dtype=dtype).contiguous()
+
+    # the identity without a plan, else this rank's slice (see `parallel`)
+    def qkv(*full: torch.Tensor) -> list[torch.Tensor]:
+        return list(full) if shard is None else parallel.qkv_rows(shard, full, d)
+
+    def o_cols(t: torch.Tensor) -> torch.Tensor:
+        return t if shard is None else parallel.o_columns(shard, t, d)
+
+    def mlp(t: torch.Tensor) -> torch.Tensor:
+        return t if shard is None else parallel.mlp_rows(shard, t)
+
+    def down_cols(t: torch.Tensor) -> torch.Tensor:
+        return t if shard is None else parallel.down_columns(shard, t)
+
+    def vocab(t: torch.Tensor) -> torch.Tensor:
+        return t if shard is None else parallel.vocab_rows(shard, t)
 
     layers = []
     for i in range(config.num_hidden_layers):
@@ -142,52 +167,62 @@ def build_weights(
         qkv_bias = o_bias = gate_up_bias = down_bias = None
         if config.qkv_bias:
             qkv_bias = place(
-                get(a + "q_proj.bias", (q_rows,)),
-                get(a + "k_proj.bias", (kv_rows,)),
-                get(a + "v_proj.bias", (kv_rows,)),
+                *qkv(
+                    get(a + "q_proj.bias", (q_rows,)),
+                    get(a + "k_proj.bias", (kv_rows,)),
+                    get(a + "v_proj.bias", (kv_rows,)),
+                )
             )
         if config.o_bias:
             o_bias = place(get(a + "o_proj.bias", (h,)))
         if config.mlp_bias:
-            gate_up_bias = place(get(m + "gate_proj.bias", (i_size,)), get(m + "up_proj.bias", (i_size,)))
+            gate_up_bias = place(
+                mlp(get(m + "gate_proj.bias", (i_size,))), mlp(get(m + "up_proj.bias", (i_size,)))
+            )
             down_bias = place(get(m + "down_proj.bias", (h,)))
         layers.append(
             LayerWeights(
                 input_norm=place(get(p + "input_layernorm.weight", (h,))),
                 qkv=place(
-                    get(a + "q_proj.weight", (q_rows, h)),
-                    get(a + "k_proj.weight", (kv_rows, h)),
-                    get(a + "v_proj.weight", (kv_rows, h)),
+                    *qkv(
+                        get(a + "q_proj.weight", (q_rows, h)),
+                        get(a + "k_proj.weight", (kv_rows, h)),
+                        get(a + "v_proj.weight", (kv_rows, h)),
+                    )
                 ),
                 qkv_bias=qkv_bias,
-                o=place(get(a + "o_proj.weight", (h, q_rows))),
+                o=place(o_cols(get(a + "o_proj.weight", (h, q_rows)))),
                 o_bias=o_bias,
                 post_norm=place(get(p + "post_attention_layernorm.weight", (h,))),
                 gate_up=place(
-                    get(m + "gate_proj.weight", (i_size, h)), get(m + "up_proj.weight", (i_size, h))
+                    mlp(get(m + "gate_proj.weight", (i_size, h))), mlp(get(m + "up_proj.weight", (i_size, h)))
                 ),
                 gate_up_bias=gate_up_bias,
-                down=place(get(m + "down_proj.weight", (h, i_size))),
+                down=place(down_cols(get(m + "down_proj.weight", (h, i_size)))),
                 down_bias=down_bias,
             )
         )
-    embed = place(get("model.embed_tokens.weight", (config.vocab_size, h)))
+    embed = place(vocab(get("model.embed_tokens.weight", (config.vocab_size, h))))
     if config.tie_word_embeddings or "lm_head.weight" not in tensors:
         lm_head = embed
     else:
-        lm_head = place(get("lm_head.weight", (config.vocab_size, h)))
+        lm_head = place(vocab(get("lm_head.weight", (config.vocab_size, h))))
     return ModelWeights(
         embed=embed, layers=layers, norm=place(get("model.norm.weight", (h,))), lm_head=lm_head
     )
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    tp: TensorParallel | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Read config and weights from `path`; returns the model ready for `forward` and its config."""
+    """Read config and weights from `path`; returns the model ready for `forward` and its config.
+    With `tp`, the model holds that rank's shard and runs its collectives."""
     config = ModelConfig.from_pretrained(path)
     torch_dtype = resolve_dtype(dtype)
     device = torch.device(device)
     tensors = CheckpointTensors(checkpoint_files(path))
-    weights = build_weights(config, tensors, torch_dtype, device)
-    return LlamaForCausalLM(config, weights, torch_dtype, device), config
+    weights = build_weights(config, tensors, torch_dtype, device, None if tp is None else tp.plan)
+    return LlamaForCausalLM(config, weights, torch_dtype, device, tp=tp), config

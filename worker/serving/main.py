@@ -65,7 +65,9 @@ def _build_transport(cfg: WorkerConfig, engine, address: str):
         return None  # colocated: no KV ever leaves or arrives
     from disagg.worker.kv_transfer import KVLayout, create_transport
 
-    layout = KVLayout.from_tensor(engine.kv_cache, cfg.model_name)
+    layout = KVLayout.from_tensor(
+        engine.kv_cache, cfg.model_name, engine.args.tensor_parallel_size, engine.config.num_key_value_heads
+    )
     options = {}
     if cfg.kv_transfer == "nixl":
         from disagg.worker.kv_transfer.nixl_transport import restrict_ucx_to
@@ -270,6 +272,7 @@ class WorkerProcess:
         if transport is not None and self.loop.alive:
             await asyncio.wrap_future(self.loop.call(transport.close))
         self.loop.stop()
+        s.core.engine.close()  # the other tensor-parallel ranks, if any
         log.info("worker %s stopped", self.cfg.worker_id)
 
     async def _wait_for_streams(self, s) -> int:
