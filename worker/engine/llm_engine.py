@@ -91,7 +91,8 @@ class LLMEngine:
             torch.set_num_threads(args.threads)  # process-wide: the engine owns its process's CPU
         model, dtype, device = args.model, args.resolved_dtype(), args.resolved_device()
         block_size, max_num_seqs = args.block_size, args.max_num_seqs
-        self.model, self.config = load_model(model, dtype=dtype, device=device)
+        self.model, self.config = load_model(model, dtype=dtype, device=device,
+                                             quantization_setting=args.quantization)  # fmt: skip
         self.model_path = str(model)
         self.tokenizer = None
         if load_tokenizer:

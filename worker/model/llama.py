@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from disagg.kernels import cpu_decode_step, cpu_native, get_ops, torch_ops
+from disagg.kernels.quantized import QuantizedWeight, linear
 from disagg.worker.model.config import ModelConfig, RopeConfig
 from disagg.worker.model.forward_batch import ForwardBatch
 
@@ -22,14 +23,14 @@ from disagg.worker.model.forward_batch import ForwardBatch
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
+    qkv: torch.Tensor | QuantizedWeight  # [(Hq + 2 Hkv) * D, H]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [H, Hq * D]
+    o: torch.Tensor | QuantizedWeight  # [H, Hq * D]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H], gate rows first
+    gate_up: torch.Tensor | QuantizedWeight  # [2 I, H], gate rows first
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [H, I]
+    down: torch.Tensor | QuantizedWeight  # [H, I]
     down_bias: torch.Tensor | None
 
 
@@ -38,7 +39,7 @@ class ModelWeights:
     embed: torch.Tensor  # [V, H]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
+    lm_head: torch.Tensor | QuantizedWeight  # [V, H]; the embedding itself when tied and not quantized
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -130,6 +131,11 @@ class LlamaForCausalLM:
         self._q_size = self.num_heads * self.head_dim
         self._kv_size = self.num_kv_heads * self.head_dim
         self._native_decode_step: cpu_decode_step.NativeDecodeStep | None = None
+        first = weights.layers[0].qkv if weights.layers else None
+        self.quantization = first.scheme if isinstance(first, QuantizedWeight) else "none"
+        # the native whole-step decode takes float32 and int8 matmul weights (not fp8)
+        mats = [getattr(layer, name) for layer in weights.layers for name in cpu_decode_step.MATMULS]
+        self._whole_step_native = all(cpu_decode_step.supports(t) for t in (*mats, weights.lm_head))
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of the whole model's KV cache: [layers, blocks, 2 (K, V), block_size, Hkv, D]."""
@@ -191,7 +197,7 @@ class LlamaForCausalLM:
                 hidden = add_rms_norm_(residual, hidden, layer.input_norm, eps)
             else:
                 hidden, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
-            qkv = F.linear(hidden, layer.qkv, layer.qkv_bias)
+            qkv = linear(hidden, layer.qkv, layer.qkv_bias)
             q = qkv[:, :q_end].view(num_tokens, hq, d)
             k = qkv[:, q_end:k_end].view(num_tokens, hkv, d)
             v = qkv[:, k_end:].view(num_tokens, hkv, d)
@@ -222,13 +228,13 @@ class LlamaForCausalLM:
                 attn = torch_ops.decode_attention_planned(q, kv_cache, decode_plan, self.scale)
             else:
                 attn = ops.decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, self.scale)
-            hidden = F.linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
+            hidden = linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
             if fast:
                 hidden = add_rms_norm_(residual, hidden, layer.post_norm, eps)
             else:
                 hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
-            gate_up = F.linear(hidden, layer.gate_up, layer.gate_up_bias)
-            hidden = F.linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
+            gate_up = linear(hidden, layer.gate_up, layer.gate_up_bias)
+            hidden = linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
 
         # Only the wanted rows go through the final norm and the (large) vocabulary projection.
         idx = batch.logits_indices
@@ -237,7 +243,7 @@ class LlamaForCausalLM:
         else:
             last = hidden.index_select(0, idx) + residual.index_select(0, idx)
         last = ops.rms_norm(last, w.norm, eps)
-        return F.linear(last, w.lm_head).float()
+        return linear(last, w.lm_head).float()
 
     __call__ = forward
 
@@ -271,7 +277,12 @@ class LlamaForCausalLM:
         Decode steps of a few sequences run whole in one native call (`native_decode_step`)."""
         w, eps = self.weights, self.config.rms_norm_eps
         num_tokens = batch.input_ids.shape[0]
-        if not batch.is_prefill and layer_hook is None and num_tokens <= cpu_decode_step.MAX_BATCH:
+        if (
+            not batch.is_prefill
+            and layer_hook is None
+            and num_tokens <= cpu_decode_step.MAX_BATCH
+            and self._whole_step_native
+        ):
             logits = self.native_decode_step()(
                 F.embedding(batch.input_ids, w.embed), batch.positions, batch.slot_mapping, kv_caches,
                 batch.block_tables, batch.seq_lens,
@@ -294,7 +305,7 @@ class LlamaForCausalLM:
         for i, layer in enumerate(w.layers):
             if i > 0:
                 hidden = cpu_native.add_rms_norm(hidden, layer.input_norm, eps, residual)
-            qkv = F.linear(hidden, layer.qkv, layer.qkv_bias)
+            qkv = linear(hidden, layer.qkv, layer.qkv_bias)
             kv_cache = kv_caches[i]
             cpu_native.rotary_write_kv(
                 qkv, self.cos_sin_cache, batch.positions, kv_cache, batch.slot_mapping, hq, hkv
@@ -310,10 +321,10 @@ class LlamaForCausalLM:
                 attn = self.ops.prefill_attention(
                     q, k, v, kv_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, self.scale
                 )
-            hidden = F.linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
+            hidden = linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
             hidden = cpu_native.add_rms_norm(hidden, layer.post_norm, eps, residual)
-            gate_up = F.linear(hidden, layer.gate_up, layer.gate_up_bias)
-            hidden = F.linear(cpu_native.silu_and_mul(gate_up), layer.down, layer.down_bias)
+            gate_up = linear(hidden, layer.gate_up, layer.gate_up_bias)
+            hidden = linear(cpu_native.silu_and_mul(gate_up), layer.down, layer.down_bias)
 
         idx = batch.logits_indices
         if idx.shape[0] == num_tokens and not batch.is_prefill:  # decode: every row samples
@@ -321,4 +332,4 @@ class LlamaForCausalLM:
         else:
             rows = hidden.index_select(0, idx)
             last = cpu_native.add_rms_norm(rows, w.norm, eps, residual.index_select(0, idx))
-        return F.linear(last, w.lm_head).float()
+        return linear(last, w.lm_head).float()

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from disagg.kernels.quantized import QuantizedWeight
+from disagg.worker.model import quantization
 from disagg.worker.model.config import ModelConfig
 from disagg.worker.model.llama import LayerWeights, LlamaForCausalLM, ModelWeights
 
@@ -36,6 +38,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# Beside a pre-quantized `*.weight`: its scale, and the static activation scale of W8A8
+# checkpoints (unused: activations stay in the model dtype).
+_QUANT_SUFFIXES = (".weight_scale", ".input_scale")
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -107,15 +112,26 @@ def expected_names(config: ModelConfig) -> list[str]:
 
 
 def build_weights(
-    config: ModelConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    config: ModelConfig,
+    tensors: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    quantize: str | None = None,
+    prequantized: bool = False,
 ) -> ModelWeights:
-    """Check names and shapes, convert, fuse. Missing or unexpected tensors are errors naming them."""
+    """Check names and shapes, convert, fuse. Missing or unexpected tensors are errors naming them.
+
+    `quantize` ("int8" | "fp8"): the matmul weights and the LM head are quantized here, layer by
+    layer. `prequantized`: the checkpoint holds them quantized already, with `*.weight_scale`."""
     names = {k for k in tensors if not k.endswith(_IGNORED_SUFFIXES)}
     wanted = expected_names(config)
     missing = [n for n in wanted if n not in names]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:10])}")
     allowed = set(wanted) | {"lm_head.weight"}
+    if prequantized:
+        allowed |= {n.removesuffix(".weight") + sfx for n in allowed if n.endswith("proj.weight") or
+                    n == "lm_head.weight" for sfx in _QUANT_SUFFIXES}  # fmt: skip
     unexpected = sorted(names - allowed)
     if unexpected:
         raise ValueError(
@@ -134,6 +150,22 @@ def build_weights(
     def place(*parts: torch.Tensor) -> torch.Tensor:
         fused = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         return fused.to(device=device, dtype=dtype).contiguous()
+
+    def matmul(*parts: tuple[str, tuple[int, int]]) -> torch.Tensor | QuantizedWeight:
+        """A (fused) matmul weight: as stored when pre-quantized, else in dtype, quantized if asked."""
+        scaled = [name.removesuffix("weight") + "weight_scale" in tensors for name, _ in parts]
+        if prequantized and any(scaled):
+            if not all(scaled):
+                raise ValueError(f"{', '.join(n for n, _ in parts)} are fused, but only some are quantized")
+            data = [get(name, shape) for name, shape in parts]
+            scales = [tensors[name + "_scale"] for name, _ in parts]
+            w = quantization.prequantized(data, scales, [name for name, _ in parts])
+            return QuantizedWeight(w.data.to(device), w.scale.to(device))
+        w = place(*(get(name, shape) for name, shape in parts))
+        if quantize is None or prequantized:
+            return w
+        q = quantization.quantize(w, quantize)  # in float32 from the dtype-rounded weight
+        return QuantizedWeight(q.data.to(device), q.scale.to(device))
 
     layers = []
     for i in range(config.num_hidden_layers):
@@ -154,40 +186,49 @@ def build_weights(
         layers.append(
             LayerWeights(
                 input_norm=place(get(p + "input_layernorm.weight", (h,))),
-                qkv=place(
-                    get(a + "q_proj.weight", (q_rows, h)),
-                    get(a + "k_proj.weight", (kv_rows, h)),
-                    get(a + "v_proj.weight", (kv_rows, h)),
+                qkv=matmul(
+                    (a + "q_proj.weight", (q_rows, h)),
+                    (a + "k_proj.weight", (kv_rows, h)),
+                    (a + "v_proj.weight", (kv_rows, h)),
                 ),
                 qkv_bias=qkv_bias,
-                o=place(get(a + "o_proj.weight", (h, q_rows))),
+                o=matmul((a + "o_proj.weight", (h, q_rows))),
                 o_bias=o_bias,
                 post_norm=place(get(p + "post_attention_layernorm.weight", (h,))),
-                gate_up=place(
-                    get(m + "gate_proj.weight", (i_size, h)), get(m + "up_proj.weight", (i_size, h))
-                ),
+                gate_up=matmul((m + "gate_proj.weight", (i_size, h)), (m + "up_proj.weight", (i_size, h))),
                 gate_up_bias=gate_up_bias,
-                down=place(get(m + "down_proj.weight", (h, i_size))),
+                down=matmul((m + "down_proj.weight", (h, i_size))),
                 down_bias=down_bias,
             )
         )
     embed = place(get("model.embed_tokens.weight", (config.vocab_size, h)))
     if config.tie_word_embeddings or "lm_head.weight" not in tensors:
         lm_head = embed
+        if quantize is not None and not prequantized:  # its own 8-bit copy; lookups keep the table
+            q = quantization.quantize(embed, quantize)
+            lm_head = QuantizedWeight(q.data.to(device), q.scale.to(device))
     else:
-        lm_head = place(get("lm_head.weight", (config.vocab_size, h)))
+        lm_head = matmul(("lm_head.weight", (config.vocab_size, h)))
     return ModelWeights(
         embed=embed, layers=layers, norm=place(get("model.norm.weight", (h,))), lm_head=lm_head
     )
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    quantization_setting: str = "auto",
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Read config and weights from `path`; returns the model ready for `forward` and its config."""
+    """Read config and weights from `path`; returns the model ready for `forward` and its config.
+    `quantization_setting`: auto | none | int8 | fp8 (`quantization.resolve`)."""
     config = ModelConfig.from_pretrained(path)
     torch_dtype = resolve_dtype(dtype)
     device = torch.device(device)
+    in_checkpoint = quantization.checkpoint_scheme(path)
+    scheme = quantization.resolve(quantization_setting, in_checkpoint)
     tensors = CheckpointTensors(checkpoint_files(path))
-    weights = build_weights(config, tensors, torch_dtype, device)
+    weights = build_weights(
+        config, tensors, torch_dtype, device, scheme, prequantized=in_checkpoint is not None
+    )
     return LlamaForCausalLM(config, weights, torch_dtype, device), config
