@@ -2,6 +2,11 @@
 
     python bench/engine.py                      # 64 prompts of 32-512 tokens, 16-256 new tokens each
     python bench/engine.py --num-prompts 16 --max-prompt 256 --max-output 64   # a quicker run
+    python bench/engine.py --quantization int8 --skip-transformers   # int8 weights against float32
+
+With `--dtype` or `--quantization` other than float32 / none, the float32 engine runs the same
+workload and decode steps in the same command, and the ratios to it are printed (the machine is
+shared: only figures of one run compare).
 
 Both sides run the same checkpoint (the `small` preset, made into .models/small when missing),
 float32, greedy, the same prompts and the same number of new tokens per prompt. transformers
@@ -56,20 +61,24 @@ def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
 
 def weight_bytes_per_decode_step(model) -> int:
     """Bytes of weights one decode step must read: every layer, the final norm and the LM head
-    (the embedding table is only indexed, unless it is the tied LM head)."""
+    (the embedding table is only indexed, unless it is the tied LM head); 8-bit weights count
+    their bytes and their scales."""
+    from disagg.kernels.quantized import tensor_bytes
+
     w = model.weights
-    total = sum(
-        t.numel() * t.element_size() for layer in w.layers for t in vars(layer).values() if t is not None
-    )
-    return total + w.norm.numel() * w.norm.element_size() + w.lm_head.numel() * w.lm_head.element_size()
+    total = sum(tensor_bytes(t) for layer in w.layers for t in vars(layer).values())
+    return total + tensor_bytes(w.norm) + tensor_bytes(w.lm_head)
 
 
-def run_engine(args, model_dir: Path, work) -> tuple[float, int, object]:
+def run_engine(
+    args, model_dir: Path, work, dtype: str = "float32", quantization: str = "none"
+) -> tuple[float, int, object]:
     from disagg.worker import LLM, SamplingParams
 
     llm = LLM(
         model=str(model_dir),
-        dtype="float32",
+        dtype=dtype,
+        quantization=quantization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
@@ -160,7 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's, one per core)"
     )
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--quantization", default="none", choices=("none", "int8", "fp8"))
     args = ap.parse_args(argv)
+    baseline = (args.dtype, args.quantization) != ("float32", "none")
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
@@ -175,13 +187,20 @@ def main(argv: list[str] | None = None) -> int:
     total_out = sum(m for _, m in work)
     log(
         f"workload: {len(work)} prompts, {total_prompt} prompt tokens, {total_out} output tokens; "
-        f"model {config.num_parameters / 1e6:.0f}M parameters, float32, {torch.get_num_threads()} threads"
+        f"model {config.num_parameters / 1e6:.0f}M parameters, {args.dtype}, quantization "
+        f"{args.quantization}, {torch.get_num_threads()} threads"
     )
 
     if args.decode_only:
         args.skip_transformers = True
         work = [(p[:32], 4) for p, _ in work[:2]]  # only loads and warms the engine up
-    eng_s, eng_tok, llm = run_engine(args, model_dir, work)
+    if baseline:  # the float32 engine first, released before the one measured
+        log("float32 engine (the baseline)")
+        base_s, base_tok, base_llm = run_engine(args, model_dir, work)
+        base_step_s, base_best_s, _ = decode_step_times(base_llm)
+        base_weights = weight_bytes_per_decode_step(base_llm.engine.model)
+        del base_llm
+    eng_s, eng_tok, llm = run_engine(args, model_dir, work, args.dtype, args.quantization)
     log(f"engine: {eng_tok} tokens in {eng_s:.1f}s")
     log("decode step at batch 1")
     step_s, best_step_s, step_load = decode_step_times(llm)
@@ -192,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     gemvs = {"torch F.linear": memory_floor.gemv_bandwidth(config.hidden_size, model.dtype)}
     if model.dtype == torch.float32 and cpu_native.available():
         gemvs["native"] = memory_floor.gemv_bandwidth(config.hidden_size, model.dtype, cpu_native.gemv)
+    if args.quantization == "int8" and cpu_native.available():
+        ones = torch.ones(1 << 20)
+        gemvs["native int8"] = memory_floor.gemv_bandwidth(
+            config.hidden_size,
+            torch.int8,
+            lambda x, w: cpu_native.gemv_int8(x, w, ones[: w.shape[0]]),
+        )
     if not args.skip_transformers:
         hf_s, hf_tok = run_transformers(args, model_dir, work)
 
@@ -208,6 +234,20 @@ def main(argv: list[str] | None = None) -> int:
             ("ratio engine / transformers", f"{(eng_tok / eng_s) / (hf_tok / hf_s):.2f}x", "target >= 2.5x")
         )
     dt = str(model.dtype).removeprefix("torch.")
+    if args.quantization != "none":
+        dt += f" + {args.quantization} weights"
+    if baseline:
+        rows += [
+            ("float32 engine output tokens/s", f"{base_tok / base_s:.1f}", "same workload, same command")
+            if not args.decode_only
+            else ("float32 engine", "-", "throughput not run (--decode-only)"),
+            ("float32 decode step, batch 1", f"{base_step_s * 1e3:.2f} ms",
+             f"best {base_best_s * 1e3:.2f} ms; weights {base_weights / 2**20:.0f} MiB"),
+            ("speed-up of decode step vs float32", f"{base_step_s / step_s:.2f}x",
+             f"best steps: {base_best_s / best_step_s:.2f}x; weight bytes {base_weights / weights:.2f}x fewer"),
+        ]  # fmt: skip
+        if not args.decode_only:
+            rows.append(("throughput vs float32", f"{(eng_tok / eng_s) / (base_tok / base_s):.2f}x", ""))
     rows += [
         ("decode step, batch 1", f"{step_s * 1e3:.2f} ms", f"median engine.step(); load {step_load:.2f}"),
         ("  best step", f"{best_step_s * 1e3:.2f} ms", "shortest of the same steps"),
@@ -226,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         ("copy floor", f"{copy_floor * 1e3:.2f} ms", "weights / copy bandwidth"),
         ("read floor", f"{read_floor * 1e3:.2f} ms", "weights / read bandwidth"),
         ("decode step / copy floor", f"{step_s / copy_floor:.2f}x", "target <= 1.2x (best step: "
-         f"{best_step_s / copy_floor:.2f}x)"),
+         f"{best_step_s / copy_floor:.2f}x)" + ("; int8 target <= 1.3x" if args.quantization == "int8" else "")),
         ("decode step / read floor", f"{step_s / read_floor:.2f}x", ""),
     ]  # fmt: skip
     for name, bw in gemvs.items():
@@ -238,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         else f"{len(work)} prompts ({args.min_prompt}-{args.max_prompt} tokens), "
         f"{args.min_output}-{args.max_output} new tokens each"
     )
-    print(f"\nengine benchmark: {what}, {config.num_parameters / 1e6:.0f}M float32, "
+    print(f"\nengine benchmark: {what}, {config.num_parameters / 1e6:.0f}M {dt}, "
           f"{torch.get_num_threads()} threads; 1-min load average {load_before:.2f} at start, "
           f"{os.getloadavg()[0]:.2f} at end")  # fmt: skip
     w0 = max(len(r[0]) for r in rows)

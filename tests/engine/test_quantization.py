@@ -128,13 +128,16 @@ def test_quantized_logits_against_float32_small(tmp_path):
 
 
 def test_the_same_logits_on_every_cpu_path(tiny_dir, monkeypatch, one_torch_thread):
-    """int8 through the native kernels (whole-step decode, per-op GEMV) and the torch twin agree."""
+    """int8 through the native kernels (whole-step decode, per-op GEMV) and the torch twin agree:
+    the native GEMV rounds its inputs to int16 (VNNI; 3e-5 of a row's largest value), a difference
+    well below 1% of the int8 weights' own error against float32 (~1.3% of the logits' std)."""
     native, _ = load_model(tiny_dir, quantization_setting="int8")
     got_native, forced = ragged_logits(native, 1024)
     monkeypatch.setenv("DISAGG_CPU_NATIVE", "0")
     plain, _ = load_model(tiny_dir, quantization_setting="int8")
     got_plain, _ = ragged_logits(plain, 1024, forced)
-    torch.testing.assert_close(got_native, got_plain, atol=2e-4, rtol=1e-4)
+    apart = compare(got_plain, got_native)
+    assert apart.mean_rel < 1e-4 and apart.max_abs < 2e-3 and apart.greedy_agree == 1.0, apart
 
 
 # ---- the quantizers ---------------------------------------------------------------------------
@@ -163,7 +166,8 @@ def test_linear_dispatch_agrees_with_the_twin_and_dequantized_weight():
         for rows in (1, 3, 40):  # native GEMV (int8) for few rows, the twin for many
             x = torch.randn(rows, 80, generator=g)
             want = F.linear(x, q.dequantize(), b)
-            torch.testing.assert_close(linear(x, q, b), want, atol=1e-4, rtol=1e-4)
+            # the native int8 GEMV rounds inputs to int16: ~sqrt(K) * 3e-5 * max|x| * max|w|
+            torch.testing.assert_close(linear(x, q, b), want, atol=2e-3, rtol=1e-4)
             torch.testing.assert_close(scaled_linear_torch(x, q, b), want, atol=1e-4, rtol=1e-4)
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))  # a plain weight: F.linear itself
 
