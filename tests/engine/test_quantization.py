@@ -206,3 +206,118 @@ def test_engine_serves_the_quantization_it_was_asked_for(tiny_dir):
 def test_config_json_without_quantization_is_plain(tiny_dir):
     assert quantization.checkpoint_scheme(tiny_dir) is None
     assert "quantization_config" not in json.loads((tiny_dir / "config.json").read_text())
+
+
+# ---- pre-quantized checkpoints (compressed-tensors, as llm-compressor writes them) -------------
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def compressed_tensors_checkpoint(src, dst, scheme: str, strategy: str = "channel"):
+    """`src` (a float checkpoint) quantized the way llm-compressor saves it: every Linear of the
+    decoder layers as `*.weight` (int8 / float8_e4m3fn) + `*.weight_scale` (the model dtype,
+    [out, 1] per channel or [1] per tensor; W8A8 fp8 adds a static `*.input_scale`), lm_head
+    ignored, and config.json's `quantization_config`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    out = {}
+    for name, t in tensors.items():
+        if not any(f".{p}.weight" in name for p in PROJECTIONS):
+            out[name] = t
+            continue
+        if strategy == "channel":
+            q = quantization.quantize(t, scheme)
+            out[name], out[name + "_scale"] = q.data, q.scale[:, None].clone()
+        else:  # one scale for the whole tensor
+            limit = 127.0 if scheme == "int8" else quantization.FP8_MAX
+            scale = t.abs().max() / limit
+            data = (t / scale).clamp(-limit, limit)
+            out[name] = data.round().to(torch.int8) if scheme == "int8" else data.to(torch.float8_e4m3fn)
+            out[name + "_scale"] = scale.reshape(1)
+        if scheme == "fp8":
+            out[name.removesuffix("weight") + "input_scale"] = torch.ones(1)
+    save_file(out, dst / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    kind = "int" if scheme == "int8" else "float"
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized" if scheme == "int8" else "float-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": kind, "symmetric": True, "strategy": strategy,
+                            "dynamic": False, "group_size": None, "observer": "minmax"},
+                "input_activations": None if scheme == "int8" else {
+                    "num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False},
+                "output_activations": None,
+            }
+        },
+    }  # fmt: skip
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_prequantized_checkpoint_loads_as_stored(tiny_dir, tmp_path, scheme, one_torch_thread):
+    ckpt = compressed_tensors_checkpoint(tiny_dir, tmp_path / "ct", scheme)
+    assert quantization.checkpoint_scheme(ckpt) == scheme
+    model, config = load_model(ckpt)  # quantization inferred: auto
+    assert model.quantization == scheme
+    on_the_fly, _ = load_model(tiny_dir, quantization_setting=scheme)
+    for got, want in zip(model.weights.layers, on_the_fly.weights.layers, strict=True):
+        for name in ("qkv", "o", "gate_up", "down"):  # the same quantizer, fused the same way
+            assert torch.equal(
+                getattr(got, name).data.view(torch.int8), getattr(want, name).data.view(torch.int8)
+            )
+            assert torch.equal(getattr(got, name).scale, getattr(want, name).scale)
+    assert not isinstance(model.weights.lm_head, QuantizedWeight)  # in `ignore`: stored as it was
+    ref_model, _ = load_model(tiny_dir)
+    ref, forced = ragged_logits(ref_model, config.vocab_size)
+    got, _ = ragged_logits(model, config.vocab_size, forced)
+    errors = compare(ref, got)
+    print(f"compressed-tensors {scheme}: {errors}")
+    assert errors.mean_rel < BOUNDS[scheme][0] and errors.kl_mean < BOUNDS[scheme][1]
+
+
+def test_per_tensor_scales_are_spread_over_the_rows(tiny_dir, tmp_path):
+    ckpt = compressed_tensors_checkpoint(tiny_dir, tmp_path / "ct", "fp8", strategy="tensor")
+    model, _ = load_model(ckpt)
+    qkv = model.weights.layers[0].qkv
+    ref, _ = load_model(tiny_dir)
+    q_rows = ref.num_heads * ref.head_dim
+    assert qkv.scale.shape == (qkv.shape[0],) and len(set(qkv.scale[:q_rows].tolist())) == 1
+    assert qkv.scale[0] != qkv.scale[-1]  # q's and v's tensors had their own scales
+    err = (qkv.dequantize() - ref.weights.layers[0].qkv).abs().max()
+    assert err <= ref.weights.layers[0].qkv.abs().max() * 2**-4
+
+
+def test_conflicting_setting_and_unsupported_layouts_are_refused(tiny_dir, tmp_path):
+    ckpt = compressed_tensors_checkpoint(tiny_dir, tmp_path / "ct", "int8")
+    for requested in ("none", "fp8"):
+        with pytest.raises(ValueError, match=f"quantization='{requested}' conflicts with the checkpoint"):
+            load_model(ckpt, quantization_setting=requested)
+    assert load_model(ckpt, quantization_setting="int8")[0].quantization == "int8"
+    config = json.loads((ckpt / "config.json").read_text())
+    bad = [
+        ({"format": "pack-quantized"}, "quantization_config.format 'pack-quantized' is not supported"),
+        ({"quant_method": "gptq"}, "quant_method 'gptq' is not supported"),
+    ]
+    for change, message in bad:
+        raw = {**config, "quantization_config": {**config["quantization_config"], **change}}
+        with pytest.raises(ValueError, match=message):
+            quantization.scheme_from_config(raw)
+    four_bit = json.loads(json.dumps(config))
+    four_bit["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+    with pytest.raises(ValueError, match="group_0.weights.num_bits must be 8"):
+        quantization.scheme_from_config(four_bit)
