@@ -60,14 +60,10 @@ def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
 
 
 def weight_bytes_per_decode_step(model) -> int:
-    """Bytes of weights one decode step must read: every layer, the final norm and the LM head
-    (the embedding table is only indexed, unless it is the tied LM head); 8-bit weights count
-    their bytes and their scales."""
-    from disagg.kernels.quantized import tensor_bytes
+    """Bytes of weights one decode step must read (`quantization.decode_weight_bytes`)."""
+    from disagg.worker.model.quantization import decode_weight_bytes
 
-    w = model.weights
-    total = sum(tensor_bytes(t) for layer in w.layers for t in vars(layer).values())
-    return total + tensor_bytes(w.norm) + tensor_bytes(w.lm_head)
+    return decode_weight_bytes(model.weights)
 
 
 def run_engine(

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from disagg.kernels.quantized import SCHEMES, QuantizedWeight
+from disagg.kernels.quantized import SCHEMES, QuantizedWeight, tensor_bytes
 
 QUANTIZATION_SETTINGS = ("auto", "none", *SCHEMES)
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -45,6 +45,14 @@ def quantize_fp8(w: torch.Tensor) -> QuantizedWeight:
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     data = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return QuantizedWeight(data.contiguous(), scale.contiguous())
+
+
+def decode_weight_bytes(weights) -> int:
+    """Bytes of weights one decode step reads (`ModelWeights`): every layer, the final norm and
+    the LM head (the embedding table is only indexed, unless it is the tied LM head); 8-bit weights
+    count their bytes and their scales. At batch 1, the weight bytes per generated token."""
+    total = sum(tensor_bytes(t) for layer in weights.layers for t in vars(layer).values())
+    return total + tensor_bytes(weights.norm) + tensor_bytes(weights.lm_head)
 
 
 def quantize(w: torch.Tensor, scheme: str) -> QuantizedWeight:

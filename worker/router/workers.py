@@ -133,6 +133,7 @@ class WorkerPool:
             waiting=load.waiting,
             free_blocks=load.free_blocks,
             total_blocks=load.total_blocks,
+            quantization=health.quantization,
         )
 
     async def _drop(self, addr: str) -> None:

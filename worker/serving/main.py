@@ -217,7 +217,12 @@ class WorkerProcess:
             disagg_threshold=self.cfg.disagg_threshold,
             prefill_timeout=self.cfg.prefill_timeout,
             lease_seconds=self.cfg.lease_seconds,
+            quantization=engine.model.quantization,
+            dtype=str(engine.model.dtype).removeprefix("torch."),
         )
+        from disagg.worker.model.quantization import decode_weight_bytes
+
+        self.metrics.weights(engine.model.quantization, opts.dtype, decode_weight_bytes(engine.model.weights))
         self.service = WorkerService(
             opts, self.loop, core, self.state, self.metrics, engine.max_model_len, auth=self.cfg.auth
         )

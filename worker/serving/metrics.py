@@ -40,6 +40,7 @@ class _Families:
     prefix_routing_disabled: Counter
     rejected: Counter
     prefill_retries: Counter
+    weight_bytes: Gauge
 
 
 _FAMILIES: dict[int, _Families] = {}
@@ -107,6 +108,13 @@ def _families(registry: CollectorRegistry) -> _Families:
                 LABELS,
                 registry=registry,
             ),
+            weight_bytes=Gauge(
+                "disagg_weight_bytes_per_token",
+                "Weight bytes a decode step reads per token at batch 1 (layers, final norm, LM head; "
+                "8-bit weights with their scales), labelled with the weights' quantization and dtype.",
+                (*LABELS, "quantization", "dtype"),
+                registry=registry,
+            ),
         )
     return _FAMILIES[key]
 
@@ -141,6 +149,7 @@ class ServingMetrics:
             self.kv_used = f.kv_used.labels(**lab)
             self.prefill_retries = f.prefill_retries.labels(**lab)
         self._requests = f.requests
+        self._weight_bytes = f.weight_bytes
         self._decisions = f.decisions
         self._rejected = f.rejected
 
@@ -166,6 +175,12 @@ class ServingMetrics:
         self.kv_free.set(free)
         self.kv_used.set(used)
         self.kv_usage.set(used / total if total else 0.0)
+
+    def weights(self, quantization: str, dtype: str, bytes_per_token: int) -> None:
+        """The served weights: set once, when the engine has loaded."""
+        self._weight_bytes.labels(
+            role=self.role, model=self.model, quantization=quantization, dtype=dtype
+        ).set(bytes_per_token)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -47,6 +47,8 @@ class ServingOptions:
     prefill_timeout: float = 120.0
     kv_wait_timeout: float = 60.0
     lease_seconds: float = 30.0
+    quantization: str = "none"  # the engine's weights, reported by Health
+    dtype: str = ""
 
 
 class PrefillFailed(Exception):
@@ -442,6 +444,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             role=self.opts.role,
             model=self.opts.model_name,
             draining=self.draining,
+            quantization=self.opts.quantization,
+            dtype=self.opts.dtype,
         )
 
     async def Load(self, request, context) -> pb.LoadResponse:
