@@ -12,7 +12,10 @@ from disagg.proto import kv_transfer_pb2 as pb
 from disagg.worker.kv_transfer.errors import IncompatiblePeer
 from disagg.worker.kv_transfer.layout import PROTOCOL_VERSION, KVLayout
 
-_COMPAT_FIELDS = ("model_id", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size")
+_COMPAT_FIELDS = (
+    "model_id", "dtype", "kv_cache_dtype", "weight_quantization", "num_layers", "num_kv_heads", "head_dim",
+    "block_size",
+)  # fmt: skip
 
 
 def layout_to_proto(layout: KVLayout) -> pb.KVLayoutSpec:
@@ -24,6 +27,8 @@ def layout_to_proto(layout: KVLayout) -> pb.KVLayoutSpec:
         block_size=layout.block_size,
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
+        kv_cache_dtype=layout.kv_cache_dtype,
+        weight_quantization=layout.weight_quantization,
     )
 
 
@@ -36,6 +41,8 @@ def layout_from_proto(spec: pb.KVLayoutSpec) -> KVLayout:
         block_size=spec.block_size,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
+        kv_cache_dtype=spec.kv_cache_dtype,
+        weight_quantization=spec.weight_quantization,
     )
 
 

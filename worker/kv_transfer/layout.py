@@ -3,6 +3,9 @@
 The cache is one tensor [num_layers, num_blocks, 2, block_size, kv_heads, head_dim], so region
 (layer, block) is the contiguous byte range starting at (layer * num_blocks + block) * block_bytes.
 Peers may have different num_blocks; everything else must match, which the compatibility hash checks.
+That includes how the values are stored (`kv_cache_dtype`: "auto", the cache's dtype itself;
+"int8" / "fp8" name 8-bit values with scales) and the weights' quantization that computed them:
+blocks from a peer with other weights would decode into an output neither engine produces alone.
 """
 
 from __future__ import annotations
@@ -12,9 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: kv_cache_dtype and weight_quantization in the layout
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
+_ITEMSIZE = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+WEIGHT_QUANTIZATIONS = ("none", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -26,17 +39,33 @@ class KVLayout:
     block_size: int
     num_kv_heads: int
     head_dim: int
+    kv_cache_dtype: str = "auto"
+    weight_quantization: str = "none"
 
     def __post_init__(self):
         if self.dtype not in _ITEMSIZE:
             raise ValueError(f"dtype: unsupported KV dtype {self.dtype!r} (known: {sorted(_ITEMSIZE)})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.weight_quantization not in WEIGHT_QUANTIZATIONS:
+            raise ValueError(
+                f"weight_quantization: must be one of {', '.join(WEIGHT_QUANTIZATIONS)}, got {self.weight_quantization!r}"
+            )
         for field in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{field}: must be a positive integer, got {value!r}")
 
     @classmethod
-    def from_tensor(cls, kv_cache: torch.Tensor, model_id: str) -> KVLayout:
+    def from_tensor(
+        cls,
+        kv_cache: torch.Tensor,
+        model_id: str,
+        kv_cache_dtype: str = "auto",
+        weight_quantization: str = "none",
+    ) -> KVLayout:
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError(
                 "kv_cache: expected shape [num_layers, num_blocks, 2, block_size, kv_heads, head_dim], "
@@ -51,6 +80,8 @@ class KVLayout:
             block_size=block_size,
             num_kv_heads=heads,
             head_dim=head_dim,
+            kv_cache_dtype=kv_cache_dtype,
+            weight_quantization=weight_quantization,
         )
 
     @property
@@ -76,14 +107,14 @@ class KVLayout:
             str(v)
             for v in (
                 PROTOCOL_VERSION, self.model_id, self.dtype, self.num_layers,
-                self.num_kv_heads, self.head_dim, self.block_size,
+                self.num_kv_heads, self.head_dim, self.block_size, self.kv_cache_dtype, self.weight_quantization,
             )
         )  # fmt: skip
         return hashlib.sha256(key.encode()).hexdigest()[:32]
 
     def check_tensor(self, kv_cache: torch.Tensor) -> None:
         """The tensor a transport registers must be exactly this layout, contiguous."""
-        actual = KVLayout.from_tensor(kv_cache, self.model_id)
+        actual = KVLayout.from_tensor(kv_cache, self.model_id, self.kv_cache_dtype, self.weight_quantization)
         if actual != self:
             raise ValueError(f"kv_cache: tensor layout {actual} does not match the given layout {self}")
         if not kv_cache.is_contiguous():

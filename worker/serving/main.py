@@ -63,7 +63,9 @@ def _build_transport(cfg: WorkerConfig, engine, address: str):
         return None  # colocated: no KV ever leaves or arrives
     from disagg.worker.kv_transfer import KVLayout, create_transport
 
-    layout = KVLayout.from_tensor(engine.kv_cache, cfg.model_name)
+    layout = KVLayout.from_tensor(
+        engine.kv_cache, cfg.model_name, weight_quantization=engine.model.quantization
+    )
     options = {}
     if cfg.kv_transfer == "nixl":
         from disagg.worker.kv_transfer.nixl_transport import restrict_ucx_to
