@@ -16,6 +16,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -90,17 +91,28 @@ static inline __attribute__((always_inline)) void gemv_block_i8(const int8_t *w,
         default: gemv_block_i8(w, s, k, xq, sx, y, ys, 4); break; \
     }
 
-/* Inputs rounded once per call: a call covers GEMV_CHUNK rows or more, so rounding K inputs costs
- * about 1/GEMV_CHUNK of the weight loop. */
-static void gemv_rows_i8_nobias(const int8_t *w, const float *scale, int64_t k, const float *x, int64_t xs,
-                                float *y, int64_t ys, int64_t batch, int64_t r0, int64_t r1) {
-    int16_t xq[batch * k] __attribute__((aligned(64)));
-    float sx[batch];
+/* The inputs as the row loop reads them: rounded to int16 once per call, with their scales. */
+typedef struct {
+    const int16_t *q;
+    const float *scale;
+} inputs_i8;
+
+static int64_t inputs_bytes(int64_t batch, int64_t k) { return batch * k * 2 + batch * 4 + 64; }
+
+/* `buf` holds inputs_bytes(batch, k). */
+static inputs_i8 prepare_inputs(const float *x, int64_t xs, int64_t batch, int64_t k, void *buf) {
+    int16_t *xq = (int16_t *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
+    float *sx = (float *)(xq + batch * k);
     quantize_inputs(x, xs, batch, k, xq, sx);
+    return (inputs_i8){xq, sx};
+}
+
+static void rows_q(const int8_t *w, const float *scale, int64_t k, inputs_i8 in, float *y, int64_t ys,
+                   int64_t batch, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++)
         for (int64_t b = 0; b < batch; b += 4) {
             const int nb = batch - b < 4 ? (int)(batch - b) : 4;
-            GEMV_BLOCK_I8_NB(w + r * k, scale[r], k, xq + b * k, sx + b, y + b * ys + r, ys, nb)
+            GEMV_BLOCK_I8_NB(w + r * k, scale[r], k, in.q + b * k, in.scale + b, y + b * ys + r, ys, nb)
         }
 }
 
@@ -162,31 +174,40 @@ static inline __attribute__((always_inline)) void gemv_block_i8(const int8_t *w,
         default: gemv_block_i8(w, s, k, x, xs, y, ys, 4); break; \
     }
 
-static void gemv_rows_i8_nobias(const int8_t *w, const float *scale, int64_t k, const float *x, int64_t xs,
-                                float *y, int64_t ys, int64_t batch, int64_t r0, int64_t r1) {
+typedef struct {
+    const float *x;
+    int64_t xs;
+} inputs_i8;
+
+static int64_t inputs_bytes(int64_t batch, int64_t k) { return 1; }
+
+static inputs_i8 prepare_inputs(const float *x, int64_t xs, int64_t batch, int64_t k, void *buf) {
+    return (inputs_i8){x, xs};
+}
+
+static void rows_q(const int8_t *w, const float *scale, int64_t k, inputs_i8 in, float *y, int64_t ys,
+                   int64_t batch, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++)
         for (int64_t b = 0; b < batch; b += 4) {
             const int nb = batch - b < 4 ? (int)(batch - b) : 4;
-            GEMV_BLOCK_I8_NB(w + r * k, scale[r], k, x + b * xs, xs, y + b * ys + r, ys, nb)
+            GEMV_BLOCK_I8_NB(w + r * k, scale[r], k, in.x + b * in.xs, in.xs, y + b * ys + r, ys, nb)
         }
 }
 #endif
 
-void gemv_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t k, const float *x,
-                  int64_t x_stride, float *y, int64_t y_stride, int64_t batch, int64_t r0, int64_t r1) {
-    gemv_rows_i8_nobias(w, scale, k, x, x_stride, y, y_stride, batch, r0, r1);
+static void add_bias(const float *bias, float *y, int64_t ys, int64_t batch, int64_t r0, int64_t r1) {
     if (bias)
         for (int64_t b = 0; b < batch; b++)
-            for (int64_t r = r0; r < r1; r++) y[b * y_stride + r] += bias[r];
+            for (int64_t r = r0; r < r1; r++) y[b * ys + r] += bias[r];
 }
 
-void gemv_silu_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t k, int64_t inter,
-                       const float *x, float *out, int64_t batch, int64_t i0, int64_t i1) {
+static void silu_rows_q(const int8_t *w, const float *scale, const float *bias, int64_t k, int64_t inter,
+                        inputs_i8 in, float *out, int64_t batch, int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; i += GEMV_CHUNK) {
         const int64_t n = i1 - i < GEMV_CHUNK ? i1 - i : GEMV_CHUNK;
         float gate[batch * GEMV_CHUNK], up[batch * GEMV_CHUNK];
-        gemv_rows_i8_nobias(w + i * k, scale + i, k, x, k, gate, GEMV_CHUNK, batch, 0, n);
-        gemv_rows_i8_nobias(w + (inter + i) * k, scale + inter + i, k, x, k, up, GEMV_CHUNK, batch, 0, n);
+        rows_q(w + i * k, scale + i, k, in, gate, GEMV_CHUNK, batch, 0, n);
+        rows_q(w + (inter + i) * k, scale + inter + i, k, in, up, GEMV_CHUNK, batch, 0, n);
         for (int64_t b = 0; b < batch; b++)
             for (int64_t t = 0; t < n; t++) {
                 const float g = gate[b * GEMV_CHUNK + t] + (bias ? bias[i + t] : 0.0f);
@@ -196,18 +217,47 @@ void gemv_silu_rows_i8(const int8_t *w, const float *scale, const float *bias, i
     }
 }
 
-/* The whole product over num_threads threads, rows handed out GEMV_CHUNK at a time. */
-void gemv_i8(const int8_t *w, const float *scale, const float *bias, const float *x, float *y, int64_t batch,
-             int64_t n, int64_t k, int64_t num_threads) {
+/* Called per chunk of rows inside the decode step (a few inputs): the inputs are prepared per
+ * call, on the stack, about 1/GEMV_CHUNK of the weight loop's work. */
+void gemv_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t k, const float *x,
+                  int64_t x_stride, float *y, int64_t y_stride, int64_t batch, int64_t r0, int64_t r1) {
+    char buf[inputs_bytes(batch, k)];
+    rows_q(w, scale, k, prepare_inputs(x, x_stride, batch, k, buf), y, y_stride, batch, r0, r1);
+    add_bias(bias, y, y_stride, batch, r0, r1);
+}
+
+void gemv_silu_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t k, int64_t inter,
+                       const float *x, float *out, int64_t batch, int64_t i0, int64_t i1) {
+    char buf[inputs_bytes(batch, k)];
+    silu_rows_q(w, scale, bias, k, inter, prepare_inputs(x, k, batch, k, buf), out, batch, i0, i1);
+}
+
+/* The whole product over num_threads threads, rows handed out GEMV_CHUNK at a time; the inputs
+ * are prepared once, before the threads split the rows. Returns -1 when out of memory. */
+int gemv_i8(const int8_t *w, const float *scale, const float *bias, const float *x, float *y, int64_t batch,
+            int64_t n, int64_t k, int64_t num_threads) {
+    void *buf = malloc(inputs_bytes(batch, k));
+    if (!buf) return -1;
+    const inputs_i8 in = prepare_inputs(x, k, batch, k, buf);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t r = 0; r < n; r += GEMV_CHUNK)
-        gemv_rows_i8(w, scale, bias, k, x, k, y, n, batch, r, r + GEMV_CHUNK < n ? r + GEMV_CHUNK : n);
+    for (int64_t r = 0; r < n; r += GEMV_CHUNK) {
+        const int64_t r1 = r + GEMV_CHUNK < n ? r + GEMV_CHUNK : n;
+        rows_q(w, scale, k, in, y, n, batch, r, r1);
+        add_bias(bias, y, n, batch, r, r1);
+    }
+    free(buf);
+    return 0;
 }
 
 /* out [batch][inter] = silu(gate) * up for int8 W = [gate; up] [2 inter][k] with per-row scales. */
-void gemv_silu_i8(const int8_t *w, const float *scale, const float *bias, const float *x, float *out,
-                  int64_t batch, int64_t inter, int64_t k, int64_t num_threads) {
+int gemv_silu_i8(const int8_t *w, const float *scale, const float *bias, const float *x, float *out,
+                 int64_t batch, int64_t inter, int64_t k, int64_t num_threads) {
+    void *buf = malloc(inputs_bytes(batch, k));
+    if (!buf) return -1;
+    const inputs_i8 in = prepare_inputs(x, k, batch, k, buf);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
     for (int64_t i = 0; i < inter; i += GEMV_CHUNK)
-        gemv_silu_rows_i8(w, scale, bias, k, inter, x, out, batch, i, i + GEMV_CHUNK < inter ? i + GEMV_CHUNK : inter);
+        silu_rows_q(w, scale, bias, k, inter, in, out, batch, i, i + GEMV_CHUNK < inter ? i + GEMV_CHUNK : inter);
+    free(buf);
+    return 0;
 }

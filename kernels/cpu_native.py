@@ -164,8 +164,8 @@ def _load() -> ctypes.CDLL:
         "rotary_write_kv_f32": ([p, i64, p, p, p, p, i64, i64, i64, i64, i64], None),
         "gemv_f32": ([p, p, p, p, i64, i64, i64, i64], None),
         "gemv_silu_f32": ([p, p, p, p, i64, i64, i64, i64], None),
-        "gemv_i8": ([p, p, p, p, p, i64, i64, i64, i64], None),
-        "gemv_silu_i8": ([p, p, p, p, p, i64, i64, i64, i64], None),
+        "gemv_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
+        "gemv_silu_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "decode_step_f32": ([p, p, i64, p, p, p, i64, i64, p, i64, p, i64, p, p, i64, p], ctypes.c_int),
         "decode_step_work_floats": ([p, i64, i64, i64], i64),
         "decode_step_phases": ([], i64),
@@ -284,10 +284,11 @@ def gemv_int8(
     _check_int8_weight(x, weight, scale, bias, 1)
     (b, k), n = x.shape, weight.shape[0]
     y = torch.empty(b, n, dtype=torch.float32)
-    _require().gemv_i8(
+    if _require().gemv_i8(
         weight.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(),
         y.data_ptr(), b, n, k, torch.get_num_threads(),
-    )  # fmt: skip
+    ):  # fmt: skip
+        raise MemoryError("gemv_int8: no memory for the rounded inputs")
     return y
 
 
@@ -298,10 +299,11 @@ def gemv_silu_int8(
     _check_int8_weight(x, gate_up, scale, bias, 2)
     (b, k), n = x.shape, gate_up.shape[0]
     out = torch.empty(b, n // 2, dtype=torch.float32)
-    _require().gemv_silu_i8(
+    if _require().gemv_silu_i8(
         gate_up.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(),
         out.data_ptr(), b, n // 2, k, torch.get_num_threads(),
-    )  # fmt: skip
+    ):  # fmt: skip
+        raise MemoryError("gemv_silu_int8: no memory for the rounded inputs")
     return out
 
 

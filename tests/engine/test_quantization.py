@@ -163,7 +163,7 @@ def test_linear_dispatch_agrees_with_the_twin_and_dequantized_weight():
     w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
     for scheme in ("int8", "fp8"):
         q = quantization.quantize(w, scheme)
-        for rows in (1, 3, 40):  # native GEMV (int8) for few rows, the twin for many
+        for rows in (1, 3, 40, 300):  # native GEMV (int8) up to NATIVE_MAX_ROWS rows, the twin beyond
             x = torch.randn(rows, 80, generator=g)
             want = F.linear(x, q.dequantize(), b)
             # the native int8 GEMV rounds inputs to int16: ~sqrt(K) * 3e-5 * max|x| * max|w|
