@@ -8,7 +8,7 @@ which is what every implementation below computes.
 `linear(x, w, bias)` takes a plain tensor (then it is `F.linear`) or a `QuantizedWeight` and
 picks: the native int8 GEMV on CPU for a few float32 rows (decode: reading a quarter of the
 bytes is the point; with AVX-512 VNNI it rounds the inputs to int16 per row, a relative 3e-5,
-below bfloat16's own rounding), the Triton scaled matmul on CUDA (fp8 and int8), else the torch
+below bfloat16's own rounding) and the native fp8 GEMV (e4m3 widened in registers), the Triton scaled matmul on CUDA (fp8 and int8), else the torch
 twin (`scaled_linear_torch`: widen the weight on the fly, matmul, scale).
 """
 
@@ -27,6 +27,8 @@ SCHEMES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # weight to float32 for torch's GEMM, and float32 weights too (measured here, 4096 x 768: 3x at 16
 # rows, 1.5x at 128, par at 256-512); beyond, prefill-sized products amortise the widening.
 NATIVE_MAX_ROWS = 256
+# fp8 widens every weight in float (no integer dot product): par with the float32 GEMM at 16 rows.
+FP8_NATIVE_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,15 @@ def linear(
             and cpu_native.available()
         ):
             return cpu_native.gemv_int8(x.contiguous(), w.data, w.scale, bias)
+        if (
+            w.scheme == "fp8"
+            and x.dtype == torch.float32
+            and x.dim() == 2
+            and x.shape[0] <= FP8_NATIVE_MAX_ROWS
+            and (bias is None or bias.dtype == torch.float32)
+            and cpu_native.available()
+        ):
+            return cpu_native.gemv_fp8(x.contiguous(), w.data, w.scale, bias)
     elif x.device.type == "cuda":
         from disagg.kernels.triton_scaled_matmul import scaled_matmul
 

@@ -127,15 +127,17 @@ def test_quantized_logits_against_float32_small(tmp_path):
     check_schemes(make_model(tmp_path / "small", preset="small", seed=0))
 
 
-def test_the_same_logits_on_every_cpu_path(tiny_dir, monkeypatch, one_torch_thread):
-    """int8 through the native kernels (whole-step decode, per-op GEMV) and the torch twin agree:
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_the_same_logits_on_every_cpu_path(tiny_dir, monkeypatch, one_torch_thread, scheme):
+    """8-bit weights through the native kernels (int8: whole-step decode and per-op GEMV; fp8: the
+    per-op GEMV) and through the torch twin agree. For int8,
     the native GEMV rounds its inputs to int16 (VNNI; 3e-5 of a row's largest value), a difference
     (measured: 1.3e-4 of the logits' std) under 4% of the int8 weights' own error against float32
     (1.3% of the std)."""
-    native, _ = load_model(tiny_dir, quantization_setting="int8")
+    native, _ = load_model(tiny_dir, quantization_setting=scheme)
     got_native, forced = ragged_logits(native, 1024)
     monkeypatch.setenv("DISAGG_CPU_NATIVE", "0")
-    plain, _ = load_model(tiny_dir, quantization_setting="int8")
+    plain, _ = load_model(tiny_dir, quantization_setting=scheme)
     got_plain, _ = ragged_logits(plain, 1024, forced)
     apart = compare(got_plain, got_native)
     assert apart.mean_rel < 5e-4 and apart.max_abs < 5e-3 and apart.greedy_agree == 1.0, apart

@@ -205,3 +205,23 @@ def test_gemv_int8_refuses_bad_parts():
         cpu_native.gemv_int8(x, w, torch.ones(3))
     with pytest.raises(ValueError, match="shapes"):
         cpu_native.gemv_silu_int8(x, w[:3], s[:3])
+
+
+def test_gemv_fp8_widens_every_e4m3_value_exactly():
+    """Every e4m3fn byte but NaN, through the vector loop (first 224) and the scalar tail."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    w = values[~torch.isnan(values.float())][:240].reshape(1, 240).contiguous()
+    got = cpu_native.gemv_fp8(torch.eye(240), w, torch.ones(1))
+    assert torch.equal(got[:, 0], w.float()[0])
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5], ids=case_id)
+@pytest.mark.parametrize("n,k", [(1, 7), (33, 100), (70, 768)], ids=case_id)
+def test_gemv_fp8_matches_linear_of_the_dequantized_weight(batch, n, k):
+    g = torch.Generator().manual_seed(batch * 100 + n + k)
+    w = (torch.randn(n, k, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale, x, b = torch.rand(n, generator=g), torch.randn(batch, k, generator=g), torch.randn(n, generator=g)
+    want = F.linear(x, w.float() * scale[:, None], b)
+    torch.testing.assert_close(cpu_native.gemv_fp8(x, w, scale, b), want, atol=1e-3, rtol=1e-4)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        cpu_native.gemv_fp8(x, w.float(), scale)
