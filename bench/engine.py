@@ -122,25 +122,33 @@ def run_transformers(args, model_dir: Path, work) -> tuple[float, int]:
     return time.perf_counter() - t, tokens
 
 
-def decode_step_times(llm, steps: int = 48) -> tuple[float, float, float]:
-    """Median and shortest time of an engine step decoding one sequence (prompt of 128 tokens),
-    and the load average after them."""
+def decode_step_times(*llms, steps: int = 48) -> list[tuple[float, float, float]]:
+    """Per engine: median and shortest time of a step decoding one sequence (prompt of 128
+    tokens), and the load average after them. Several engines take their steps in turn, so that
+    a shared machine's changing load falls on all of them alike."""
     from disagg.worker import SamplingParams
 
-    engine = llm.engine
-    engine.add_request(
-        "decode-bench",
-        list(range(10, 138)),
-        SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True),
-    )
-    times = []
-    while engine.has_unfinished():
-        t = time.perf_counter()
-        engine.step()
-        if not engine.scheduled.is_prefill:
-            times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2], times[0], os.getloadavg()[0]
+    engines = [llm.engine for llm in llms]
+    for engine in engines:
+        engine.add_request(
+            "decode-bench",
+            list(range(10, 138)),
+            SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True),
+        )
+    times: list[list[float]] = [[] for _ in engines]
+    while any(e.has_unfinished() for e in engines):
+        for engine, mine in zip(engines, times, strict=True):
+            if not engine.has_unfinished():
+                continue
+            t = time.perf_counter()
+            engine.step()
+            if not engine.scheduled.is_prefill:
+                mine.append(time.perf_counter() - t)
+    out = []
+    for mine in times:
+        mine.sort()
+        out.append((mine[len(mine) // 2], mine[0], os.getloadavg()[0]))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,13 +201,15 @@ def main(argv: list[str] | None = None) -> int:
     if baseline:  # the float32 engine first, released before the one measured
         log("float32 engine (the baseline)")
         base_s, base_tok, base_llm = run_engine(args, model_dir, work)
-        base_step_s, base_best_s, _ = decode_step_times(base_llm)
         base_weights = weight_bytes_per_decode_step(base_llm.engine.model)
-        del base_llm
     eng_s, eng_tok, llm = run_engine(args, model_dir, work, args.dtype, args.quantization)
     log(f"engine: {eng_tok} tokens in {eng_s:.1f}s")
-    log("decode step at batch 1")
-    step_s, best_step_s, step_load = decode_step_times(llm)
+    log("decode step at batch 1" + (", steps taken in turn with the float32 engine's" if baseline else ""))
+    if baseline:
+        (step_s, best_step_s, step_load), (base_step_s, base_best_s, _) = decode_step_times(llm, base_llm)
+        del base_llm
+    else:
+        ((step_s, best_step_s, step_load),) = decode_step_times(llm)
     model = llm.engine.model
     weights = weight_bytes_per_decode_step(model)
     log("memory bandwidth: copy, read, GEMV")
