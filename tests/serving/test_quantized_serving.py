@@ -65,8 +65,12 @@ def test_models_and_metrics_report_the_quantization(cluster, tiny_model):
     int8_bytes = decode_weight_bytes(load_model(tiny_model, quantization_setting="int8")[0].weights)
     float_bytes = decode_weight_bytes(load_model(tiny_model)[0].weights)
     assert float_bytes / 4 < int8_bytes < float_bytes / 3.5  # a quarter, plus scales and norms
+    model = load_model(tiny_model)[0]
     for worker in ("prefill-0", "decode-0"):
         assert cluster.metric(worker, "disagg_weight_bytes_per_token") == int8_bytes
+        # float32 K and V of every layer: 2 * layers * kv heads * head dim * 4 bytes
+        kv = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4
+        assert cluster.metric(worker, "disagg_kv_bytes_per_token") == kv
 
 
 def test_served_quantization_names_every_kind_the_workers_serve():

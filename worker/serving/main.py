@@ -225,6 +225,9 @@ class WorkerProcess:
         from disagg.worker.model.quantization import decode_weight_bytes
 
         self.metrics.weights(engine.model.quantization, opts.dtype, decode_weight_bytes(engine.model.weights))
+        block_size = self.cfg.engine.block_size
+        kv_dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
+        self.metrics.kv_cache(kv_dtype, engine.model.kv_cache_block_bytes(block_size) // block_size)
         self.service = WorkerService(
             opts, self.loop, core, self.state, self.metrics, engine.max_model_len, auth=self.cfg.auth
         )

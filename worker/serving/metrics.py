@@ -41,6 +41,7 @@ class _Families:
     rejected: Counter
     prefill_retries: Counter
     weight_bytes: Gauge
+    kv_bytes: Gauge
 
 
 _FAMILIES: dict[int, _Families] = {}
@@ -115,6 +116,13 @@ def _families(registry: CollectorRegistry) -> _Families:
                 (*LABELS, "quantization", "dtype"),
                 registry=registry,
             ),
+            kv_bytes=Gauge(
+                "disagg_kv_bytes_per_token",
+                "KV-cache bytes one token takes over all layers (what a transfer moves per prompt token), "
+                "labelled with the cache's dtype.",
+                (*LABELS, "dtype"),
+                registry=registry,
+            ),
         )
     return _FAMILIES[key]
 
@@ -150,6 +158,7 @@ class ServingMetrics:
             self.prefill_retries = f.prefill_retries.labels(**lab)
         self._requests = f.requests
         self._weight_bytes = f.weight_bytes
+        self._kv_bytes = f.kv_bytes
         self._decisions = f.decisions
         self._rejected = f.rejected
 
@@ -181,6 +190,9 @@ class ServingMetrics:
         self._weight_bytes.labels(
             role=self.role, model=self.model, quantization=quantization, dtype=dtype
         ).set(bytes_per_token)
+
+    def kv_cache(self, dtype: str, bytes_per_token: int) -> None:
+        self._kv_bytes.labels(role=self.role, model=self.model, dtype=dtype).set(bytes_per_token)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
