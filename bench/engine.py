@@ -122,19 +122,20 @@ def run_transformers(args, model_dir: Path, work) -> tuple[float, int]:
     return time.perf_counter() - t, tokens
 
 
-def decode_step_times(*llms, steps: int = 48) -> list[tuple[float, float, float]]:
-    """Per engine: median and shortest time of a step decoding one sequence (prompt of 128
+def decode_step_times(*llms, steps: int = 48, batch: int = 1) -> list[tuple[float, float, float]]:
+    """Per engine: median and shortest time of a step decoding `batch` sequences (prompts of 128
     tokens), and the load average after them. Several engines take their steps in turn, so that
     a shared machine's changing load falls on all of them alike."""
     from disagg.worker import SamplingParams
 
     engines = [llm.engine for llm in llms]
     for engine in engines:
-        engine.add_request(
-            "decode-bench",
-            list(range(10, 138)),
-            SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True),
-        )
+        for i in range(batch):
+            engine.add_request(
+                f"decode-bench-{i}",
+                list(range(10 + i, 138 + i)),
+                SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True),
+            )
     times: list[list[float]] = [[] for _ in engines]
     while any(e.has_unfinished() for e in engines):
         for engine, mine in zip(engines, times, strict=True):
@@ -142,7 +143,7 @@ def decode_step_times(*llms, steps: int = 48) -> list[tuple[float, float, float]
                 continue
             t = time.perf_counter()
             engine.step()
-            if not engine.scheduled.is_prefill:
+            if not engine.scheduled.is_prefill and len(engine.scheduled.chunks) == batch:
                 mine.append(time.perf_counter() - t)
     out = []
     for mine in times:
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--quantization", default="none", choices=("none", "int8", "fp8"))
+    ap.add_argument("--decode-batch", type=int, default=32, help="the larger decode batch measured")
     args = ap.parse_args(argv)
     baseline = (args.dtype, args.quantization) != ("float32", "none")
     if args.threads:
@@ -205,11 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     eng_s, eng_tok, llm = run_engine(args, model_dir, work, args.dtype, args.quantization)
     log(f"engine: {eng_tok} tokens in {eng_s:.1f}s")
     log("decode step at batch 1" + (", steps taken in turn with the float32 engine's" if baseline else ""))
+    engines = (llm, base_llm) if baseline else (llm,)
+    (step_s, best_step_s, step_load), *base = decode_step_times(*engines)
     if baseline:
-        (step_s, best_step_s, step_load), (base_step_s, base_best_s, _) = decode_step_times(llm, base_llm)
+        ((base_step_s, base_best_s, _),) = base
+    log(f"decode step at batch {args.decode_batch}")
+    (wide_s, _, wide_load), *base_wide = decode_step_times(*engines, steps=16, batch=args.decode_batch)
+    if baseline:
         del base_llm
-    else:
-        ((step_s, best_step_s, step_load),) = decode_step_times(llm)
     model = llm.engine.model
     weights = weight_bytes_per_decode_step(model)
     log("memory bandwidth: copy, read, GEMV")
@@ -257,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     rows += [
         ("decode step, batch 1", f"{step_s * 1e3:.2f} ms", f"median engine.step(); load {step_load:.2f}"),
         ("  best step", f"{best_step_s * 1e3:.2f} ms", "shortest of the same steps"),
+        (f"decode step, batch {args.decode_batch}", f"{wide_s * 1e3:.2f} ms",
+         f"median of 16; load {wide_load:.2f}" + (f"; float32 {base_wide[0][0] * 1e3:.2f} ms, "
+                                                 f"{base_wide[0][0] / wide_s:.2f}x" if baseline else "")),
         ("weights read per step", f"{weights / 2**20:.0f} MiB", f"{dt}: layers + final norm + LM head"),
         ("copy bandwidth", f"{copy_bw.gbps:.1f} GB/s",
          f"read + written (STREAM), 1 GiB random, best of 5; load {copy_bw.load:.2f}"),
@@ -274,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         ("decode step / copy floor", f"{step_s / copy_floor:.2f}x", "target <= 1.2x (best step: "
          f"{best_step_s / copy_floor:.2f}x)" + ("; int8 target <= 1.3x" if args.quantization == "int8" else "")),
         ("decode step / read floor", f"{step_s / read_floor:.2f}x", ""),
+        (f"batch-{args.decode_batch} step / copy floor", f"{wide_s / copy_floor:.2f}x",
+         "the weights are still read once; KV reads and compute come on top"),
     ]  # fmt: skip
     for name, bw in gemvs.items():
         rows.append((f"decode step / GEMV floor, {name}", f"{step_s * bw.bytes_per_s / weights:.2f}x",

@@ -18,7 +18,8 @@
 #endif
 
 /* Weights of one decoder layer (torch Linear layout [out][in]); biases may be NULL. A matmul whose
- * scale is not NULL has int8 weights with that per-row scale (W8A16), else float32 weights. */
+ * scale is not NULL has 8-bit weights (the model's weight_kind: int8 or fp8 e4m3) with that per-row
+ * scale, else float32 weights. */
 typedef struct {
     const float *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *gate_up_bias, *down,
         *down_bias;
@@ -31,14 +32,20 @@ typedef struct {
     const decode_layer_f32 *layers;
     const float *final_norm, *lm_head, *cos_sin;
     const float *lm_head_scale; /* as the layers' scales */
+    int64_t weight_kind;        /* of the scaled weights: WEIGHTS_INT8 or WEIGHTS_FP8 */
 } decode_model_f32;
 
-/* Rows [r0, r1) of y = W x (+ bias), float32 or int8 weights by whether `scale` is set. */
-#define GEMV_ROWS(w, scale, bias, ...) \
-    ((scale) ? gemv_rows_i8((const int8_t *)(w), scale, bias, __VA_ARGS__) : gemv_rows_f32(w, bias, __VA_ARGS__))
-#define GEMV_SILU_ROWS(w, scale, bias, ...)                                           \
-    ((scale) ? gemv_silu_rows_i8((const int8_t *)(w), scale, bias, __VA_ARGS__) \
-             : gemv_silu_rows_f32(w, bias, __VA_ARGS__))
+enum { WEIGHTS_INT8 = 1, WEIGHTS_FP8 = 2 };
+
+/* Rows [r0, r1) of y = W x (+ bias): float32 weights when `scale` is NULL, else the model's 8-bit kind. */
+#define GEMV_ROWS(w, scale, bias, ...)                                                     \
+    (!(scale) ? gemv_rows_f32(w, bias, __VA_ARGS__)                                        \
+     : m->weight_kind == WEIGHTS_FP8 ? gemv_rows_fp8((const uint8_t *)(w), scale, bias, __VA_ARGS__) \
+                                     : gemv_rows_i8((const int8_t *)(w), scale, bias, __VA_ARGS__))
+#define GEMV_SILU_ROWS(w, scale, bias, ...)                                                     \
+    (!(scale) ? gemv_silu_rows_f32(w, bias, __VA_ARGS__)                                        \
+     : m->weight_kind == WEIGHTS_FP8 ? gemv_silu_rows_fp8((const uint8_t *)(w), scale, bias, __VA_ARGS__) \
+                                     : gemv_silu_rows_i8((const int8_t *)(w), scale, bias, __VA_ARGS__))
 
 /* Phases timed when the caller passes phase_seconds (seconds, accumulated; thread 0's clock, so a
  * phase also holds thread 0's wait for the others at its closing barrier). */

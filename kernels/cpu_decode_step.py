@@ -1,5 +1,6 @@
 """A whole decode step of a float32 Llama-family model in one native call (`cpu_decode_step.c`).
-Its four matmuls per layer and the LM head take float32 or int8 weights (`QuantizedWeight`, W8A16).
+Its four matmuls per layer and the LM head take float32 or 8-bit weights (`QuantizedWeight`: int8
+or fp8 e4m3, one kind per model).
 
 For small batches only: there a step is bound by reading the weights once, and the per-layer
 torch matmuls and small ops cost more than the reading (dispatch, temporaries, threads idling
@@ -45,7 +46,11 @@ class _Model(ctypes.Structure):
         ("lm_head", ctypes.c_void_p),
         ("cos_sin", ctypes.c_void_p),
         ("lm_head_scale", ctypes.c_void_p),
+        ("weight_kind", ctypes.c_int64),
     ]  # fmt: skip
+
+
+_WEIGHT_KINDS = {"int8": 1, "fp8": 2}  # WEIGHTS_INT8, WEIGHTS_FP8 in cpu_decode_step.c
 
 
 MATMULS = ("qkv", "o", "gate_up", "down")
@@ -69,9 +74,9 @@ class DecodeLayer:
 
 
 def supports(weight: torch.Tensor | QuantizedWeight) -> bool:
-    """Whether the native step takes this matmul weight: float32, or int8 with per-row scales."""
+    """Whether the native step takes this matmul weight: float32, or int8 / fp8 with per-row scales."""
     if isinstance(weight, QuantizedWeight):
-        return weight.scheme == "int8"
+        return weight.scheme in _WEIGHT_KINDS
     return weight.dtype == torch.float32
 
 
@@ -94,11 +99,9 @@ def _layer_struct(layer: DecodeLayer) -> _Layer:
 def _flatten(t: torch.Tensor | QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
     """The tensors behind a weight with the kind the C code reads them as."""
     if isinstance(t, QuantizedWeight):
-        if t.scheme != "int8":
-            raise TypeError(f"the native decode step takes float32 or int8 weights, not {t.scheme}")
         if not t.data.is_contiguous() or t.device.type != "cpu":
-            raise ValueError("int8 weights must be contiguous CPU tensors")
-        return [("f32", t.scale), ("i8", t.data)]
+            raise ValueError("8-bit weights must be contiguous CPU tensors")
+        return [("f32", t.scale), (t.scheme, t.data)]
     return [("f32", t)]
 
 
@@ -149,11 +152,17 @@ class NativeDecodeStep:
         if lm_head.shape[1] != hidden:
             raise ValueError(f"lm_head: shape {tuple(lm_head.shape)} does not match hidden size {hidden}")
         cpu_native._check_f32(**{f"weight {i}": t for i, (kind, t) in enumerate(tensors) if kind == "f32"})
+        kinds = {kind for kind, _ in tensors if kind != "f32"}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"the native decode step takes one kind of 8-bit weights per model, got {sorted(kinds)}"
+            )
         self._tensors = tensors  # the pointers below stay valid while these live
         self._layers = (_Layer * len(layers))(*(_layer_struct(layer) for layer in layers))
         self._model = _Model(
             len(layers), hidden, inter, num_q_heads, num_kv_heads, head_dim, lm_head.shape[0], eps, scale,
             self._layers, final_norm.data_ptr(), _ptr(lm_head), cos_sin_cache.data_ptr(), _scale_ptr(lm_head),
+            _WEIGHT_KINDS.get(next(iter(kinds), ""), 0),
         )  # fmt: skip
         self.vocab_size = lm_head.shape[0]
         self.hidden = hidden

@@ -38,7 +38,8 @@ static inline __m512 load16_fp8(const uint8_t *p) {
 
 /* y[b * ys] = scale * (w . x[b]) for one row and nb <= 4 inputs. */
 static inline __attribute__((always_inline)) void gemv_block_fp8(const uint8_t *w, float scale, int64_t k,
-                                                                 const float *x, float *y, int64_t ys, const int nb) {
+                                                                 const float *x, int64_t xs, float *y, int64_t ys,
+                                                                 const int nb) {
     int64_t j = 0;
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #ifdef FP8_AVX512
@@ -49,8 +50,8 @@ static inline __attribute__((always_inline)) void gemv_block_fp8(const uint8_t *
         const __m512 w0 = load16_fp8(w + j), w1 = load16_fp8(w + j + 16);
 #pragma GCC unroll 4
         for (int b = 0; b < nb; b++) {
-            acc[b][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + b * k + j), acc[b][0]);
-            acc[b][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + b * k + j + 16), acc[b][1]);
+            acc[b][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + b * xs + j), acc[b][0]);
+            acc[b][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + b * xs + j + 16), acc[b][1]);
         }
     }
 #pragma GCC unroll 4
@@ -58,24 +59,48 @@ static inline __attribute__((always_inline)) void gemv_block_fp8(const uint8_t *
 #endif
 #pragma GCC unroll 4
     for (int b = 0; b < nb; b++) {
-        for (int64_t t = j; t < k; t++) s[b] += fp8_scaled(w[t]) * x[b * k + t];
+        for (int64_t t = j; t < k; t++) s[b] += fp8_scaled(w[t]) * x[b * xs + t];
         y[b * ys] = s[b] * (scale * FP8_UNSCALE);
     }
 }
 
-static void rows_fp8(const uint8_t *w, const float *scale, int64_t k, const float *x, float *y, int64_t ys,
-                     int64_t batch, int64_t r0, int64_t r1) {
+static void rows_fp8(const uint8_t *w, const float *scale, int64_t k, const float *x, int64_t xs, float *y,
+                     int64_t ys, int64_t batch, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++)
         for (int64_t b = 0; b < batch; b += 4) {
-            const float *xb = x + b * k;
+            const float *xb = x + b * xs;
             float *yb = y + b * ys + r;
             switch (batch - b < 4 ? (int)(batch - b) : 4) {
-                case 1: gemv_block_fp8(w + r * k, scale[r], k, xb, yb, ys, 1); break;
-                case 2: gemv_block_fp8(w + r * k, scale[r], k, xb, yb, ys, 2); break;
-                case 3: gemv_block_fp8(w + r * k, scale[r], k, xb, yb, ys, 3); break;
-                default: gemv_block_fp8(w + r * k, scale[r], k, xb, yb, ys, 4); break;
+                case 1: gemv_block_fp8(w + r * k, scale[r], k, xb, xs, yb, ys, 1); break;
+                case 2: gemv_block_fp8(w + r * k, scale[r], k, xb, xs, yb, ys, 2); break;
+                case 3: gemv_block_fp8(w + r * k, scale[r], k, xb, xs, yb, ys, 3); break;
+                default: gemv_block_fp8(w + r * k, scale[r], k, xb, xs, yb, ys, 4); break;
             }
         }
+}
+
+void gemv_rows_fp8(const uint8_t *w, const float *scale, const float *bias, int64_t k, const float *x,
+                   int64_t x_stride, float *y, int64_t y_stride, int64_t batch, int64_t r0, int64_t r1) {
+    rows_fp8(w, scale, k, x, x_stride, y, y_stride, batch, r0, r1);
+    if (bias)
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t r = r0; r < r1; r++) y[b * y_stride + r] += bias[r];
+}
+
+void gemv_silu_rows_fp8(const uint8_t *w, const float *scale, const float *bias, int64_t k, int64_t inter,
+                        const float *x, float *out, int64_t batch, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i += GEMV_CHUNK) {
+        const int64_t n = i1 - i < GEMV_CHUNK ? i1 - i : GEMV_CHUNK;
+        float gate[batch * GEMV_CHUNK], up[batch * GEMV_CHUNK];
+        rows_fp8(w + i * k, scale + i, k, x, k, gate, GEMV_CHUNK, batch, 0, n);
+        rows_fp8(w + (inter + i) * k, scale + inter + i, k, x, k, up, GEMV_CHUNK, batch, 0, n);
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t t = 0; t < n; t++) {
+                const float g = gate[b * GEMV_CHUNK + t] + (bias ? bias[i + t] : 0.0f);
+                const float u = up[b * GEMV_CHUNK + t] + (bias ? bias[inter + i + t] : 0.0f);
+                out[b * inter + i + t] = silu_mul(g, u);
+            }
+    }
 }
 
 void gemv_fp8(const uint8_t *w, const float *scale, const float *bias, const float *x, float *y, int64_t batch,
@@ -83,9 +108,6 @@ void gemv_fp8(const uint8_t *w, const float *scale, const float *bias, const flo
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
     for (int64_t r = 0; r < n; r += GEMV_CHUNK) {
         const int64_t r1 = r + GEMV_CHUNK < n ? r + GEMV_CHUNK : n;
-        rows_fp8(w, scale, k, x, y, n, batch, r, r1);
-        if (bias)
-            for (int64_t b = 0; b < batch; b++)
-                for (int64_t i = r; i < r1; i++) y[b * n + i] += bias[i];
+        gemv_rows_fp8(w, scale, bias, k, x, k, y, n, batch, r, r1);
     }
 }

@@ -54,5 +54,10 @@ void gemv_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_
                   int64_t x_stride, float *y, int64_t y_stride, int64_t batch, int64_t r0, int64_t r1);
 void gemv_silu_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t k, int64_t inter,
                        const float *x, float *out, int64_t batch, int64_t i0, int64_t i1);
+/* ... and for fp8 (e4m3) weights, bytes with one float scale per row. */
+void gemv_rows_fp8(const uint8_t *w, const float *scale, const float *bias, int64_t k, const float *x,
+                   int64_t x_stride, float *y, int64_t y_stride, int64_t batch, int64_t r0, int64_t r1);
+void gemv_silu_rows_fp8(const uint8_t *w, const float *scale, const float *bias, int64_t k, int64_t inter,
+                        const float *x, float *out, int64_t batch, int64_t i0, int64_t i1);
 
 #endif

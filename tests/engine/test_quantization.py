@@ -130,8 +130,8 @@ def test_quantized_logits_against_float32_small(tmp_path):
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
 def test_the_same_logits_on_every_cpu_path(tiny_dir, monkeypatch, one_torch_thread, scheme):
-    """8-bit weights through the native kernels (int8: whole-step decode and per-op GEMV; fp8: the
-    per-op GEMV) and through the torch twin agree. For int8,
+    """8-bit weights through the native kernels (whole-step decode and per-op GEMV) and through the
+    torch twin agree. For int8,
     the native GEMV rounds its inputs to int16 (VNNI; 3e-5 of a row's largest value), a difference
     (measured: 1.3e-4 of the logits' std) under 4% of the int8 weights' own error against float32
     (1.3% of the std)."""

@@ -133,7 +133,7 @@ class LlamaForCausalLM:
         self._native_decode_step: cpu_decode_step.NativeDecodeStep | None = None
         first = weights.layers[0].qkv if weights.layers else None
         self.quantization = first.scheme if isinstance(first, QuantizedWeight) else "none"
-        # the native whole-step decode takes float32 and int8 matmul weights (not fp8)
+        # the native whole-step decode takes float32 and 8-bit (int8 / fp8) matmul weights
         mats = [getattr(layer, name) for layer in weights.layers for name in cpu_decode_step.MATMULS]
         self._whole_step_native = all(cpu_decode_step.supports(t) for t in (*mats, weights.lm_head))
 
