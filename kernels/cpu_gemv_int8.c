@@ -8,8 +8,9 @@
  * rounded once per call to int16 with one scale per input row (max|x| / 16383: a relative error
  * of 3e-5 of the row's largest value, far below bfloat16's 4e-3, so activations keep 16-bit
  * precision), and a row's dot product is integer: widen 32 weights to int16, one VPDPWSSD
- * (32 products summed pairwise into 16 int32 lanes). |x| <= 16383 and |w| <= 127 keep the int32
- * sums exact for K up to 2^31 / (16383 * 127) ~ 1M. Elsewhere the float path is kept.
+ * (32 products summed pairwise into 16 int32 lanes). A lane sums K / 64 products of at most
+ * 16383 * 127, exact in int32 for K up to 64 * 2^31 / (16383 * 127) ~ 66K; the lanes are added
+ * as floats. Elsewhere the float path is kept.
  * The scales (row and input) are applied once per output, after the dot product.
  */
 #include "cpu_kernels.h"
@@ -48,8 +49,6 @@ static void quantize_inputs(const float *x, int64_t xs, int64_t batch, int64_t k
     }
 }
 
-static inline int32_t hsum_epi32(__m512i v) { return _mm512_reduce_add_epi32(v); }
-
 /* y[b * ys] = scale * sx[b] * (w . xq[b]) for one int8 row and NB <= 4 inputs; four partial sums
  * per input keep VPDPWSSD's latency off the critical path. */
 static inline __attribute__((always_inline)) void gemv_block_i8(const int8_t *w, float scale, int64_t k,
@@ -76,10 +75,12 @@ static inline __attribute__((always_inline)) void gemv_block_i8(const int8_t *w,
     }
 #pragma GCC unroll 4
     for (int b = 0; b < nb; b++) {
-        int64_t s = hsum_epi32(_mm512_add_epi32(_mm512_add_epi32(acc[b][0], acc[b][1]),
-                                                _mm512_add_epi32(acc[b][2], acc[b][3])));
-        for (int64_t t = j; t < k; t++) s += (int32_t)w[t] * xq[b * k + t];
-        y[b * ys] = (float)s * (scale * sx[b]);
+        /* lanes summed as floats: the whole row's sum may pass int32's range, one lane does not */
+        const __m512 lanes = _mm512_add_ps(_mm512_add_ps(_mm512_cvtepi32_ps(acc[b][0]), _mm512_cvtepi32_ps(acc[b][1])),
+                                           _mm512_add_ps(_mm512_cvtepi32_ps(acc[b][2]), _mm512_cvtepi32_ps(acc[b][3])));
+        int64_t tail = 0;
+        for (int64_t t = j; t < k; t++) tail += (int32_t)w[t] * xq[b * k + t];
+        y[b * ys] = (_mm512_reduce_add_ps(lanes) + (float)tail) * (scale * sx[b]);
     }
 }
 

@@ -225,3 +225,14 @@ def test_gemv_fp8_matches_linear_of_the_dequantized_weight(batch, n, k):
     torch.testing.assert_close(cpu_native.gemv_fp8(x, w, scale, b), want, atol=1e-3, rtol=1e-4)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         cpu_native.gemv_fp8(x, w.float(), scale)
+
+
+def test_gemv_int8_row_sums_beyond_int32_stay_exact():
+    """Inputs at their rounded maximum against weights of 127 of the same sign: the row's integer
+    sum (4096 * 16383 * 127 ~ 8.5e9) is past int32, each lane's is not."""
+    x, w = torch.ones(2, 4096), torch.full((3, 4096), 127, dtype=torch.int8)
+    x[1] = -1.0
+    got = cpu_native.gemv_int8(x, w, torch.ones(3))
+    torch.testing.assert_close(
+        got, torch.tensor([[4096.0 * 127] * 3, [-4096.0 * 127] * 3]), atol=0, rtol=1e-6
+    )
