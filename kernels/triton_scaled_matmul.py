@@ -42,8 +42,8 @@ def _scaled_matmul_kernel(
         if DOT_F32:  # float32 activations, or the interpreter (its bfloat16 dot is wrong)
             w = tl.where(w_mask, w.to(tl.float32), 0.0)
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
-        else:  # widening int8 / e4m3 into bf16 / fp16 is exact
-            w = tl.where(w_mask, w.to(x_ptr.dtype.element_ty), 0.0)
+        else:  # widening int8 / e4m3 into bf16 / fp16 is exact (through float32 as well)
+            w = tl.where(w_mask, w.to(tl.float32), 0.0).to(x_ptr.dtype.element_ty)
             acc += tl.dot(x, w)
     scale = tl.load(scale_ptr + cols, mask=cols < N, other=0.0)
     y = acc * scale[None, :]
@@ -57,9 +57,14 @@ def _scaled_matmul_kernel(
 
 
 def scaled_matmul(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    dot_f32: bool | None = None,
 ) -> torch.Tensor:
-    """`scaled_linear_torch(x, QuantizedWeight(weight, scale), bias)`: x [..., K] -> [..., N] in x's dtype."""
+    """`scaled_linear_torch(x, QuantizedWeight(weight, scale), bias)`: x [..., K] -> [..., N] in x's dtype.
+    `dot_f32`: the tile products in float32 (default: for float32 x, and in the interpreter)."""
     if weight.dtype not in (torch.float8_e4m3fn, torch.int8) or weight.dim() != 2:
         raise ValueError(
             f"weight must be a 2-D float8_e4m3fn or int8 tensor, got {weight.dtype} {tuple(weight.shape)}"
@@ -76,12 +81,13 @@ def scaled_matmul(
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:
-        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        if dot_f32 is None:
+            dot_f32 = os.environ.get("TRITON_INTERPRET") == "1" or x.dtype == torch.float32
         block_m = 16 if m <= 16 else 64
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
         _scaled_matmul_kernel[grid](
             x2, weight, scale.float().contiguous(), bias if bias is not None else y, y, m, n, k, x2.stride(0),
             weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-            DOT_F32=interpret or x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64,
+            DOT_F32=dot_f32, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64,
         )  # fmt: skip
     return y.view(*x.shape[:-1], n)

@@ -42,3 +42,14 @@ def test_scaled_matmul_keeps_leading_dims_and_refuses_bad_shapes():
     with pytest.raises(ValueError, match="float8_e4m3fn or int8"):
         scaled_matmul(x, q.data.float(), q.scale)
     assert isinstance(q, QuantizedWeight)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_half_precision_dot_branch(scheme):
+    """The branch a GPU takes for 16-bit activations (weights widened to the activations' dtype,
+    tile products in it), run in the interpreter with float16 (its bfloat16 dot is wrong)."""
+    g = torch.Generator().manual_seed(9)
+    q = quantize(torch.randn(70, 100, generator=g), scheme)
+    x = torch.randn(5, 100, generator=g).to(torch.float16)
+    got = scaled_matmul(x, q.data, q.scale, dot_f32=False)
+    torch.testing.assert_close(got.float(), scaled_linear_torch(x, q).float(), atol=4e-3, rtol=4e-3)
