@@ -3,6 +3,11 @@
     python bench/engine.py                      # 64 prompts of 32-512 tokens, 16-256 new tokens each
     python bench/engine.py --num-prompts 16 --max-prompt 256 --max-output 64   # a quicker run
     python bench/engine.py --tensor-parallel-size 2   # TP=2 against TP=1 on the same cores only
+    python bench/engine.py --quantization int8 --skip-transformers   # int8 weights against float32
+
+With `--dtype` or `--quantization` other than float32 / none, the float32 engine runs the same
+workload and decode steps in the same command, and the ratios to it are printed (the machine is
+shared: only figures of one run compare).
 
 Both sides run the same checkpoint (the `small` preset, made into .models/small when missing),
 float32, greedy, the same prompts and the same number of new tokens per prompt. transformers
@@ -56,21 +61,21 @@ def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
 
 
 def weight_bytes_per_decode_step(model) -> int:
-    """Bytes of weights one decode step must read: every layer, the final norm and the LM head
-    (the embedding table is only indexed, unless it is the tied LM head)."""
-    w = model.weights
-    total = sum(
-        t.numel() * t.element_size() for layer in w.layers for t in vars(layer).values() if t is not None
-    )
-    return total + w.norm.numel() * w.norm.element_size() + w.lm_head.numel() * w.lm_head.element_size()
+    """Bytes of weights one decode step must read (`quantization.decode_weight_bytes`)."""
+    from disagg.worker.model.quantization import decode_weight_bytes
+
+    return decode_weight_bytes(model.weights)
 
 
-def run_engine(args, model_dir: Path, work) -> tuple[float, int, object]:
+def run_engine(
+    args, model_dir: Path, work, dtype: str = "float32", quantization: str = "none"
+) -> tuple[float, int, object]:
     from disagg.worker import LLM, SamplingParams
 
     llm = LLM(
         model=str(model_dir),
-        dtype="float32",
+        dtype=dtype,
+        quantization=quantization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
@@ -118,25 +123,34 @@ def run_transformers(args, model_dir: Path, work) -> tuple[float, int]:
     return time.perf_counter() - t, tokens
 
 
-def decode_step_times(llm, steps: int = 48) -> tuple[float, float, float]:
-    """Median and shortest time of an engine step decoding one sequence (prompt of 128 tokens),
-    and the load average after them."""
+def decode_step_times(*llms, steps: int = 48, batch: int = 1) -> list[tuple[float, float, float]]:
+    """Per engine: median and shortest time of a step decoding `batch` sequences (prompts of 128
+    tokens), and the load average after them. Several engines take their steps in turn, so that
+    a shared machine's changing load falls on all of them alike."""
     from disagg.worker import SamplingParams
 
-    engine = llm.engine
-    engine.add_request(
-        "decode-bench",
-        list(range(10, 138)),
-        SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True),
-    )
-    times = []
-    while engine.has_unfinished():
-        t = time.perf_counter()
-        engine.step()
-        if not engine.scheduled.is_prefill:
-            times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2], times[0], os.getloadavg()[0]
+    engines = [llm.engine for llm in llms]
+    for engine in engines:
+        for i in range(batch):
+            engine.add_request(
+                f"decode-bench-{i}",
+                list(range(10 + i, 138 + i)),
+                SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True),
+            )
+    times: list[list[float]] = [[] for _ in engines]
+    while any(e.has_unfinished() for e in engines):
+        for engine, mine in zip(engines, times, strict=True):
+            if not engine.has_unfinished():
+                continue
+            t = time.perf_counter()
+            engine.step()
+            if not engine.scheduled.is_prefill and len(engine.scheduled.chunks) == batch:
+                mine.append(time.perf_counter() - t)
+    out = []
+    for mine in times:
+        mine.sort()
+        out.append((mine[len(mine) // 2], mine[0], os.getloadavg()[0]))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         "--tensor-parallel-size", type=int, default=1,
         help="N > 1: only compare TP=N with TP=1 on the same cores (decode step, prefill, collectives)",
     )  # fmt: skip
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--quantization", default="none", choices=("none", "int8", "fp8"))
+    ap.add_argument("--decode-batch", type=int, default=32, help="the larger decode batch measured")
     args = ap.parse_args(argv)
+    baseline = (args.dtype, args.quantization) != ("float32", "none")
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
@@ -185,16 +203,33 @@ def main(argv: list[str] | None = None) -> int:
     total_out = sum(m for _, m in work)
     log(
         f"workload: {len(work)} prompts, {total_prompt} prompt tokens, {total_out} output tokens; "
-        f"model {config.num_parameters / 1e6:.0f}M parameters, float32, {torch.get_num_threads()} threads"
+        f"model {config.num_parameters / 1e6:.0f}M parameters, {args.dtype}, quantization "
+        f"{args.quantization}, {torch.get_num_threads()} threads"
     )
 
     if args.decode_only:
         args.skip_transformers = True
         work = [(p[:32], 4) for p, _ in work[:2]]  # only loads and warms the engine up
-    eng_s, eng_tok, llm = run_engine(args, model_dir, work)
+    if baseline:  # float32 before and after the engine measured: the load's drift shows in the two
+        log("float32 engine (the baseline), before")
+        before_s, base_tok, base_llm = run_engine(args, model_dir, work)
+        del base_llm
+    eng_s, eng_tok, llm = run_engine(args, model_dir, work, args.dtype, args.quantization)
     log(f"engine: {eng_tok} tokens in {eng_s:.1f}s")
-    log("decode step at batch 1")
-    step_s, best_step_s, step_load = decode_step_times(llm)
+    if baseline:
+        log("float32 engine (the baseline), after")
+        after_s, _, base_llm = run_engine(args, model_dir, work)
+        base_s = (before_s + after_s) / 2
+        base_weights = weight_bytes_per_decode_step(base_llm.engine.model)
+    log("decode step at batch 1" + (", steps taken in turn with the float32 engine's" if baseline else ""))
+    engines = (llm, base_llm) if baseline else (llm,)
+    (step_s, best_step_s, step_load), *base = decode_step_times(*engines)
+    if baseline:
+        ((base_step_s, base_best_s, _),) = base
+    log(f"decode step at batch {args.decode_batch}")
+    (wide_s, _, wide_load), *base_wide = decode_step_times(*engines, steps=16, batch=args.decode_batch)
+    if baseline:
+        del base_llm
     model = llm.engine.model
     weights = weight_bytes_per_decode_step(model)
     log("memory bandwidth: copy, read, GEMV")
@@ -202,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     gemvs = {"torch F.linear": memory_floor.gemv_bandwidth(config.hidden_size, model.dtype)}
     if model.dtype == torch.float32 and cpu_native.available():
         gemvs["native"] = memory_floor.gemv_bandwidth(config.hidden_size, model.dtype, cpu_native.gemv)
+    if args.quantization == "int8" and cpu_native.available():
+        ones = torch.ones(1 << 20)
+        gemvs["native int8"] = memory_floor.gemv_bandwidth(
+            config.hidden_size,
+            torch.int8,
+            lambda x, w: cpu_native.gemv_int8(x, w, ones[: w.shape[0]]),
+        )
     if not args.skip_transformers:
         hf_s, hf_tok = run_transformers(args, model_dir, work)
 
@@ -218,9 +260,27 @@ def main(argv: list[str] | None = None) -> int:
             ("ratio engine / transformers", f"{(eng_tok / eng_s) / (hf_tok / hf_s):.2f}x", "target >= 2.5x")
         )
     dt = str(model.dtype).removeprefix("torch.")
+    if args.quantization != "none":
+        dt += f" + {args.quantization} weights"
+    if baseline:
+        rows += [
+            ("float32 engine output tokens/s", f"{base_tok / base_s:.1f}",
+             f"same workload, mean of a run before ({base_tok / before_s:.1f}) and after ({base_tok / after_s:.1f})")
+            if not args.decode_only
+            else ("float32 engine", "-", "throughput not run (--decode-only)"),
+            ("float32 decode step, batch 1", f"{base_step_s * 1e3:.2f} ms",
+             f"best {base_best_s * 1e3:.2f} ms; weights {base_weights / 2**20:.0f} MiB"),
+            ("speed-up of decode step vs float32", f"{base_step_s / step_s:.2f}x",
+             f"best steps: {base_best_s / best_step_s:.2f}x; weight bytes {base_weights / weights:.2f}x fewer"),
+        ]  # fmt: skip
+        if not args.decode_only:
+            rows.append(("throughput vs float32", f"{(eng_tok / eng_s) / (base_tok / base_s):.2f}x", ""))
     rows += [
         ("decode step, batch 1", f"{step_s * 1e3:.2f} ms", f"median engine.step(); load {step_load:.2f}"),
         ("  best step", f"{best_step_s * 1e3:.2f} ms", "shortest of the same steps"),
+        (f"decode step, batch {args.decode_batch}", f"{wide_s * 1e3:.2f} ms",
+         f"median of 16; load {wide_load:.2f}" + (f"; float32 {base_wide[0][0] * 1e3:.2f} ms, "
+                                                 f"{base_wide[0][0] / wide_s:.2f}x" if baseline else "")),
         ("weights read per step", f"{weights / 2**20:.0f} MiB", f"{dt}: layers + final norm + LM head"),
         ("copy bandwidth", f"{copy_bw.gbps:.1f} GB/s",
          f"read + written (STREAM), 1 GiB random, best of 5; load {copy_bw.load:.2f}"),
@@ -236,8 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         ("copy floor", f"{copy_floor * 1e3:.2f} ms", "weights / copy bandwidth"),
         ("read floor", f"{read_floor * 1e3:.2f} ms", "weights / read bandwidth"),
         ("decode step / copy floor", f"{step_s / copy_floor:.2f}x", "target <= 1.2x (best step: "
-         f"{best_step_s / copy_floor:.2f}x)"),
+         f"{best_step_s / copy_floor:.2f}x)" + ("; int8 target <= 1.3x" if args.quantization == "int8" else "")),
         ("decode step / read floor", f"{step_s / read_floor:.2f}x", ""),
+        (f"batch-{args.decode_batch} step / copy floor", f"{wide_s / copy_floor:.2f}x",
+         "the weights are still read once; KV reads and compute come on top"),
     ]  # fmt: skip
     for name, bw in gemvs.items():
         rows.append((f"decode step / GEMV floor, {name}", f"{step_s * bw.bytes_per_s / weights:.2f}x",
@@ -248,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         else f"{len(work)} prompts ({args.min_prompt}-{args.max_prompt} tokens), "
         f"{args.min_output}-{args.max_output} new tokens each"
     )
-    print(f"\nengine benchmark: {what}, {config.num_parameters / 1e6:.0f}M float32, "
+    print(f"\nengine benchmark: {what}, {config.num_parameters / 1e6:.0f}M {dt}, "
           f"{torch.get_num_threads()} threads; 1-min load average {load_before:.2f} at start, "
           f"{os.getloadavg()[0]:.2f} at end")  # fmt: skip
     w0 = max(len(r[0]) for r in rows)

@@ -46,6 +46,8 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
 
 def random_buffer(nbytes: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
+    if not dtype.is_floating_point:  # int8 weights: the whole symmetric range
+        return torch.randint(-127, 128, (nbytes // dtype.itemsize,), generator=g, dtype=dtype)
     return torch.rand(nbytes // dtype.itemsize, generator=g).to(dtype)
 
 
@@ -77,7 +79,7 @@ def gemv_bandwidth(
     w = random_buffer(out_features * in_features * dtype.itemsize, dtype, seed=2).view(
         out_features, in_features
     )
-    x = torch.rand(1, in_features).to(dtype)
+    x = torch.rand(1, in_features).to(dtype if dtype.is_floating_point else torch.float32)
     with torch.inference_mode():
         t = best_time(lambda: gemv(x, w), repeats)
     return Bandwidth(w.numel() * w.element_size() / t, os.getloadavg()[0])

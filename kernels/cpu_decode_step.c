@@ -17,10 +17,13 @@
 #include <omp.h>
 #endif
 
-/* Weights of one decoder layer (torch Linear layout [out][in]); biases may be NULL. */
+/* Weights of one decoder layer (torch Linear layout [out][in]); biases may be NULL. A matmul whose
+ * scale is not NULL has 8-bit weights (the model's weight_kind: int8 or fp8 e4m3) with that per-row
+ * scale, else float32 weights. */
 typedef struct {
     const float *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *gate_up_bias, *down,
         *down_bias;
+    const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
 } decode_layer_f32;
 
 typedef struct {
@@ -28,7 +31,21 @@ typedef struct {
     float eps, scale;
     const decode_layer_f32 *layers;
     const float *final_norm, *lm_head, *cos_sin;
+    const float *lm_head_scale; /* as the layers' scales */
+    int64_t weight_kind;        /* of the scaled weights: WEIGHTS_INT8 or WEIGHTS_FP8 */
 } decode_model_f32;
+
+enum { WEIGHTS_INT8 = 1, WEIGHTS_FP8 = 2 };
+
+/* Rows [r0, r1) of y = W x (+ bias): float32 weights when `scale` is NULL, else the model's 8-bit kind. */
+#define GEMV_ROWS(w, scale, bias, ...)                                                     \
+    (!(scale) ? gemv_rows_f32(w, bias, __VA_ARGS__)                                        \
+     : m->weight_kind == WEIGHTS_FP8 ? gemv_rows_fp8((const uint8_t *)(w), scale, bias, __VA_ARGS__) \
+                                     : gemv_rows_i8((const int8_t *)(w), scale, bias, __VA_ARGS__))
+#define GEMV_SILU_ROWS(w, scale, bias, ...)                                                     \
+    (!(scale) ? gemv_silu_rows_f32(w, bias, __VA_ARGS__)                                        \
+     : m->weight_kind == WEIGHTS_FP8 ? gemv_silu_rows_fp8((const uint8_t *)(w), scale, bias, __VA_ARGS__) \
+                                     : gemv_silu_rows_i8((const int8_t *)(w), scale, bias, __VA_ARGS__))
 
 /* Phases timed when the caller passes phase_seconds (seconds, accumulated; thread 0's clock, so a
  * phase also holds thread 0's wait for the others at its closing barrier). */
@@ -155,7 +172,7 @@ int decode_step_f32(const decode_model_f32 *m, float *residual, int64_t batch, c
             MARK(PH_NORM)
 #pragma omp for schedule(dynamic, 1)
             for (int64_t c = 0; c < NUM_CHUNKS(qkv_width); c++)
-                gemv_rows_f32(w->qkv, w->qkv_bias, h, normed, h, qkv, qkv_width, batch, CHUNK_ROWS(c, qkv_width));
+                GEMV_ROWS(w->qkv, w->qkv_scale, w->qkv_bias, h, normed, h, qkv, qkv_width, batch, CHUNK_ROWS(c, qkv_width));
             MARK(PH_QKV)
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < batch * hkv; item++) {
@@ -170,17 +187,17 @@ int decode_step_f32(const decode_model_f32 *m, float *residual, int64_t batch, c
             MARK(PH_ATTENTION)
 #pragma omp for schedule(dynamic, 1)
             for (int64_t c = 0; c < NUM_CHUNKS(h); c++)
-                gemv_rows_f32(w->o, w->o_bias, q_width, attn, q_width, out, h, batch, CHUNK_ROWS(c, h));
+                GEMV_ROWS(w->o, w->o_scale, w->o_bias, q_width, attn, q_width, out, h, batch, CHUNK_ROWS(c, h));
             MARK(PH_O)
             NEXT_RESIDUAL(out, w->post_norm)
             MARK(PH_NORM)
 #pragma omp for schedule(dynamic, 1)
             for (int64_t c = 0; c < NUM_CHUNKS(inter); c++)
-                gemv_silu_rows_f32(w->gate_up, w->gate_up_bias, h, inter, normed, act, batch, CHUNK_ROWS(c, inter));
+                GEMV_SILU_ROWS(w->gate_up, w->gate_up_scale, w->gate_up_bias, h, inter, normed, act, batch, CHUNK_ROWS(c, inter));
             MARK(PH_GATE_UP_SILU)
 #pragma omp for schedule(dynamic, 1)
             for (int64_t c = 0; c < NUM_CHUNKS(h); c++)
-                gemv_rows_f32(w->down, w->down_bias, inter, act, inter, out, h, batch, CHUNK_ROWS(c, h));
+                GEMV_ROWS(w->down, w->down_scale, w->down_bias, inter, act, inter, out, h, batch, CHUNK_ROWS(c, h));
             MARK(PH_DOWN)
         }
         NEXT_RESIDUAL(out, m->final_norm)
@@ -188,7 +205,7 @@ int decode_step_f32(const decode_model_f32 *m, float *residual, int64_t batch, c
         MARK(PH_NORM)
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < NUM_CHUNKS(m->vocab); c++)
-            gemv_rows_f32(m->lm_head, 0, h, normed, h, logits, m->vocab, batch, CHUNK_ROWS(c, m->vocab));
+            GEMV_ROWS(m->lm_head, m->lm_head_scale, 0, h, normed, h, logits, m->vocab, batch, CHUNK_ROWS(c, m->vocab));
         MARK(PH_LM_HEAD)
         /* the stream ends in `res` of thread 0; the caller's buffer holds it either way */
         if (thread == 0 && res != residual) memcpy(residual, res, batch * h * sizeof(float));

@@ -1,4 +1,6 @@
 """A whole decode step of a float32 Llama-family model in one native call (`cpu_decode_step.c`).
+Its four matmuls per layer and the LM head take float32 or 8-bit weights (`QuantizedWeight`: int8
+or fp8 e4m3, one kind per model).
 
 For small batches only: there a step is bound by reading the weights once, and the per-layer
 torch matmuls and small ops cost more than the reading (dispatch, temporaries, threads idling
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from disagg.kernels import cpu_native
+from disagg.kernels.quantized import QuantizedWeight
 
 # Up to here the kernel, one weight row against up to four inputs, beats torch's GEMM clearly
 # (one thread, small preset: 2.8x at 2 sequences, 1.6x at 4, par at 8); beyond, the step is
@@ -27,7 +30,7 @@ class _Layer(ctypes.Structure):
         (name, ctypes.c_void_p)
         for name in (
             "input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
-            "down_bias",
+            "down_bias", "qkv_scale", "o_scale", "gate_up_scale", "down_scale",
         )
     ]  # fmt: skip
 
@@ -42,27 +45,64 @@ class _Model(ctypes.Structure):
         ("final_norm", ctypes.c_void_p),
         ("lm_head", ctypes.c_void_p),
         ("cos_sin", ctypes.c_void_p),
+        ("lm_head_scale", ctypes.c_void_p),
+        ("weight_kind", ctypes.c_int64),
     ]  # fmt: skip
+
+
+_WEIGHT_KINDS = {"int8": 1, "fp8": 2}  # WEIGHTS_INT8, WEIGHTS_FP8 in cpu_decode_step.c
+
+
+MATMULS = ("qkv", "o", "gate_up", "down")
 
 
 @dataclass
 class DecodeLayer:
-    """One layer's float32 weights, torch Linear layout; gate_up is [gate; up]."""
+    """One layer's float32 weights, torch Linear layout; gate_up is [gate; up]. The matmul weights
+    may be int8 `QuantizedWeight`s."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: torch.Tensor | QuantizedWeight
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: torch.Tensor | QuantizedWeight
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
+    gate_up: torch.Tensor | QuantizedWeight
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: torch.Tensor | QuantizedWeight
     down_bias: torch.Tensor | None
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def supports(weight: torch.Tensor | QuantizedWeight) -> bool:
+    """Whether the native step takes this matmul weight: float32, or int8 / fp8 with per-row scales."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.scheme in _WEIGHT_KINDS
+    return weight.dtype == torch.float32
+
+
+def _ptr(t: torch.Tensor | QuantizedWeight | None) -> int | None:
+    if isinstance(t, QuantizedWeight):
+        return t.data.data_ptr()
     return None if t is None else t.data_ptr()
+
+
+def _scale_ptr(t: torch.Tensor | QuantizedWeight) -> int | None:
+    return t.scale.data_ptr() if isinstance(t, QuantizedWeight) else None
+
+
+def _layer_struct(layer: DecodeLayer) -> _Layer:
+    values = {f: _ptr(getattr(layer, f)) for f in vars(layer)}
+    values.update({f"{name}_scale": _scale_ptr(getattr(layer, name)) for name in MATMULS})
+    return _Layer(**values)
+
+
+def _flatten(t: torch.Tensor | QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
+    """The tensors behind a weight with the kind the C code reads them as."""
+    if isinstance(t, QuantizedWeight):
+        if not t.data.is_contiguous() or t.device.type != "cpu":
+            raise ValueError("8-bit weights must be contiguous CPU tensors")
+        return [("f32", t.scale), (t.scheme, t.data)]
+    return [("f32", t)]
 
 
 class NativeDecodeStep:
@@ -97,7 +137,7 @@ class NativeDecodeStep:
             "input_norm": (hidden,),
             "post_norm": (hidden,),
         }
-        tensors = [final_norm, lm_head, cos_sin_cache]
+        tensors = [*_flatten(final_norm), *_flatten(lm_head), *_flatten(cos_sin_cache)]
         for i, layer in enumerate(layers):
             for name, shape in expect.items():
                 t = getattr(layer, name)
@@ -108,17 +148,21 @@ class NativeDecodeStep:
                     raise ValueError(
                         f"layer {i} {name}_bias: shape {tuple(bias.shape)}, expected {shape[:1]}"
                     )
-            tensors += [t for t in vars(layer).values() if t is not None]
+            tensors += [kt for t in vars(layer).values() if t is not None for kt in _flatten(t)]
         if lm_head.shape[1] != hidden:
             raise ValueError(f"lm_head: shape {tuple(lm_head.shape)} does not match hidden size {hidden}")
-        cpu_native._check_f32(**{f"weight {i}": t for i, t in enumerate(tensors)})
+        cpu_native._check_f32(**{f"weight {i}": t for i, (kind, t) in enumerate(tensors) if kind == "f32"})
+        kinds = {kind for kind, _ in tensors if kind != "f32"}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"the native decode step takes one kind of 8-bit weights per model, got {sorted(kinds)}"
+            )
         self._tensors = tensors  # the pointers below stay valid while these live
-        self._layers = (_Layer * len(layers))(
-            *(_Layer(*(_ptr(getattr(layer, f)) for f, _ in _Layer._fields_)) for layer in layers)
-        )
+        self._layers = (_Layer * len(layers))(*(_layer_struct(layer) for layer in layers))
         self._model = _Model(
             len(layers), hidden, inter, num_q_heads, num_kv_heads, head_dim, lm_head.shape[0], eps, scale,
-            self._layers, final_norm.data_ptr(), lm_head.data_ptr(), cos_sin_cache.data_ptr(),
+            self._layers, final_norm.data_ptr(), _ptr(lm_head), cos_sin_cache.data_ptr(), _scale_ptr(lm_head),
+            _WEIGHT_KINDS.get(next(iter(kinds), ""), 0),
         )  # fmt: skip
         self.vocab_size = lm_head.shape[0]
         self.hidden = hidden

@@ -1,5 +1,5 @@
-/* Shared by the native CPU kernel sources (cpu_kernels.c, cpu_gemv.c, cpu_decode_step.c), which
- * are built into one shared object. */
+/* Shared by the native CPU kernel sources (cpu_kernels.c, cpu_gemv.c, cpu_gemv_int8.c,
+ * cpu_decode_step.c), which are built into one shared object. */
 #ifndef DISAGG_CPU_KERNELS_H
 #define DISAGG_CPU_KERNELS_H
 
@@ -49,5 +49,15 @@ void gemv_rows_f32(const float *w, const float *bias, int64_t k, const float *x,
  * i in [i0, i1), each weight row read once. */
 void gemv_silu_rows_f32(const float *w, const float *bias, int64_t k, int64_t inter, const float *x,
                         float *out, int64_t batch, int64_t i0, int64_t i1);
+/* The same two for int8 weights with one float scale per row (W8A16): y = scale[r] * (W[r] . x). */
+void gemv_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t k, const float *x,
+                  int64_t x_stride, float *y, int64_t y_stride, int64_t batch, int64_t r0, int64_t r1);
+void gemv_silu_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t k, int64_t inter,
+                       const float *x, float *out, int64_t batch, int64_t i0, int64_t i1);
+/* ... and for fp8 (e4m3) weights, bytes with one float scale per row. */
+void gemv_rows_fp8(const uint8_t *w, const float *scale, const float *bias, int64_t k, const float *x,
+                   int64_t x_stride, float *y, int64_t y_stride, int64_t batch, int64_t r0, int64_t r1);
+void gemv_silu_rows_fp8(const uint8_t *w, const float *scale, const float *bias, int64_t k, int64_t inter,
+                        const float *x, float *out, int64_t batch, int64_t i0, int64_t i1);
 
 #endif

@@ -29,9 +29,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Built together into one shared object; the header is shared by all three.
+# Built together into one shared object; the header is shared by all of them.
 _SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_gemv.c", "cpu_decode_step.c")
+    Path(__file__).with_name(name)
+    for name in ("cpu_kernels.c", "cpu_gemv.c", "cpu_gemv_int8.c", "cpu_gemv_fp8.c", "cpu_decode_step.c")
 )
 _HEADER = Path(__file__).with_name("cpu_kernels.h")
 _BASE_FLAGS = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared"]
@@ -163,6 +164,9 @@ def _load() -> ctypes.CDLL:
         "rotary_write_kv_f32": ([p, i64, p, p, p, p, i64, i64, i64, i64, i64], None),
         "gemv_f32": ([p, p, p, p, i64, i64, i64, i64], None),
         "gemv_silu_f32": ([p, p, p, p, i64, i64, i64, i64], None),
+        "gemv_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
+        "gemv_silu_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
+        "gemv_fp8": ([p, p, p, p, p, i64, i64, i64, i64], None),
         "decode_step_f32": ([p, p, i64, p, p, p, i64, i64, p, i64, p, i64, p, p, i64, p], ctypes.c_int),
         "decode_step_work_floats": ([p, i64, i64, i64], i64),
         "decode_step_phases": ([], i64),
@@ -260,6 +264,71 @@ def gemv_silu(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None 
         n // 2, k, torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def _check_int8_weight(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias, rows: int) -> None:
+    _check_f32(x=x, scale=scale, **({} if bias is None else {"bias": bias}))
+    if weight.dtype != torch.int8 or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise ValueError(f"weight: need a contiguous int8 CPU tensor, got {weight.dtype} {weight.device}")
+    (_, k), n = x.shape, weight.shape[0]
+    if weight.shape[1] != k or scale.shape != (n,) or n % rows or (bias is not None and bias.shape != (n,)):
+        raise ValueError(
+            f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, scale {tuple(scale.shape)}: shapes do not match"
+        )
+
+
+def gemv_int8(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight * scale[:, None], bias)` for float32 x [B, K] and int8 weight [N, K] with
+    per-row float32 scales, reading the int8 bytes once (W8A16 decode)."""
+    _check_int8_weight(x, weight, scale, bias, 1)
+    (b, k), n = x.shape, weight.shape[0]
+    y = torch.empty(b, n, dtype=torch.float32)
+    if _require().gemv_i8(
+        weight.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(),
+        y.data_ptr(), b, n, k, torch.get_num_threads(),
+    ):  # fmt: skip
+        raise MemoryError("gemv_int8: no memory for the rounded inputs")
+    return y
+
+
+def gemv_silu_int8(
+    x: torch.Tensor, gate_up: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`gemv_silu` for int8 gate_up [2I, K] with per-row scales."""
+    _check_int8_weight(x, gate_up, scale, bias, 2)
+    (b, k), n = x.shape, gate_up.shape[0]
+    out = torch.empty(b, n // 2, dtype=torch.float32)
+    if _require().gemv_silu_i8(
+        gate_up.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(),
+        out.data_ptr(), b, n // 2, k, torch.get_num_threads(),
+    ):  # fmt: skip
+        raise MemoryError("gemv_silu_int8: no memory for the rounded inputs")
+    return out
+
+
+def gemv_fp8(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight.float() * scale[:, None], bias)` for float32 x [B, K] and
+    float8_e4m3fn weight [N, K] with per-row float32 scales, widening the bytes in registers."""
+    _check_f32(x=x, scale=scale, **({} if bias is None else {"bias": bias}))
+    if weight.dtype != torch.float8_e4m3fn or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise ValueError(
+            f"weight: need a contiguous float8_e4m3fn CPU tensor, got {weight.dtype} {weight.device}"
+        )
+    (b, k), n = x.shape, weight.shape[0]
+    if weight.shape[1] != k or scale.shape != (n,) or (bias is not None and bias.shape != (n,)):
+        raise ValueError(
+            f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, scale {tuple(scale.shape)}: shapes do not match"
+        )
+    y = torch.empty(b, n, dtype=torch.float32)
+    _require().gemv_fp8(
+        weight.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(),
+        y.data_ptr(), b, n, k, torch.get_num_threads(),
+    )  # fmt: skip
+    return y
 
 
 def rotary_write_kv(

@@ -128,6 +128,7 @@ class Model:
     name: str
     source: ModelSource
     dtype: str = "auto"
+    quantization: str = "auto"
     max_model_length: int | None = None
 
 
@@ -338,6 +339,9 @@ def parse_spec(spec: dict) -> Spec:
             name=_get(model, "name", "spec.model", str, required=True),
             source=_source(model),
             dtype=_choice(model, "dtype", "spec.model", ("auto", "float32", "bfloat16", "float16"), "auto"),
+            quantization=_choice(
+                model, "quantization", "spec.model", ("auto", "none", "int8", "fp8"), "auto"
+            ),
             max_model_length=_int(model, "maxModelLength", "spec.model", None, 1),
         ),
         image=Image(

@@ -132,6 +132,8 @@ def _args(idep: InferenceDeployment, role: Role) -> list[str]:
         device(role),
         cli_flag("dtype"),
         spec.model.dtype,
+        cli_flag("quantization"),
+        spec.model.quantization,
         "--drain-timeout",
         f"{drain_timeout(role.termination_grace_seconds):g}",
     ]

@@ -60,6 +60,9 @@ def test_crd_defaults_agree():
         spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
         assert spec["model"]["properties"]["dtype"]["default"] == FIELDS["dtype"], path
         assert set(spec["model"]["properties"]["dtype"]["enum"]) == {"auto", *engine_args.DTYPES}, path
+        quantization = spec["model"]["properties"]["quantization"]
+        assert quantization["default"] == FIELDS["quantization"], path
+        assert set(quantization["enum"]) == {"auto", "none", *engine_args.QUANTIZATIONS}, path
         for role in ("prefill", "decode"):
             kv = spec[role]["properties"]["kvCache"]["properties"]
             assert kv["blockSize"]["default"] == FIELDS["block_size"], (path, role)

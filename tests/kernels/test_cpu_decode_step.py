@@ -161,3 +161,78 @@ def test_decode_step_refuses_what_it_cannot_run(tiny_llama_dir):
         step(hidden.clone(), pos, slots, cache[:1].contiguous(), tables, lens)
     logits = step(hidden.clone(), pos, slots, cache, tables, lens)
     assert logits.shape == (1, model.vocab_size) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 5, 8], ids=case_id)
+@pytest.mark.parametrize("n,k", [(1, 1), (3, 15), (33, 100), (64, 128), (130, 300), (40, 768)], ids=case_id)
+@pytest.mark.parametrize("bias", [False, True], ids=case_id)
+def test_gemv_int8_matches_linear_of_the_dequantized_weight(batch, n, k, bias):
+    """Edge shapes around the 32- and 128-weight steps of the int8 loop and the groups of four
+    inputs. With VNNI the inputs are rounded to int16 per row (relative 3e-5 of the row's
+    largest value): the tolerance is that, summed over K, not float32 rounding."""
+    g = torch.Generator().manual_seed(batch * 1000 + n + k)
+    x = torch.randn(batch, k, generator=g)
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) / 127
+    b = torch.randn(n, generator=g) if bias else None
+
+    # each input off by at most half a step of max|x| / 16383; K such errors, random signs
+    def tol(weight):
+        return dict(
+            atol=4 * k**0.5 * float(x.abs().max()) / 16383 / 2 * float(weight.abs().max()) + 1e-5, rtol=1e-4
+        )
+
+    want = F.linear(x, w.float() * scale[:, None], b)
+    torch.testing.assert_close(cpu_native.gemv_int8(x, w, scale, b), want, **tol(w.float() * scale[:, None]))
+    b2 = torch.randn(2 * n, generator=g) if bias else None
+    w2 = torch.randint(-127, 128, (2 * n, k), generator=g, dtype=torch.int8)
+    s2 = torch.rand(2 * n, generator=g) / 127
+    want2 = torch_ops.silu_and_mul(F.linear(x, w2.float() * s2[:, None], b2))
+    # SiLU's slope is at most 1.1 and up (its factor) is bounded by the same sum: twice the GEMV's error
+    got2 = cpu_native.gemv_silu_int8(x, w2, s2, b2)
+    up = F.linear(x, w2.float() * s2[:, None], b2)[:, n:]
+    atol = tol(w2.float() * s2[:, None])["atol"] * (
+        1.1 * float(up.abs().max()) + 1.1 * float(want2.abs().max()) + 1
+    )
+    torch.testing.assert_close(got2, want2, atol=atol, rtol=1e-4)
+
+
+def test_gemv_int8_refuses_bad_parts():
+    x, w, s = torch.randn(2, 8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4)
+    with pytest.raises(ValueError, match="int8"):
+        cpu_native.gemv_int8(x, w.float(), s)
+    with pytest.raises(ValueError, match="shapes"):
+        cpu_native.gemv_int8(x, w, torch.ones(3))
+    with pytest.raises(ValueError, match="shapes"):
+        cpu_native.gemv_silu_int8(x, w[:3], s[:3])
+
+
+def test_gemv_fp8_widens_every_e4m3_value_exactly():
+    """Every e4m3fn byte but NaN, through the vector loop (first 224) and the scalar tail."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    w = values[~torch.isnan(values.float())][:240].reshape(1, 240).contiguous()
+    got = cpu_native.gemv_fp8(torch.eye(240), w, torch.ones(1))
+    assert torch.equal(got[:, 0], w.float()[0])
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5], ids=case_id)
+@pytest.mark.parametrize("n,k", [(1, 7), (33, 100), (70, 768)], ids=case_id)
+def test_gemv_fp8_matches_linear_of_the_dequantized_weight(batch, n, k):
+    g = torch.Generator().manual_seed(batch * 100 + n + k)
+    w = (torch.randn(n, k, generator=g) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale, x, b = torch.rand(n, generator=g), torch.randn(batch, k, generator=g), torch.randn(n, generator=g)
+    want = F.linear(x, w.float() * scale[:, None], b)
+    torch.testing.assert_close(cpu_native.gemv_fp8(x, w, scale, b), want, atol=1e-3, rtol=1e-4)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        cpu_native.gemv_fp8(x, w.float(), scale)
+
+
+def test_gemv_int8_row_sums_beyond_int32_stay_exact():
+    """Inputs at their rounded maximum against weights of 127 of the same sign: the row's integer
+    sum (4096 * 16383 * 127 ~ 8.5e9) is past int32, each lane's is not."""
+    x, w = torch.ones(2, 4096), torch.full((3, 4096), 127, dtype=torch.int8)
+    x[1] = -1.0
+    got = cpu_native.gemv_int8(x, w, torch.ones(3))
+    torch.testing.assert_close(
+        got, torch.tensor([[4096.0 * 127] * 3, [-4096.0 * 127] * 3]), atol=0, rtol=1e-6
+    )

@@ -122,7 +122,20 @@ def test_cpu_example_generates_the_tiny_model():
     args = pod["containers"][0]["args"]
     assert args[args.index("--model") + 1] == "/models/model"
     assert args[args.index("--dtype") + 1] == "float32"
+    assert args[args.index("--quantization") + 1] == "auto"  # the CRD default, passed through
     assert args[args.index("--redis-url") + 1] == "redis://tiny-redis.default.svc:6379/0"
+
+
+def test_quantization_is_passed_to_the_workers():
+    body = load_example("cpu-tiny.yaml")
+    body["spec"]["model"]["quantization"] = "int8"
+    kids = children(body)
+    for role in ("prefill", "decode"):
+        args = kids["StatefulSet", f"tiny-{role}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--quantization") + 1] == "int8"
+    body["spec"]["model"]["quantization"] = "int4"
+    with pytest.raises(specs.SpecError, match="spec.model.quantization"):
+        children(body)
 
 
 def test_autoscaled_pools_are_created_at_the_autoscalers_count_or_min(monkeypatch):

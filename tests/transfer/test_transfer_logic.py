@@ -39,7 +39,8 @@ def test_compat_hash_ignores_pool_size_only():
     base = _layout()
     assert base.compat_hash() == _layout(num_blocks=999).compat_hash()
     for change in ({"model_id": "other"}, {"dtype": "float16"}, {"num_layers": 3}, {"num_kv_heads": 8},
-                   {"head_dim": 128}, {"block_size": 32}):  # fmt: skip
+                   {"head_dim": 128}, {"block_size": 32}, {"kv_cache_dtype": "int8"},
+                   {"weight_quantization": "int8"}):  # fmt: skip
         assert _layout(**change).compat_hash() != base.compat_hash(), change
 
 
@@ -57,6 +58,13 @@ def test_handshake_roundtrip_and_rejections():
     )
     with pytest.raises(IncompatiblePeer, match="block_size: local 16, peer 32"):
         decode_handshake(encode_handshake(_layout(block_size=32), "nixl", "p"), local, "nixl")
+    # a quantized KV cache, or KV computed with other weights, is refused by name
+    with pytest.raises(IncompatiblePeer, match="kv_cache_dtype: local 'auto', peer 'fp8'"):
+        decode_handshake(encode_handshake(_layout(kv_cache_dtype="fp8"), "nixl", "p"), local, "nixl")
+    with pytest.raises(IncompatiblePeer, match="weight_quantization: local 'none', peer 'int8'"):
+        decode_handshake(encode_handshake(_layout(weight_quantization="int8"), "nixl", "p"), local, "nixl")
+    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of"):
+        _layout(kv_cache_dtype="int4")
     with pytest.raises(IncompatiblePeer, match="transport differs"):
         decode_handshake(payload, local, "grpc")
     old = pb.KVHandshake.FromString(payload)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8", "fp8")
 ENV_PREFIX = "DISAGG_"
 
 
@@ -41,6 +42,12 @@ class EngineArgs:
         "auto",
         "weights and activations; auto: the checkpoint's own torch_dtype (float32 when it names none we run)",
         choices=("auto", *DTYPES),
+    )
+    quantization: str = _setting(
+        "auto",
+        "weights of the layers' matmuls: int8 (per-channel scales, activations stay in dtype) or fp8 "
+        "(e4m3, per-channel scales); auto: the checkpoint's own (compressed-tensors), else none",
+        choices=("auto", "none", *QUANTIZATIONS),
     )
     device: str = _setting("auto", "cpu, cuda or cuda:N; auto: cuda when a GPU is visible, else cpu")
     block_size: int = _setting(16, "tokens per KV-cache block", minimum=1)

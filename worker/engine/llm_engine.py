@@ -100,8 +100,9 @@ class LLMEngine:
             )
         try:
             self.model, self.config = load_model(
-                model, dtype=dtype, device=device, tp=None if self.ranks is None else self.ranks.tp
-            )
+                model, dtype=dtype, device=device, tp=None if self.ranks is None else self.ranks.tp,
+                quantization_setting=args.quantization,
+            )  # fmt: skip
             self._build(args, block_size, max_num_seqs, load_tokenizer)
         except BaseException:
             self.close()

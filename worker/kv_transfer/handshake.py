@@ -12,7 +12,10 @@ from disagg.proto import kv_transfer_pb2 as pb
 from disagg.worker.kv_transfer.errors import IncompatiblePeer
 from disagg.worker.kv_transfer.layout import PROTOCOL_VERSION, KVLayout
 
-_COMPAT_FIELDS = ("model_id", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size")
+_COMPAT_FIELDS = (
+    "model_id", "dtype", "kv_cache_dtype", "weight_quantization", "num_layers", "num_kv_heads", "head_dim",
+    "block_size",
+)  # fmt: skip
 
 
 def layout_to_proto(layout: KVLayout) -> pb.KVLayoutSpec:
@@ -26,6 +29,8 @@ def layout_to_proto(layout: KVLayout) -> pb.KVLayoutSpec:
         head_dim=layout.head_dim,
         tp_size=layout.tp_size,
         model_kv_heads=layout.model_kv_heads,
+        kv_cache_dtype=layout.kv_cache_dtype,
+        weight_quantization=layout.weight_quantization,
     )
 
 
@@ -40,6 +45,8 @@ def layout_from_proto(spec: pb.KVLayoutSpec) -> KVLayout:
         head_dim=spec.head_dim,
         tp_size=spec.tp_size or 1,
         model_kv_heads=spec.model_kv_heads or None,
+        kv_cache_dtype=spec.kv_cache_dtype,
+        weight_quantization=spec.weight_quantization,
     )
 
 

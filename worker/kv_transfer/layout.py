@@ -3,6 +3,9 @@
 The cache is one tensor [num_layers, num_blocks, 2, block_size, kv_heads, head_dim], so region
 (layer, block) is the contiguous byte range starting at (layer * num_blocks + block) * block_bytes.
 Peers may have different num_blocks; everything else must match, which the compatibility hash checks.
+That includes how the values are stored (`kv_cache_dtype`: "auto", the cache's dtype itself;
+"int8" / "fp8" name 8-bit values with scales) and the weights' quantization that computed them:
+blocks from a peer with other weights would decode into an output neither engine produces alone.
 """
 
 from __future__ import annotations
@@ -12,9 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: kv_cache_dtype and weight_quantization in the layout
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "uint8": 1}
+_ITEMSIZE = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+WEIGHT_QUANTIZATIONS = ("none", "int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -28,12 +41,22 @@ class KVLayout:
     head_dim: int
     tp_size: int = 1  # ranks the worker splits the model over
     model_kv_heads: int | None = None  # the model's KV heads; None: num_kv_heads (one rank)
+    kv_cache_dtype: str = "auto"
+    weight_quantization: str = "none"
 
     def __post_init__(self):
         if self.dtype not in _ITEMSIZE:
             raise ValueError(f"dtype: unsupported KV dtype {self.dtype!r} (known: {sorted(_ITEMSIZE)})")
         if self.model_kv_heads is None:
             object.__setattr__(self, "model_kv_heads", self.num_kv_heads)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.weight_quantization not in WEIGHT_QUANTIZATIONS:
+            raise ValueError(
+                f"weight_quantization: must be one of {', '.join(WEIGHT_QUANTIZATIONS)}, got {self.weight_quantization!r}"
+            )
         for field in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "tp_size",
                       "model_kv_heads"):  # fmt: skip
             value = getattr(self, field)
@@ -42,7 +65,13 @@ class KVLayout:
 
     @classmethod
     def from_tensor(
-        cls, kv_cache: torch.Tensor, model_id: str, tp_size: int = 1, model_kv_heads: int | None = None
+        cls,
+        kv_cache: torch.Tensor,
+        model_id: str,
+        tp_size: int = 1,
+        model_kv_heads: int | None = None,
+        kv_cache_dtype: str = "auto",
+        weight_quantization: str = "none",
     ) -> KVLayout:
         """The layout of `kv_cache`; with tensor parallelism, `kv_cache` is one rank's part and
         `model_kv_heads` the model's total."""
@@ -62,6 +91,8 @@ class KVLayout:
             head_dim=head_dim,
             tp_size=tp_size,
             model_kv_heads=model_kv_heads,
+            kv_cache_dtype=kv_cache_dtype,
+            weight_quantization=weight_quantization,
         )
 
     @property
@@ -92,7 +123,7 @@ class KVLayout:
             str(v)
             for v in (
                 PROTOCOL_VERSION, self.model_id, self.dtype, self.num_layers,
-                self.num_kv_heads, self.head_dim, self.block_size,
+                self.num_kv_heads, self.head_dim, self.block_size, self.kv_cache_dtype, self.weight_quantization,
             )
         )  # fmt: skip
         if self.tp_size > 1:  # one rank's hash is what it was before tensor parallelism
@@ -101,7 +132,10 @@ class KVLayout:
 
     def check_tensor(self, kv_cache: torch.Tensor) -> None:
         """The tensor a transport registers must be exactly this layout, contiguous."""
-        actual = KVLayout.from_tensor(kv_cache, self.model_id, self.tp_size, self.model_kv_heads)
+        actual = KVLayout.from_tensor(
+            kv_cache, self.model_id, self.tp_size, self.model_kv_heads, self.kv_cache_dtype,
+            self.weight_quantization,
+        )  # fmt: skip
         if actual != self:
             raise ValueError(f"kv_cache: tensor layout {actual} does not match the given layout {self}")
         if not kv_cache.is_contiguous():

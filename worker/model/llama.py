@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from disagg.kernels import cpu_decode_step, cpu_native, get_ops, torch_ops
+from disagg.kernels.quantized import QuantizedWeight, linear
 from disagg.worker.model.config import ModelConfig, RopeConfig
 from disagg.worker.model.forward_batch import ForwardBatch
 from disagg.worker.model.parallel import TensorParallel
@@ -24,14 +25,14 @@ from disagg.worker.model.parallel import TensorParallel
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor  # [(Hq + 2 Hkv) * D, H]
+    qkv: torch.Tensor | QuantizedWeight  # [(Hq + 2 Hkv) * D, H]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor  # [H, Hq * D]
+    o: torch.Tensor | QuantizedWeight  # [H, Hq * D]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor  # [2 I, H], gate rows first
+    gate_up: torch.Tensor | QuantizedWeight  # [2 I, H], gate rows first
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [H, I]
+    down: torch.Tensor | QuantizedWeight  # [H, I]
     down_bias: torch.Tensor | None
 
 
@@ -40,7 +41,7 @@ class ModelWeights:
     embed: torch.Tensor  # [V, H]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H]; the embedding itself when tied
+    lm_head: torch.Tensor | QuantizedWeight  # [V, H]; the embedding itself when tied and not quantized
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -178,6 +179,11 @@ class LlamaForCausalLM:
         self._q_size = self.num_heads * self.head_dim
         self._kv_size = self.num_kv_heads * self.head_dim
         self._native_decode_step: cpu_decode_step.NativeDecodeStep | None = None
+        first = weights.layers[0].qkv if weights.layers else None
+        self.quantization = first.scheme if isinstance(first, QuantizedWeight) else "none"
+        # the native whole-step decode takes float32 and 8-bit (int8 / fp8) matmul weights
+        mats = [getattr(layer, name) for layer in weights.layers for name in cpu_decode_step.MATMULS]
+        self._whole_step_native = all(cpu_decode_step.supports(t) for t in (*mats, weights.lm_head))
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of the whole model's KV cache: [layers, blocks, 2 (K, V), block_size, Hkv, D]."""
@@ -239,7 +245,7 @@ class LlamaForCausalLM:
                 hidden = add_rms_norm_(residual, hidden, layer.input_norm, eps)
             else:
                 hidden, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
-            qkv = F.linear(hidden, layer.qkv, layer.qkv_bias)
+            qkv = linear(hidden, layer.qkv, layer.qkv_bias)
             q = qkv[:, :q_end].view(num_tokens, hq, d)
             k = qkv[:, q_end:k_end].view(num_tokens, hkv, d)
             v = qkv[:, k_end:].view(num_tokens, hkv, d)
@@ -273,7 +279,7 @@ class LlamaForCausalLM:
                 hidden = add_rms_norm_(residual, hidden, layer.post_norm, eps)
             else:
                 hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
-            gate_up = F.linear(hidden, layer.gate_up, layer.gate_up_bias)
+            gate_up = linear(hidden, layer.gate_up, layer.gate_up_bias)
             hidden = self._row_linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
 
         # Only the wanted rows go through the final norm and the (large) vocabulary projection.
@@ -294,11 +300,11 @@ class LlamaForCausalLM:
         return self.tp.embed(input_ids, self.weights.embed)
 
     def _row_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, weight, bias) if self.tp is None else self.tp.row_linear(x, weight, bias)
+        return linear(x, weight, bias) if self.tp is None else self.tp.row_linear(x, weight, bias)
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return F.linear(x, self.weights.lm_head).float()
+            return linear(x, self.weights.lm_head).float()
         return self.tp.lm_head(x, self.weights.lm_head).float()
 
     def _native_ok(self, kv_caches: torch.Tensor) -> bool:
@@ -331,7 +337,9 @@ class LlamaForCausalLM:
         Decode steps of a few sequences run whole in one native call (`native_decode_step`)."""
         w, eps = self.weights, self.config.rms_norm_eps
         num_tokens = batch.input_ids.shape[0]
-        whole_step = self.tp is None and layer_hook is None  # the native step has no collectives
+        whole_step = (
+            self.tp is None and layer_hook is None and self._whole_step_native
+        )  # no collectives there
         if not batch.is_prefill and whole_step and num_tokens <= cpu_decode_step.MAX_BATCH:
             logits = self.native_decode_step()(
                 F.embedding(batch.input_ids, w.embed), batch.positions, batch.slot_mapping, kv_caches,
@@ -356,7 +364,7 @@ class LlamaForCausalLM:
         for i, layer in enumerate(w.layers):
             if i > 0:
                 hidden = cpu_native.add_rms_norm(hidden, layer.input_norm, eps, residual)
-            qkv = F.linear(hidden, layer.qkv, layer.qkv_bias)
+            qkv = linear(hidden, layer.qkv, layer.qkv_bias)
             kv_cache = kv_caches[i]
             cpu_native.rotary_write_kv(
                 qkv, self.cos_sin_cache, batch.positions, kv_cache, batch.slot_mapping, hq, hkv
@@ -375,7 +383,7 @@ class LlamaForCausalLM:
                 )  # fmt: skip
             hidden = self._row_linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
             hidden = cpu_native.add_rms_norm(hidden, layer.post_norm, eps, residual)
-            gate_up = F.linear(hidden, layer.gate_up, layer.gate_up_bias)
+            gate_up = linear(hidden, layer.gate_up, layer.gate_up_bias)
             hidden = self._row_linear(cpu_native.silu_and_mul(gate_up), layer.down, layer.down_bias)
 
         idx = batch.logits_indices

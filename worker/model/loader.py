@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from disagg.worker.model import parallel
+from disagg.kernels.quantized import QuantizedWeight
+from disagg.worker.model import parallel, quantization
 from disagg.worker.model.config import ModelConfig
 from disagg.worker.model.llama import LayerWeights, LlamaForCausalLM, ModelWeights
 from disagg.worker.model.parallel import ShardPlan, TensorParallel
@@ -38,6 +39,9 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# Beside a pre-quantized `*.weight`: its scale, and the static activation scale of W8A8
+# checkpoints (unused: activations stay in the model dtype).
+_QUANT_SUFFIXES = (".weight_scale", ".input_scale")
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -114,15 +118,28 @@ def build_weights(
     dtype: torch.dtype,
     device: torch.device,
     shard: ShardPlan | None = None,
+    quantize: str | None = None,
+    prequantized: bool = False,
 ) -> ModelWeights:
     """Check names and shapes, convert, fuse. Missing or unexpected tensors are errors naming them.
-    With a `shard` plan, only that rank's slices are kept (`parallel`'s split)."""
+
+    With a `shard` plan, only that rank's slices are kept (`parallel`'s split). `quantize` ("int8" |
+    "fp8"): the matmul weights and the LM head are quantized here, layer by layer. `prequantized`: the
+    checkpoint holds them quantized already, with `*.weight_scale`."""
+    if shard is not None and (quantize is not None or prequantized):
+        raise ValueError(
+            "quantization: 8-bit weights are not supported with tensor_parallel_size > 1 yet "
+            "(use one or the other)"
+        )
     names = {k for k in tensors if not k.endswith(_IGNORED_SUFFIXES)}
     wanted = expected_names(config)
     missing = [n for n in wanted if n not in names]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:10])}")
     allowed = set(wanted) | {"lm_head.weight"}
+    if prequantized:
+        allowed |= {n.removesuffix(".weight") + sfx for n in allowed if n.endswith("proj.weight") or
+                    n == "lm_head.weight" for sfx in _QUANT_SUFFIXES}  # fmt: skip
     unexpected = sorted(names - allowed)
     if unexpected:
         raise ValueError(
@@ -160,6 +177,24 @@ def build_weights(
     def vocab(t: torch.Tensor) -> torch.Tensor:
         return t if shard is None else parallel.vocab_rows(shard, t)
 
+    def matmul(*parts: tuple[str, tuple[int, int]], split=None) -> torch.Tensor | QuantizedWeight:
+        """A (fused) matmul weight: as stored when pre-quantized, else in dtype (this rank's `split`
+        of the full tensors under tensor parallelism), quantized if asked."""
+        scaled = [name.removesuffix("weight") + "weight_scale" in tensors for name, _ in parts]
+        if prequantized and any(scaled):
+            if not all(scaled):
+                raise ValueError(f"{', '.join(n for n, _ in parts)} are fused, but only some are quantized")
+            data = [get(name, shape) for name, shape in parts]
+            scales = [tensors[name + "_scale"] for name, _ in parts]
+            w = quantization.prequantized(data, scales, [name for name, _ in parts])
+            return QuantizedWeight(w.data.to(device), w.scale.to(device))
+        full = [get(name, shape) for name, shape in parts]
+        w = place(*(full if split is None else split(full)))
+        if quantize is None or prequantized:
+            return w
+        q = quantization.quantize(w, quantize)  # in float32 from the dtype-rounded weight
+        return QuantizedWeight(q.data.to(device), q.scale.to(device))
+
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -183,30 +218,34 @@ def build_weights(
         layers.append(
             LayerWeights(
                 input_norm=place(get(p + "input_layernorm.weight", (h,))),
-                qkv=place(
-                    *qkv(
-                        get(a + "q_proj.weight", (q_rows, h)),
-                        get(a + "k_proj.weight", (kv_rows, h)),
-                        get(a + "v_proj.weight", (kv_rows, h)),
-                    )
+                qkv=matmul(
+                    (a + "q_proj.weight", (q_rows, h)),
+                    (a + "k_proj.weight", (kv_rows, h)),
+                    (a + "v_proj.weight", (kv_rows, h)),
+                    split=lambda full: qkv(*full),
                 ),
                 qkv_bias=qkv_bias,
-                o=place(o_cols(get(a + "o_proj.weight", (h, q_rows)))),
+                o=matmul((a + "o_proj.weight", (h, q_rows)), split=lambda full: [o_cols(full[0])]),
                 o_bias=o_bias,
                 post_norm=place(get(p + "post_attention_layernorm.weight", (h,))),
-                gate_up=place(
-                    mlp(get(m + "gate_proj.weight", (i_size, h))), mlp(get(m + "up_proj.weight", (i_size, h)))
+                gate_up=matmul(
+                    (m + "gate_proj.weight", (i_size, h)),
+                    (m + "up_proj.weight", (i_size, h)),
+                    split=lambda full: [mlp(t) for t in full],
                 ),
                 gate_up_bias=gate_up_bias,
-                down=place(down_cols(get(m + "down_proj.weight", (h, i_size)))),
+                down=matmul((m + "down_proj.weight", (h, i_size)), split=lambda full: [down_cols(full[0])]),
                 down_bias=down_bias,
             )
         )
     embed = place(vocab(get("model.embed_tokens.weight", (config.vocab_size, h))))
     if config.tie_word_embeddings or "lm_head.weight" not in tensors:
         lm_head = embed
+        if quantize is not None and not prequantized:  # its own 8-bit copy; lookups keep the table
+            q = quantization.quantize(embed, quantize)
+            lm_head = QuantizedWeight(q.data.to(device), q.scale.to(device))
     else:
-        lm_head = place(vocab(get("lm_head.weight", (config.vocab_size, h))))
+        lm_head = matmul(("lm_head.weight", (config.vocab_size, h)), split=lambda full: [vocab(full[0])])
     return ModelWeights(
         embed=embed, layers=layers, norm=place(get("model.norm.weight", (h,))), lm_head=lm_head
     )
@@ -217,12 +256,19 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     tp: TensorParallel | None = None,
+    quantization_setting: str = "auto",
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Read config and weights from `path`; returns the model ready for `forward` and its config.
-    With `tp`, the model holds that rank's shard and runs its collectives."""
+    With `tp`, the model holds that rank's shard and runs its collectives. `quantization_setting`:
+    auto | none | int8 | fp8 (`quantization.resolve`)."""
     config = ModelConfig.from_pretrained(path)
     torch_dtype = resolve_dtype(dtype)
     device = torch.device(device)
+    in_checkpoint = quantization.checkpoint_scheme(path)
+    scheme = quantization.resolve(quantization_setting, in_checkpoint)
     tensors = CheckpointTensors(checkpoint_files(path))
-    weights = build_weights(config, tensors, torch_dtype, device, None if tp is None else tp.plan)
+    weights = build_weights(
+        config, tensors, torch_dtype, device, None if tp is None else tp.plan, quantize=scheme,
+        prequantized=in_checkpoint is not None,
+    )  # fmt: skip
     return LlamaForCausalLM(config, weights, torch_dtype, device, tp=tp), config

@@ -28,7 +28,7 @@ from disagg.worker.router.errors import APIError, invalid
 from disagg.worker.router.fanout import ChoiceState, Echo, plan_choices, total_usage
 from disagg.worker.router.openai_format import ResponseBuilder
 from disagg.worker.router.openapi import openapi_spec
-from disagg.worker.router.policy import WorkerView, choose_decode, rank_prefill
+from disagg.worker.router.policy import WorkerView, choose_decode, rank_prefill, served_quantization
 from disagg.worker.router.responses_format import ResponsesBuilder
 from disagg.worker.router.responses_request import parse_responses
 from disagg.worker.router.tools import ToolCalls
@@ -174,6 +174,7 @@ class Router:
             "object": "model",
             "created": self.created,
             "owned_by": "disagg",
+            "quantization": served_quantization(self.pool.views()),
         }
         return web.json_response({"object": "list", "data": [card]})
 

@@ -24,6 +24,7 @@ class WorkerView:
     inflight: int = 0  # requests this router has outstanding on the worker
     queued_prefill_tokens: int = 0  # prompt tokens waiting for its prefill steps
     prefill_tokens_per_s: float = 0.0  # its measured prefill rate; 0 until measured
+    quantization: str = ""  # the worker's weights (none | int8 | fp8), from its Health
 
     @property
     def queue(self) -> int:
@@ -35,6 +36,14 @@ class WorkerView:
 
 
 DECODE_ROLES = ("decode", "both")
+
+
+def served_quantization(views: list[WorkerView]) -> str | None:
+    """The weights' quantization the ready workers serve: one name, several joined by "," (a
+    rollout changing it), None while no worker has answered."""
+    names = sorted({v.quantization for v in views if v.quantization})
+    return ",".join(names) if names else None
+
 
 # Weights of the decode cost: a queued request ~ 2 running ones; an empty KV cache is worth ~4
 # requests of headroom; a fully cached prompt ~ 1 request (it saves its whole prefill).

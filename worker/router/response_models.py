@@ -198,6 +198,9 @@ class ModelCard(_Body):
     object: Literal["model"]
     created: int
     owned_by: str
+    # the weights' quantization the ready workers serve (none | int8 | fp8; several joined by ","
+    # during a rollout that changes it); null while no worker is ready
+    quantization: str | None = None
 
 
 class ModelList(_Body):

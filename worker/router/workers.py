@@ -135,6 +135,7 @@ class WorkerPool:
             total_blocks=load.total_blocks,
             queued_prefill_tokens=load.queued_prefill_tokens,
             prefill_tokens_per_s=load.prefill_tokens_per_s,
+            quantization=health.quantization,
         )
 
     async def _drop(self, addr: str) -> None:

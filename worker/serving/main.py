@@ -66,7 +66,11 @@ def _build_transport(cfg: WorkerConfig, engine, address: str):
     from disagg.worker.kv_transfer import KVLayout, create_transport
 
     layout = KVLayout.from_tensor(
-        engine.kv_cache, cfg.model_name, engine.args.tensor_parallel_size, engine.config.num_key_value_heads
+        engine.kv_cache,
+        cfg.model_name,
+        engine.args.tensor_parallel_size,
+        engine.config.num_key_value_heads,
+        weight_quantization=engine.model.quantization,
     )
     options = {}
     if cfg.kv_transfer == "nixl":
@@ -224,7 +228,15 @@ class WorkerProcess:
             disagg_busy_slack=self.cfg.disagg_busy_slack,
             prefill_timeout=self.cfg.prefill_timeout,
             lease_seconds=self.cfg.lease_seconds,
+            quantization=engine.model.quantization,
+            dtype=str(engine.model.dtype).removeprefix("torch."),
         )
+        from disagg.worker.model.quantization import decode_weight_bytes
+
+        self.metrics.weights(engine.model.quantization, opts.dtype, decode_weight_bytes(engine.model.weights))
+        block_size = self.cfg.engine.block_size
+        kv_dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
+        self.metrics.kv_cache(kv_dtype, engine.model.kv_cache_block_bytes(block_size) // block_size)
         self.service = WorkerService(
             opts, self.loop, core, self.state, self.metrics, engine.max_model_len, auth=self.cfg.auth
         )

@@ -41,6 +41,8 @@ class _Families:
     rejected: Counter
     prefill_retries: Counter
     remote_prefill_stages: Histogram
+    weight_bytes: Gauge
+    kv_bytes: Gauge
 
 
 _FAMILIES: dict[int, _Families] = {}
@@ -119,6 +121,20 @@ def _families(registry: CollectorRegistry) -> _Families:
                 buckets=_LATENCY_BUCKETS,
                 registry=registry,
             ),
+            weight_bytes=Gauge(
+                "disagg_weight_bytes_per_token",
+                "Weight bytes a decode step reads per token at batch 1 (layers, final norm, LM head; "
+                "8-bit weights with their scales), labelled with the weights' quantization and dtype.",
+                (*LABELS, "quantization", "dtype"),
+                registry=registry,
+            ),
+            kv_bytes=Gauge(
+                "disagg_kv_bytes_per_token",
+                "KV-cache bytes one token takes over all layers (what a transfer moves per prompt token), "
+                "labelled with the cache's dtype.",
+                (*LABELS, "dtype"),
+                registry=registry,
+            ),
         )
     return _FAMILIES[key]
 
@@ -157,6 +173,8 @@ class ServingMetrics:
                 for stage in ("setup", "queue", "compute", "transfer", "overhead", "commit")
             }
         self._requests = f.requests
+        self._weight_bytes = f.weight_bytes
+        self._kv_bytes = f.kv_bytes
         self._decisions = f.decisions
         self._rejected = f.rejected
 
@@ -186,6 +204,15 @@ class ServingMetrics:
         self.kv_free.set(free)
         self.kv_used.set(used)
         self.kv_usage.set(used / total if total else 0.0)
+
+    def weights(self, quantization: str, dtype: str, bytes_per_token: int) -> None:
+        """The served weights: set once, when the engine has loaded."""
+        self._weight_bytes.labels(
+            role=self.role, model=self.model, quantization=quantization, dtype=dtype
+        ).set(bytes_per_token)
+
+    def kv_cache(self, dtype: str, bytes_per_token: int) -> None:
+        self._kv_bytes.labels(role=self.role, model=self.model, dtype=dtype).set(bytes_per_token)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -54,6 +54,8 @@ class ServingOptions:
     prefill_timeout: float = 120.0
     kv_wait_timeout: float = 60.0
     lease_seconds: float = 30.0
+    quantization: str = "none"  # the engine's weights, reported by Health
+    dtype: str = ""
 
     def __post_init__(self):
         if self.prefill_placement not in ("load", "threshold"):
@@ -503,6 +505,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             role=self.opts.role,
             model=self.opts.model_name,
             draining=self.draining,
+            quantization=self.opts.quantization,
+            dtype=self.opts.dtype,
         )
 
     async def Load(self, request, context) -> pb.LoadResponse:

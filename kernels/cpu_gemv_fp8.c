@@ -1,0 +1,113 @@
+/* Matrix-vector products with fp8 (e4m3, float8_e4m3fn) weights and float32 inputs: y[b][r] =
+ * scale[r] * (W[r] . x[b]) (+ bias[r]), W [N][K] row-major bytes, one scale per row.
+ *
+ * An e4m3 byte (sign, 4 exponent bits of bias 7, 3 mantissa bits) moved into a float16's fields
+ * (sign to bit 15, the other seven bits to bits 7-13) is a float16 of the same value times 2^-8
+ * (float16's exponent bias is 15), subnormals included; so 16 weights become floats with a sign
+ * extension, a shift, a mask and the hardware float16 conversion, and the 2^8 is folded into the
+ * row's scale. (0x7f / 0xff, e4m3fn's NaN, would read as 480: quantizers never write it.)
+ * Rows are handed to threads as in cpu_gemv.c.
+ */
+#include "cpu_kernels.h"
+
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__) && defined(__F16C__)
+#include <immintrin.h>
+#define FP8_AVX512 1
+#endif
+
+#define FP8_UNSCALE 256.0f /* 2^8: float16 field value -> e4m3 value */
+
+/* One e4m3 byte as its float value / 256 (portable form of the vector conversion). */
+static inline float fp8_scaled(uint8_t v) {
+    const int e = (v >> 3) & 15, m = v & 7;
+    const float mag = e ? (1.0f + m / 8.0f) * (float)(1 << e) / 128.0f : m / 8.0f / 64.0f; /* e4m3 value */
+    return (v & 0x80 ? -mag : mag) / FP8_UNSCALE;
+}
+
+#ifdef FP8_AVX512
+static inline __m512 load16_fp8(const uint8_t *p) {
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7),
+                                       _mm256_set1_epi16((short)0xBF80));
+    return _mm512_cvtph_ps(h);
+}
+#endif
+
+/* y[b * ys] = scale * (w . x[b]) for one row and nb <= 4 inputs. */
+static inline __attribute__((always_inline)) void gemv_block_fp8(const uint8_t *w, float scale, int64_t k,
+                                                                 const float *x, int64_t xs, float *y, int64_t ys,
+                                                                 const int nb) {
+    int64_t j = 0;
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#ifdef FP8_AVX512
+    __m512 acc[4][2];
+#pragma GCC unroll 4
+    for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm512_setzero_ps();
+    for (; j + 32 <= k; j += 32) {
+        const __m512 w0 = load16_fp8(w + j), w1 = load16_fp8(w + j + 16);
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) {
+            acc[b][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + b * xs + j), acc[b][0]);
+            acc[b][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + b * xs + j + 16), acc[b][1]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int b = 0; b < nb; b++) s[b] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
+#endif
+#pragma GCC unroll 4
+    for (int b = 0; b < nb; b++) {
+        for (int64_t t = j; t < k; t++) s[b] += fp8_scaled(w[t]) * x[b * xs + t];
+        y[b * ys] = s[b] * (scale * FP8_UNSCALE);
+    }
+}
+
+static void rows_fp8(const uint8_t *w, const float *scale, int64_t k, const float *x, int64_t xs, float *y,
+                     int64_t ys, int64_t batch, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t b = 0; b < batch; b += 4) {
+            const float *xb = x + b * xs;
+            float *yb = y + b * ys + r;
+            switch (batch - b < 4 ? (int)(batch - b) : 4) {
+                case 1: gemv_block_fp8(w + r * k, scale[r], k, xb, xs, yb, ys, 1); break;
+                case 2: gemv_block_fp8(w + r * k, scale[r], k, xb, xs, yb, ys, 2); break;
+                case 3: gemv_block_fp8(w + r * k, scale[r], k, xb, xs, yb, ys, 3); break;
+                default: gemv_block_fp8(w + r * k, scale[r], k, xb, xs, yb, ys, 4); break;
+            }
+        }
+}
+
+void gemv_rows_fp8(const uint8_t *w, const float *scale, const float *bias, int64_t k, const float *x,
+                   int64_t x_stride, float *y, int64_t y_stride, int64_t batch, int64_t r0, int64_t r1) {
+    rows_fp8(w, scale, k, x, x_stride, y, y_stride, batch, r0, r1);
+    if (bias)
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t r = r0; r < r1; r++) y[b * y_stride + r] += bias[r];
+}
+
+void gemv_silu_rows_fp8(const uint8_t *w, const float *scale, const float *bias, int64_t k, int64_t inter,
+                        const float *x, float *out, int64_t batch, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i += GEMV_CHUNK) {
+        const int64_t n = i1 - i < GEMV_CHUNK ? i1 - i : GEMV_CHUNK;
+        float gate[batch * GEMV_CHUNK], up[batch * GEMV_CHUNK];
+        rows_fp8(w + i * k, scale + i, k, x, k, gate, GEMV_CHUNK, batch, 0, n);
+        rows_fp8(w + (inter + i) * k, scale + inter + i, k, x, k, up, GEMV_CHUNK, batch, 0, n);
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t t = 0; t < n; t++) {
+                const float g = gate[b * GEMV_CHUNK + t] + (bias ? bias[i + t] : 0.0f);
+                const float u = up[b * GEMV_CHUNK + t] + (bias ? bias[inter + i + t] : 0.0f);
+                out[b * inter + i + t] = silu_mul(g, u);
+            }
+    }
+}
+
+void gemv_fp8(const uint8_t *w, const float *scale, const float *bias, const float *x, float *y, int64_t batch,
+              int64_t n, int64_t k, int64_t num_threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t r = 0; r < n; r += GEMV_CHUNK) {
+        const int64_t r1 = r + GEMV_CHUNK < n ? r + GEMV_CHUNK : n;
+        gemv_rows_fp8(w, scale, bias, k, x, k, y, n, batch, r, r1);
+    }
+}
