@@ -1,0 +1,198 @@
+"""One decode step done speculatively: propose, verify in one target pass, accept, roll back.
+
+Each running sequence of the step contributes its last sampled token and its k proposals (k may be
+0, and differs per sequence) as one run of a packed batch; the logits of every position give the
+target's distribution after each prefix of the proposals (`target.py`), and `rejection.py` decides
+how many are kept plus one token of the target's own. Tokens go through the engine's usual
+append path one by one, so stop ids, stop strings, max_tokens and logprobs apply at every length
+and end the request where a plain decode would. Afterwards the request's computed length is its
+kept tokens; blocks only rejected tokens used go back to the pool, and only full blocks of kept
+tokens reach the prefix cache.
+
+Requests with a structured-output grammar do not speculate (their matcher would have to advance
+over proposals and roll back); they still decode in the same step, as runs of one token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from disagg.worker.engine.outputs import RequestOutput, TokenLogprob
+from disagg.worker.engine.request import Request
+from disagg.worker.engine.sampler import _top_logprobs
+from disagg.worker.engine.scheduler import SchedulerOutput
+from disagg.worker.engine.spec import batches
+from disagg.worker.engine.spec.acceptance import AcceptanceGate
+from disagg.worker.engine.spec.config import SpeculativeConfig
+from disagg.worker.engine.spec.proposer import Proposal, Proposer
+from disagg.worker.engine.spec.rejection import accept_greedy, accept_sampled
+from disagg.worker.engine.spec.stats import SpecStats
+from disagg.worker.engine.spec.target import final_logits, needs_processing
+
+if TYPE_CHECKING:
+    from disagg.worker.engine.llm_engine import LLMEngine
+
+
+def make_proposer(config: SpeculativeConfig, *, dtype: str, device: str, block_size: int, vocab_size: int,
+                  max_model_len: int, cuda_graphs: bool | None) -> Proposer:  # fmt: skip
+    """The configured proposer; a draft model is loaded here, with a cache for `max_batch`
+    sequences of the target's longest length plus as many again (sequences outside the current
+    step give theirs back when it runs short)."""
+    if config.method == "ngram":
+        from disagg.worker.engine.spec.ngram import NgramProposer
+
+        return NgramProposer(config.ngram_min, config.ngram_max)
+    from disagg.worker.engine.spec.draft import DraftModelProposer
+    from disagg.worker.model.loader import load_model
+
+    model, draft_config = load_model(config.draft_model, dtype=dtype, device=device)
+    if draft_config.vocab_size != vocab_size:
+        raise ValueError(
+            f"speculative_draft_model has a vocabulary of {draft_config.vocab_size} tokens, the target "
+            f"{vocab_size}: a draft must share the target's tokenizer"
+        )
+    per_seq = -(-(min(max_model_len, model.max_model_len) + config.num_tokens) // block_size)
+    return DraftModelProposer(
+        model, block_size, 2 * config.max_batch * per_seq, max_batch=config.max_batch, cuda_graphs=cuda_graphs
+    )
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, engine: LLMEngine):
+        self.config = config
+        self.proposer = proposer
+        self.engine = engine
+        self.gate = AcceptanceGate(config.min_acceptance)
+        self.stats = SpecStats(proposer.name, config.num_tokens)
+
+    def forget(self, request_id: str) -> None:
+        """The request left the running set (finished, aborted): release its proposer state."""
+        self.proposer.forget(request_id)
+        self.gate.forget(request_id)
+
+    def step(self, out: SchedulerOutput) -> list[RequestOutput] | None:
+        """Run the decode step `out` speculatively; None when nothing is proposed (or the batch is
+        too large to gain): the caller runs it as a plain decode step."""
+        for req in out.preempted:
+            self.proposer.forget(req.request_id)
+        reqs = [c.request for c in out.chunks]
+        if len(reqs) > self.config.max_batch:
+            return None
+        budgets = [self._budget(r) for r in reqs]
+        if not any(budgets):
+            return None
+        proposals = [self._fit(r, p) for r, p in zip(reqs, self.proposer.propose(reqs, budgets), strict=True)]
+        if not any(p.token_ids for p in proposals):
+            return None
+        engine = self.engine
+        runs = [
+            batches.Run([r.token_at(r.num_tokens - 1), *p.token_ids], r.num_tokens - 1, r.block_ids)
+            for r, p in zip(reqs, proposals, strict=True)
+        ]
+        logits = engine.runner.forward(batches.packed(runs, engine.block_size, all_logits=True))
+        self.stats.num_verify_steps += 1
+        emitted = self._accept(logits, reqs, proposals)
+        outputs = []
+        for req, p, (tokens, logprobs) in zip(reqs, proposals, emitted, strict=True):
+            outputs.append(self._apply(req, p, tokens, logprobs))
+        return outputs
+
+    def _budget(self, req: Request) -> int:
+        """How many tokens `req` may propose: none under a grammar or while paused; never more than
+        its output or the context can still take beyond the token the step samples anyway."""
+        if req.grammar is not None or not self.gate.allows(req.request_id):
+            return 0
+        k = min(self.config.num_tokens, self.engine.max_model_len - req.num_tokens - 1)
+        if req.params.max_tokens is not None:
+            k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
+        return max(k, 0)
+
+    def _fit(self, req: Request, proposal: Proposal) -> Proposal:
+        """Give `req` blocks for its proposals' K/V, cutting them to what the free blocks hold
+        (speculation never preempts)."""
+        bm = self.engine.block_manager
+        n = req.num_tokens  # positions n - 1 .. n - 1 + k are computed
+        k = len(proposal.token_ids)
+        capacity = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size
+        k = max(min(k, capacity - n), 0)
+        need = bm.blocks_for(n + k) - len(req.block_ids)
+        if need > 0:
+            req.block_ids += bm.allocate(need)
+        if k == len(proposal.token_ids):
+            return proposal
+        probs = None if proposal.draft_probs is None else proposal.draft_probs[:k]
+        return Proposal(proposal.token_ids[:k], probs)
+
+    def _accept(
+        self, logits: torch.Tensor, reqs: Sequence[Request], proposals: Sequence[Proposal]
+    ) -> list[tuple[list[int], list[TokenLogprob | None]]]:
+        """Per request: the tokens it emits this step and their logprobs (None when not asked)."""
+        plain_greedy = all(
+            r.params.greedy
+            and r.params.logprobs is None
+            and r.grammar is None
+            and not needs_processing(r, len(p.token_ids))
+            for r, p in zip(reqs, proposals, strict=True)
+        )
+        argmax = logits.argmax(dim=-1).tolist() if plain_greedy else None
+        # sequences without proposals sample as in a plain decode step (grammars included)
+        starts, row = [], 0
+        for p in proposals:
+            starts.append(row)
+            row += len(p.token_ids) + 1
+        plain = [i for i, p in enumerate(proposals) if not p.token_ids]
+        sampled = {}
+        if plain and argmax is None:
+            rows = logits.index_select(0, torch.tensor([starts[i] for i in plain], device=logits.device))
+            s = self.engine.sampler(rows, [reqs[i] for i in plain])
+            sampled = {i: ([t], [lp]) for i, t, lp in zip(plain, s.token_ids, s.logprobs, strict=True)}
+        out = []
+        for i, (req, p) in enumerate(zip(reqs, proposals, strict=True)):
+            row = starts[i]
+            if i in sampled:
+                out.append(sampled[i])
+                continue
+            k = len(p.token_ids)
+            if argmax is not None:
+                tokens = accept_greedy(argmax[row : row + k + 1], p.token_ids)
+                out.append((tokens, [None] * len(tokens)))
+                continue
+            final = final_logits(logits[row : row + k + 1], req, p.token_ids)
+            if req.params.greedy:
+                tokens = accept_greedy(final.argmax(dim=-1).tolist(), p.token_ids)
+            else:
+                tokens = accept_sampled(final.softmax(dim=-1), p.token_ids, p.draft_probs, req.generator)
+            lps: list[TokenLogprob | None] = [None] * len(tokens)
+            if req.params.logprobs is not None:
+                lp = final[: len(tokens)].log_softmax(dim=-1)
+                lps = [_top_logprobs(lp[j], t, req.params.logprobs) for j, t in enumerate(tokens)]
+            out.append((tokens, lps))
+        return out
+
+    def _apply(
+        self, req: Request, proposal: Proposal, tokens: list[int], logprobs: list[TokenLogprob | None]
+    ) -> RequestOutput:
+        """Append the emitted tokens until one ends the request, then roll the cache back to them."""
+        engine = self.engine
+        k = len(proposal.token_ids)
+        if k:
+            self.stats.record(k, len(tokens) - 1)
+            self.gate.record(req.request_id, k, len(tokens) - 1)
+        for token, lp in zip(tokens, logprobs, strict=True):
+            self.stats.num_emitted += 1
+            if engine._add_token(req, token, lp):
+                return engine._output(req)  # finished: the engine released its blocks
+        # K/V is valid for every token but the last emitted one (never computed): drop the blocks
+        # past it, which only rejected proposals wrote
+        req.num_computed_tokens = req.num_tokens - 1
+        bm = engine.block_manager
+        keep = bm.blocks_for(req.num_computed_tokens)
+        if len(req.block_ids) > keep:
+            bm.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
+        engine.scheduler._register_computed_blocks(req)
+        self.proposer.verified(req)
+        return engine._output(req)
