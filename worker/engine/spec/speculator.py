@@ -86,6 +86,8 @@ class Speculator:
             return None
         proposals = [self._fit(r, p) for r, p in zip(reqs, self.proposer.propose(reqs, budgets), strict=True)]
         if not any(p.token_ids for p in proposals):
+            for req in reqs:  # a draft ran ahead on tokens no one verifies: cut it back
+                self.proposer.verified(req)
             return None
         engine = self.engine
         runs = [
