@@ -9,6 +9,7 @@ import torch
 
 from disagg.worker import SamplingParams
 from disagg.worker.engine.llm_engine import LLMEngine
+from disagg.worker.engine.spec import batches
 from disagg.worker.engine.spec.ngram import lookup
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -65,10 +66,20 @@ RAGGED = [repetitive(1, 30), tokens(2, 5), repetitive(3, 17) + tokens(4, 9), tok
 LENGTHS = [24, 9, 31, 17, 40]
 
 
+def verify_shape(monkeypatch, e: LLMEngine, shape: str) -> None:
+    """Verify steps as the engine picks them (CPU: at most one native call of rows), as decode rows
+    of any number of tokens, or as packed prefill-like steps."""
+    if shape != "auto":
+        e.speculator.max_rows = None
+    if shape == "packed":
+        monkeypatch.setattr(batches, "MAX_ROW_RUN", 0)
+
+
 # the target as its own draft accepts nearly everything; another model accepts little
+@pytest.mark.parametrize("shape", ["auto", "rows", "packed"])
 @pytest.mark.parametrize("method", ["ngram", "draft-self", "draft-other"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_output_is_unchanged(request, arch, method):
+def test_greedy_output_is_unchanged(request, monkeypatch, arch, method, shape):
     target = request.getfixturevalue(f"tiny_{arch}_dir")
     other = request.getfixturevalue("tiny_qwen2_dir" if arch == "llama" else "tiny_llama_dir")
     draft = target if method == "draft-self" else other
@@ -78,6 +89,7 @@ def test_greedy_output_is_unchanged(request, arch, method):
     settings = dict(max_num_batched_tokens=16, enable_prefix_caching=True)
     plain = run(make(target, **settings), prompts, params)
     e = make(target, **settings, **spec_settings(method.split("-")[0], draft))
+    verify_shape(monkeypatch, e, shape)
     got = run(e, prompts, params)
     assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}
     assert {k: v.text for k, v in got.items()} == {k: v.text for k, v in plain.items()}
@@ -92,14 +104,16 @@ def test_greedy_output_is_unchanged(request, arch, method):
     assert_all_free(e)
 
 
+@pytest.mark.parametrize("shape", ["auto", "rows"])
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_preemption_keeps_outputs_and_accounting(tiny_llama_dir, method):
+def test_preemption_keeps_outputs_and_accounting(tiny_llama_dir, monkeypatch, method, shape):
     # 12 blocks of 8 tokens for five sequences of up to 70 tokens: the newest are preempted
     prompts = [repetitive(s, 20) for s in range(5)]
     params = [greedy(48, ignore_eos=True) for _ in prompts]
     plain_engine = make(tiny_llama_dir, num_gpu_blocks=12)
     plain = run(plain_engine, prompts, params)
     e = make(tiny_llama_dir, num_gpu_blocks=12, **spec_settings(method, tiny_llama_dir))
+    verify_shape(monkeypatch, e, shape)
     got = run(e, prompts, params)
     assert e.scheduler.num_preemptions > 0
     assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in plain.items()}

@@ -87,7 +87,7 @@ class EngineArgs:
         minimum=1,
     )
     speculative_min_acceptance: float = _setting(
-        0.25,
+        0.1,
         "a request whose recent share of accepted proposals falls below this pauses speculating",
         minimum=0.0,
         maximum=1.0,

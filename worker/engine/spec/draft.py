@@ -133,12 +133,12 @@ class DraftModelProposer(Proposer):
                 )
             )
             w.seq.num_computed = n
-        logits = self.runner.forward(batches.packed(runs, bs, all_logits=False))
+        logits = self.runner.forward(batches.build(runs, bs, all_logits=False))
         self._take(work, logits)
         for step in range(1, max(w.budget for w in work)):
             live = [w for w in work if w.budget > step]
             runs = [batches.Run([w.tokens[-1]], w.seq.num_computed, w.seq.block_ids) for w in live]
-            logits = self.runner.forward(batches.decode(runs, bs))
+            logits = self.runner.forward(batches.rows(runs, bs, all_logits=True))
             for w in live:
                 w.seq.num_computed += 1
             self._take(live, logits)

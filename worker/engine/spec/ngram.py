@@ -17,17 +17,23 @@ def lookup(tokens: Sequence[int] | np.ndarray, num_tokens: int, n_min: int, n_ma
     tokens, for the longest n in [n_min, n_max] that has one; [] when none does."""
     seq = np.asarray(tokens, dtype=np.int64)
     length = len(seq)
-    if num_tokens <= 0:
+    if num_tokens <= 0 or length < 2:
         return []
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        tail = seq[length - n :]
-        # windows starting at 0 .. length-n-1: every occurrence other than the tail itself
-        windows = np.lib.stride_tricks.sliding_window_view(seq[: length - 1], n)
-        hits = np.flatnonzero((windows == tail).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return seq[start : start + num_tokens].tolist()
-    return []
+    # ends of earlier matches of the last token, narrowed one token further back at a time: the
+    # latest survivor at depth n ends the latest earlier occurrence of the last n tokens
+    ends = np.flatnonzero(seq[: length - 1] == seq[-1])
+    best = -1
+    for n in range(1, min(n_max, length - 1) + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]
+            ends = ends[seq[ends - (n - 1)] == seq[length - n]]
+        if ends.size == 0:
+            break
+        if n >= n_min:
+            best = int(ends[-1])
+    if best < 0:
+        return []
+    return seq[best + 1 : best + 1 + num_tokens].tolist()
 
 
 class NgramProposer(Proposer):

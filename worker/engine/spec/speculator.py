@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from disagg.kernels import cpu_decode_step
 from disagg.worker.engine.outputs import RequestOutput, TokenLogprob
 from disagg.worker.engine.request import Request
 from disagg.worker.engine.sampler import _top_logprobs
@@ -67,6 +68,8 @@ class Speculator:
         self.engine = engine
         self.gate = AcceptanceGate(config.min_acceptance)
         self.stats = SpecStats(proposer.name, config.num_tokens)
+        # the most tokens a verify step may hold: on the native CPU path, what one call computes
+        self.max_rows = cpu_decode_step.MAX_BATCH if engine.model._native_ok(engine.kv_cache) else None
 
     def forget(self, request_id: str) -> None:
         """The request left the running set (finished, aborted): release its proposer state."""
@@ -81,7 +84,7 @@ class Speculator:
         reqs = [c.request for c in out.chunks]
         if len(reqs) > self.config.max_batch:
             return None
-        budgets = [self._budget(r) for r in reqs]
+        budgets = self._within_rows([self._budget(r) for r in reqs])
         if not any(budgets):
             return None
         proposals = [self._fit(r, p) for r, p in zip(reqs, self.proposer.propose(reqs, budgets), strict=True)]
@@ -94,13 +97,27 @@ class Speculator:
             batches.Run([r.token_at(r.num_tokens - 1), *p.token_ids], r.num_tokens - 1, r.block_ids)
             for r, p in zip(reqs, proposals, strict=True)
         ]
-        logits = engine.runner.forward(batches.packed(runs, engine.block_size, all_logits=True))
+        logits = engine.runner.forward(batches.build(runs, engine.block_size, all_logits=True))
         self.stats.num_verify_steps += 1
         emitted = self._accept(logits, reqs, proposals)
         outputs = []
         for req, p, (tokens, logprobs) in zip(reqs, proposals, emitted, strict=True):
             outputs.append(self._apply(req, p, tokens, logprobs))
         return outputs
+
+    def _within_rows(self, budgets: list[int]) -> list[int]:
+        """Budgets cut so the verify step has at most `max_rows` tokens, earlier (older) sequences
+        served first: on CPU a step of up to `cpu_decode_step.MAX_BATCH` rows runs in one native
+        call, and more rows cost far more than the tokens they could add."""
+        if self.max_rows is None:
+            return budgets
+        spare = self.max_rows - len(budgets)
+        out = []
+        for k in budgets:
+            take = max(min(k, spare), 0)
+            out.append(take)
+            spare -= take
+        return out
 
     def _budget(self, req: Request) -> int:
         """How many tokens `req` may propose: none under a grammar or while paused; never more than
