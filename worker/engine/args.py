@@ -109,6 +109,10 @@ class EngineArgs:
                 f"got {self.speculative_ngram_min}"
             )
 
+    def without_speculation(self) -> EngineArgs:
+        """These settings for a prefill worker, which never decodes (no draft model to load)."""
+        return dataclasses.replace(self, speculative_method=None, speculative_draft_model=None)
+
     # ---- resolution of the "auto" values -----------------------------------------------
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
