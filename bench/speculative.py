@@ -82,6 +82,11 @@ def run(engine, batch: list[list[int]], output: int) -> dict:
     return {"tok_s": decode_tokens / (wall - (first_done - start)), "itl": itl, "wall": wall}
 
 
+def snapshot(engine) -> tuple[int, int, int]:
+    stats = engine.speculator.stats if engine.speculator else None
+    return (stats.num_proposed, stats.num_accepted, stats.num_proposals) if stats else (0, 0, 0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=ROOT / ".models" / "tiny-trained")
@@ -91,22 +96,40 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=96, help="new tokens per request")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=2, help="runs per point; the best is kept")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per point, in turns; the best is kept")
+    ap.add_argument("--proposers", nargs="+", default=["ngram", "draft"], choices=["ngram", "draft"])
+    ap.add_argument("--always", action="store_true",
+                    help="speculate whatever the measured step costs say (speculative_adaptive off)")  # fmt: skip
     args = ap.parse_args()
 
     from disagg.worker.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(args.threads)
-    ensure_model(args.model, "tiny-trained")
-    ensure_model(args.draft, "tiny-trained-draft")
+    if args.model == ROOT / ".models" / "tiny-trained":
+        ensure_model(args.model, "tiny-trained")
+    if "draft" in args.proposers and args.draft == ROOT / ".models" / "tiny-trained-draft":
+        ensure_model(args.draft, "tiny-trained-draft")
     configs = {
         "none": {},
         "ngram": {"speculative_method": "ngram", "num_speculative_tokens": args.k},
         "draft": {"speculative_method": "draft", "num_speculative_tokens": args.k,
                   "speculative_draft_model": str(args.draft)},
     }  # fmt: skip
+    configs = {name: kw for name, kw in configs.items() if name == "none" or name in args.proposers}
+    for kw in configs.values():
+        if kw:
+            kw["speculative_adaptive"] = not args.always
     engines = {name: LLMEngine(args.model, threads=args.threads, **kw) for name, kw in configs.items()}
     tok = engines["none"].tokenizer
+    for name, engine in engines.items():
+        costs = engine.speculator and engine.speculator.costs
+        if costs:
+            steps = ", ".join(f"{n}: {1000 * t:.2f}" for n, t in zip(costs.sizes, costs.seconds, strict=True))
+            print(f"{name}: measured target step ms by rows: {steps}")
+        draft = engine.speculator and engine.speculator.draft_costs
+        if draft:
+            steps = ", ".join(f"{n}: {1000 * t:.2f}" for n, t in zip(draft.sizes, draft.seconds, strict=True))
+            print(f"{name}: measured draft step ms by rows: {steps}")
     print(f"load before: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} (1, 5 min); "
           f"{os.cpu_count()} CPUs, torch threads {args.threads}; k={args.k}, {args.output} new tokens")  # fmt: skip
     print(f"{'workload':8} {'batch':>5} {'config':6} {'tok/s':>8} {'ITL ms':>8} {'tok/s x':>8} {'ITL x':>7}"
@@ -114,24 +137,22 @@ def main() -> None:
     for workload in args.workloads:
         for b in args.batches:
             batch = prompts(tok, workload, b, seed=b)
-            base = None
-            for name, engine in engines.items():
+            for engine in engines.values():
                 run(engine, batch[:1], 8)  # warm up
-                spec = engine.speculator
-                before = (
-                    (spec.stats.num_proposed, spec.stats.num_accepted, spec.stats.num_proposals)
-                    if spec
-                    else None
-                )
-                r = min(
-                    (run(engine, batch, args.output) for _ in range(args.repeats)), key=lambda r: r["itl"]
-                )
-                base = base or r
+            before = {name: snapshot(e) for name, e in engines.items()}
+            # the configurations take turns, so a burst of load elsewhere hits them alike
+            results: dict[str, list[dict]] = {name: [] for name in engines}
+            for _ in range(args.repeats):
+                for name, engine in engines.items():
+                    results[name].append(run(engine, batch, args.output))
+            base = min(results["none"], key=lambda r: r["itl"])
+            for name, engine in engines.items():
+                r = min(results[name], key=lambda r: r["itl"])
                 acc = mean_len = ""
-                if spec:
-                    proposed = spec.stats.num_proposed - before[0]
-                    accepted = spec.stats.num_accepted - before[1]
-                    proposals = spec.stats.num_proposals - before[2]
+                if engine.speculator:
+                    proposed, accepted, proposals = (
+                        now - was for now, was in zip(snapshot(engine), before[name], strict=True)
+                    )
                     acc = f"{accepted / proposed:.2f}" if proposed else "-"
                     mean_len = f"{accepted / proposals:.2f}" if proposals else "-"
                 print(f"{workload:8} {b:>5} {name:6} {r['tok_s']:8.1f} {1000 * r['itl']:8.2f} "

@@ -99,11 +99,15 @@ def test_sampled_outputs_keep_the_target_distribution(tiny_llama_dir, near_draft
     hf = hf_model(tiny_llama_dir)
     # the target's likeliest next tokens lead the prompt, so prompt lookup finds most sampled tokens
     prompt = target_probs(hf, [BASE], 0.7, 1.0)[0].topk(40).indices.tolist() + BASE
-    spec = {"speculative_method": method, "speculative_max_batch": 4096, "speculative_min_acceptance": 0.0}
+    spec = {
+        "speculative_method": method,
+        "speculative_max_batch": 4096,
+        "speculative_min_acceptance": 0.0,
+        "speculative_adaptive": False,
+    }
     if method == "draft":
         spec["speculative_draft_model"] = str(near_draft)
     e = LLMEngine(tiny_llama_dir, block_size=8, num_gpu_blocks=2 * N + 8, max_num_seqs=N, **spec)
-    e.speculator.max_rows = None  # verify every sequence of the batch in one step
     for i in range(N):
         e.add_request(f"s{i}", prompt, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=3, ignore_eos=True,
                                                       seed=i))  # fmt: skip

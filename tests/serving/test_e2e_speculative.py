@@ -30,7 +30,15 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         prefill=1,
         decode=1,
         worker_args=("--disagg-threshold", str(THRESHOLD)),
-        role_args={"decode": ("--speculative-method", "draft", "--speculative-draft-model", str(tiny_model))},
+        role_args={
+            "decode": (
+                "--speculative-method",
+                "draft",
+                "--speculative-draft-model",
+                str(tiny_model),
+                "--no-speculative-adaptive",
+            )
+        },  # fmt: skip
         deployment="e2e-spec",
     )
     try:

@@ -86,6 +86,11 @@ class EngineArgs:
         "decode steps of more sequences than this are not speculated (verifying costs more there)",
         minimum=1,
     )
+    speculative_adaptive: bool = _setting(
+        True,
+        "time verify steps at start-up and speculate only as far as it is measured to be faster than "
+        "plain decoding (off: always propose num_speculative_tokens)",
+    )
     speculative_min_acceptance: float = _setting(
         0.1,
         "a request whose recent share of accepted proposals falls below this pauses speculating",

@@ -1,42 +1,41 @@
-"""When a request speculates: a proposal costs verify work whether or not it is accepted, so a
-request whose recent proposals are mostly rejected pauses for a while, then tries again."""
+"""Each request's running estimate of how likely a proposed token is accepted (the per-position
+acceptance rate alpha), from its own recent proposals.
+
+A request that is not speculating learns nothing, so its estimate drifts back up while it decodes
+plainly: after a while it proposes again and the estimate meets reality (a low rate cannot lock
+speculation off for the rest of a long generation whose text turns repetitive)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-# weight of the newest proposal in the running acceptance rate
+# weight of the newest proposal in the running rate
 _SMOOTHING = 0.3
-# decode steps a request sits out after its rate falls below the floor
-_PAUSE_STEPS = 16
+# per plain decode step, the share of the distance to 1 the rate recovers
+_RECOVERY = 0.05
 
 
-@dataclass
-class _Track:
-    rate: float = 1.0
-    paused: int = 0
-
-
-class AcceptanceGate:
+class AcceptanceEstimate:
     def __init__(self, min_acceptance: float):
         self.min_acceptance = min_acceptance
-        self._tracks: dict[str, _Track] = {}
+        self._rates: dict[str, float] = {}
 
-    def allows(self, request_id: str) -> bool:
-        """Whether the request proposes this step (counts down a pause)."""
-        t = self._tracks.get(request_id)
-        if t is None or t.paused == 0:
-            return True
-        t.paused -= 1
-        return False
+    def rate(self, request_id: str) -> float:
+        """The estimate; 0 while it is below the floor (the request does not propose)."""
+        r = self._rates.get(request_id, 1.0)
+        return r if r >= self.min_acceptance else 0.0
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
-        t = self._tracks.setdefault(request_id, _Track())
-        t.rate = (1 - _SMOOTHING) * t.rate + _SMOOTHING * (accepted / proposed)
-        if t.rate < self.min_acceptance:
-            # after the pause one proposal at the floor decides: a good one resumes, a bad one pauses again
-            t.paused = _PAUSE_STEPS
-            t.rate = self.min_acceptance
+        """A verified proposal: `accepted` of its `proposed` tokens were kept (a rejection ends it,
+        so the per-position rate is accepted / (accepted + 1) when one was rejected)."""
+        tries = accepted + (1 if accepted < proposed else 0)
+        observed = accepted / tries
+        r = self._rates.get(request_id, 1.0)
+        self._rates[request_id] = (1 - _SMOOTHING) * r + _SMOOTHING * observed
+
+    def idle(self, request_id: str) -> None:
+        """The request decoded a step without proposing."""
+        r = self._rates.get(request_id)
+        if r is not None:
+            self._rates[request_id] = r + (1 - r) * _RECOVERY
 
     def forget(self, request_id: str) -> None:
-        self._tracks.pop(request_id, None)
+        self._rates.pop(request_id, None)

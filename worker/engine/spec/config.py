@@ -16,6 +16,7 @@ class SpeculativeConfig:
     ngram_max: int
     max_batch: int  # larger decode steps run without speculation
     min_acceptance: float
+    adaptive: bool = True  # speculate only as far as measured step costs say it pays
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> SpeculativeConfig | None:
@@ -30,4 +31,5 @@ class SpeculativeConfig:
             ngram_max=args.speculative_ngram_max,
             max_batch=args.speculative_max_batch,
             min_acceptance=args.speculative_min_acceptance,
+            adaptive=args.speculative_adaptive,
         )

@@ -22,6 +22,7 @@ from disagg.worker.engine.block_manager import BlockManager
 from disagg.worker.engine.request import Request
 from disagg.worker.engine.sampler import filter_logits
 from disagg.worker.engine.spec import batches
+from disagg.worker.engine.spec.cost import measure_costs
 from disagg.worker.engine.spec.proposer import Proposal, Proposer
 from disagg.worker.model.runner import ModelRunner
 
@@ -80,6 +81,9 @@ class DraftModelProposer(Proposer):
             cuda_graphs=cuda_graphs,
         )  # fmt: skip
         self.seqs: dict[str, _DraftSeq] = {}
+
+    def step_costs(self, max_batch: int):
+        return measure_costs(self.runner, self.block_size, self.bm.num_blocks, max_batch)
 
     def num_held_blocks(self) -> int:
         return self.bm.num_used_blocks

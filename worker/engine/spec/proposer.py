@@ -35,6 +35,11 @@ class Proposer:
     def forget(self, request_id: str) -> None:
         """The request is finished, aborted or preempted: release what is held for it."""
 
+    def step_costs(self, max_batch: int):
+        """Measured seconds of the proposer's own forward steps by batch size (a `StepCosts`, called
+        once per proposed token), or None when proposing costs nothing worth counting."""
+        return None
+
     def num_held_blocks(self) -> int:
         """KV blocks the proposer holds (0 for proposers without a cache)."""
         return 0

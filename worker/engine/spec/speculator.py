@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from disagg.kernels import cpu_decode_step
 from disagg.worker.engine.outputs import RequestOutput, TokenLogprob
 from disagg.worker.engine.request import Request
 from disagg.worker.engine.sampler import _top_logprobs
 from disagg.worker.engine.scheduler import SchedulerOutput
 from disagg.worker.engine.spec import batches
-from disagg.worker.engine.spec.acceptance import AcceptanceGate
+from disagg.worker.engine.spec.acceptance import AcceptanceEstimate
 from disagg.worker.engine.spec.config import SpeculativeConfig
+from disagg.worker.engine.spec.cost import StepCosts, choose_k, measure_costs
 from disagg.worker.engine.spec.proposer import Proposal, Proposer
 from disagg.worker.engine.spec.rejection import accept_greedy, accept_sampled
 from disagg.worker.engine.spec.stats import SpecStats
@@ -66,15 +66,23 @@ class Speculator:
         self.config = config
         self.proposer = proposer
         self.engine = engine
-        self.gate = AcceptanceGate(config.min_acceptance)
+        self.estimate = AcceptanceEstimate(config.min_acceptance)
         self.stats = SpecStats(proposer.name, config.num_tokens)
-        # the most tokens a verify step may hold: on the native CPU path, what one call computes
-        self.max_rows = cpu_decode_step.MAX_BATCH if engine.model._native_ok(engine.kv_cache) else None
+        # measured step times that decide whether (and how far) to speculate; None: always propose
+        # what the budgets allow
+        self.costs: StepCosts | None = None
+        self.draft_costs: StepCosts | None = None
+        if config.adaptive:
+            self.costs = measure_costs(
+                engine.runner, engine.block_size, engine.block_manager.num_blocks,
+                config.max_batch * (config.num_tokens + 1),
+            )  # fmt: skip
+            self.draft_costs = proposer.step_costs(config.max_batch)
 
     def forget(self, request_id: str) -> None:
         """The request left the running set (finished, aborted): release its proposer state."""
         self.proposer.forget(request_id)
-        self.gate.forget(request_id)
+        self.estimate.forget(request_id)
 
     def step(self, out: SchedulerOutput) -> list[RequestOutput] | None:
         """Run the decode step `out` speculatively; None when nothing is proposed (or the batch is
@@ -82,10 +90,10 @@ class Speculator:
         for req in out.preempted:
             self.proposer.forget(req.request_id)
         reqs = [c.request for c in out.chunks]
-        if len(reqs) > self.config.max_batch:
-            return None
-        budgets = self._within_rows([self._budget(r) for r in reqs])
+        budgets = self._budgets(reqs)
         if not any(budgets):
+            for req in reqs:
+                self.estimate.idle(req.request_id)
             return None
         proposals = [self._fit(r, p) for r, p in zip(reqs, self.proposer.propose(reqs, budgets), strict=True)]
         if not any(p.token_ids for p in proposals):
@@ -105,24 +113,22 @@ class Speculator:
             outputs.append(self._apply(req, p, tokens, logprobs))
         return outputs
 
-    def _within_rows(self, budgets: list[int]) -> list[int]:
-        """Budgets cut so the verify step has at most `max_rows` tokens, earlier (older) sequences
-        served first: on CPU a step of up to `cpu_decode_step.MAX_BATCH` rows runs in one native
-        call, and more rows cost far more than the tokens they could add."""
-        if self.max_rows is None:
+    def _budgets(self, reqs: Sequence[Request]) -> list[int]:
+        """Tokens each request proposes this step: none in a batch over `max_batch`, or where the
+        measured costs say a plain step is faster; else the most expected tokens per second."""
+        if len(reqs) > self.config.max_batch:
+            return [0] * len(reqs)
+        alphas = [self.estimate.rate(r.request_id) for r in reqs]
+        budgets = [self._budget(r) if a > 0 else 0 for r, a in zip(reqs, alphas, strict=True)]
+        if self.costs is None or not any(budgets):
             return budgets
-        spare = self.max_rows - len(budgets)
-        out = []
-        for k in budgets:
-            take = max(min(k, spare), 0)
-            out.append(take)
-            spare -= take
-        return out
+        k = choose_k(alphas, budgets, self.costs, self.draft_costs)
+        return [min(b, k) for b in budgets]
 
     def _budget(self, req: Request) -> int:
-        """How many tokens `req` may propose: none under a grammar or while paused; never more than
-        its output or the context can still take beyond the token the step samples anyway."""
-        if req.grammar is not None or not self.gate.allows(req.request_id):
+        """How many tokens `req` may propose: none under a grammar; never more than its output or
+        the context can still take beyond the token the step samples anyway."""
+        if req.grammar is not None:
             return 0
         k = min(self.config.num_tokens, self.engine.max_model_len - req.num_tokens - 1)
         if req.params.max_tokens is not None:
@@ -199,7 +205,9 @@ class Speculator:
         k = len(proposal.token_ids)
         if k:
             self.stats.record(k, len(tokens) - 1)
-            self.gate.record(req.request_id, k, len(tokens) - 1)
+            self.estimate.record(req.request_id, k, len(tokens) - 1)
+        else:
+            self.estimate.idle(req.request_id)
         for token, lp in zip(tokens, logprobs, strict=True):
             self.stats.num_emitted += 1
             if engine._add_token(req, token, lp):
