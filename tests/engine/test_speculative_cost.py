@@ -59,3 +59,17 @@ def test_acceptance_estimate_falls_with_rejections_and_recovers_while_idle():
     est.record("r", 4, 4)
     est.forget("r")
     assert est.rate("r") == 1.0
+
+
+def test_a_batch_size_where_speculation_measured_slower_only_probes():
+    from disagg.worker.engine.spec.throughput import PROBE_EVERY, ThroughputCheck
+
+    check = ThroughputCheck()
+    assert check.allows(1)  # nothing measured yet
+    check.plain_step(1, 0.001)  # 1 ms per token
+    check.speculative_step(1, 0.004, 2)  # 2 ms per token: slower
+    allowed = [check.allows(1) for _ in range(2 * PROBE_EVERY)]
+    assert sum(allowed) == 2  # one probe per PROBE_EVERY steps
+    check.speculative_step(4, 0.001, 8)  # another batch size is judged on its own
+    check.plain_step(4, 0.002)
+    assert all(check.allows(4) for _ in range(5))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -340,7 +341,9 @@ class LLMEngine:
         self.scheduled = out
         if out is None:
             return []
+        plain_decode_from = None
         if self.speculator is not None and not out.is_prefill:
+            plain_decode_from = time.perf_counter()
             outputs = self.speculator.step(out)
             if outputs is not None:
                 return outputs
@@ -354,10 +357,13 @@ class LLMEngine:
         if not reqs:
             return []
         sampled = self.sampler(logits, reqs)
-        return [
+        outputs = [
             self._append_token(req, tok, lp)
             for req, tok, lp in zip(reqs, sampled.token_ids, sampled.logprobs, strict=True)
         ]
+        if plain_decode_from is not None:  # what speculating is measured against
+            self.speculator.plain_step(len(out.chunks), time.perf_counter() - plain_decode_from)
+        return outputs
 
     def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         self._add_token(req, token, logprob)

@@ -15,6 +15,7 @@ over proposals and roll back); they still decode in the same step, as runs of on
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,7 @@ from disagg.worker.engine.spec.proposer import Proposal, Proposer
 from disagg.worker.engine.spec.rejection import accept_greedy, accept_sampled
 from disagg.worker.engine.spec.stats import SpecStats
 from disagg.worker.engine.spec.target import final_logits, needs_processing
+from disagg.worker.engine.spec.throughput import ThroughputCheck
 
 if TYPE_CHECKING:
     from disagg.worker.engine.llm_engine import LLMEngine
@@ -70,6 +72,7 @@ class Speculator:
         self.stats = SpecStats(proposer.name, config.num_tokens)
         # measured step times that decide whether (and how far) to speculate; None: always propose
         # what the budgets allow
+        self.throughput = ThroughputCheck() if config.adaptive else None
         self.costs: StepCosts | None = None
         self.draft_costs: StepCosts | None = None
         if config.adaptive:
@@ -89,6 +92,7 @@ class Speculator:
         too large to gain): the caller runs it as a plain decode step."""
         for req in out.preempted:
             self.proposer.forget(req.request_id)
+        started = time.perf_counter()
         reqs = [c.request for c in out.chunks]
         budgets = self._budgets(reqs)
         if not any(budgets):
@@ -111,12 +115,22 @@ class Speculator:
         outputs = []
         for req, p, (tokens, logprobs) in zip(reqs, proposals, emitted, strict=True):
             outputs.append(self._apply(req, p, tokens, logprobs))
+        if self.throughput is not None:
+            tokens = sum(len(t) for t, _ in emitted)
+            self.throughput.speculative_step(len(reqs), time.perf_counter() - started, tokens)
         return outputs
+
+    def plain_step(self, batch: int, seconds: float) -> None:
+        """A decode step of `batch` sequences ran without speculation and took `seconds`."""
+        if self.throughput is not None:
+            self.throughput.plain_step(batch, seconds)
 
     def _budgets(self, reqs: Sequence[Request]) -> list[int]:
         """Tokens each request proposes this step: none in a batch over `max_batch`, or where the
         measured costs say a plain step is faster; else the most expected tokens per second."""
         if len(reqs) > self.config.max_batch:
+            return [0] * len(reqs)
+        if self.throughput is not None and not self.throughput.allows(len(reqs)):
             return [0] * len(reqs)
         alphas = [self.estimate.rate(r.request_id) for r in reqs]
         budgets = [self._budget(r) if a > 0 else 0 for r, a in zip(reqs, alphas, strict=True)]
