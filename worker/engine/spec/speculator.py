@@ -73,6 +73,7 @@ class Speculator:
         # measured step times that decide whether (and how far) to speculate; None: always propose
         # what the budgets allow
         self.throughput = ThroughputCheck() if config.adaptive else None
+        self._choices: dict[tuple, int] = {}
         self.costs: StepCosts | None = None
         self.draft_costs: StepCosts | None = None
         if config.adaptive:
@@ -136,7 +137,13 @@ class Speculator:
         budgets = [self._budget(r) if a > 0 else 0 for r, a in zip(reqs, alphas, strict=True)]
         if self.costs is None or not any(budgets):
             return budgets
-        k = choose_k(alphas, budgets, self.costs, self.draft_costs)
+        # steps repeat the same question (same budgets, rates that barely move): answer it once
+        key = (tuple(budgets), tuple(round(a, 2) for a in alphas))
+        k = self._choices.get(key)
+        if k is None:
+            if len(self._choices) > 4096:
+                self._choices.clear()
+            k = self._choices[key] = choose_k(alphas, budgets, self.costs, self.draft_costs)
         return [min(b, k) for b in budgets]
 
     def _budget(self, req: Request) -> int:
