@@ -16,6 +16,8 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 
+import torch
+
 from disagg.worker.engine.spec import batches
 
 MARGIN = 1.1
@@ -105,6 +107,10 @@ def measure_costs(runner, block_size: int, num_blocks: int, max_rows: int) -> St
     blocks = list(range(-(-(context + sizes[-1]) // block_size)))
 
     def forward(n: int) -> None:
-        runner.forward(batches.rows([batches.Run([0] * n, context, blocks)], block_size, all_logits=True))
+        logits = runner.forward(
+            batches.rows([batches.Run([0] * n, context, blocks)], block_size, all_logits=True)
+        )
+        if logits.is_cuda:  # kernels run asynchronously: time them, not their launch
+            torch.cuda.synchronize(logits.device)
 
     return StepCosts.measure(forward, sizes)
