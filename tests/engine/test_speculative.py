@@ -127,18 +127,41 @@ def test_preemption_keeps_outputs_and_accounting(tiny_llama_dir, monkeypatch, me
     assert_all_free(e)
 
 
-def test_structured_output_requests_do_not_speculate_but_decode_beside_others(tiny_llama_dir):
+GRAMMARS = {
+    "choice": {"choice": ("alpha beta gamma delta", "beta gamma")},
+    "regex": {"regex": r"([a-c]{2}-[0-9]{2} ){2,5}"},
+    "json": {"json": '{"type": "object", "properties": {"tag": {"enum": ["red", "green"]}, "n": {"type": '
+             '"integer"}}, "required": ["tag", "n"], "additionalProperties": false}'},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("grammar", GRAMMARS)
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_structured_output_speculates_within_its_grammar(tiny_llama_dir, method, grammar):
+    """Proposals outside the grammar are cut, each verified position is masked by the grammar's
+    state after the proposals before it, and the matcher ends holding exactly the output."""
     from disagg.worker.engine.structured_output_params import StructuredOutputParams
 
-    grammar = StructuredOutputParams(choice=("alpha", "beta gamma"))
-    prompts = [repetitive(1, 20), repetitive(2, 20)]
-    params = [greedy(12, structured_output=grammar), greedy(24)]
+    constraint = StructuredOutputParams(**GRAMMARS[grammar])
+    e = make(tiny_llama_dir, **spec_settings(method, tiny_llama_dir))
+    # the prompt already holds text of the grammar, so prompt lookup proposes grammar tokens
+    sample = {
+        "choice": "alpha beta gamma delta",
+        "regex": "ab-12 ca-07 bb-33 ",
+        "json": '{"tag": "red", "n": 7}',
+    }
+    prompt = e.tokenizer.encode((sample[grammar] + " ") * 4)
+    params = [greedy(40, structured_output=constraint), greedy(24)]
+    prompts = [prompt, repetitive(2, 20)]
     plain = run(make(tiny_llama_dir), prompts, params)
-    e = make(tiny_llama_dir, speculative_method="ngram")
-    got = run(e, prompts, params)
-    assert got["r0"].text == plain["r0"].text and got["r0"].text in ("alpha", "beta gamma")
+    alone = run(e, prompts[:1], params[:1])["r0"]
+    assert alone.token_ids == plain["r0"].token_ids
+    if method == "ngram":  # the draft proposes without the grammar: its proposals are cut to none
+        assert e.speculator.stats.num_accepted > 0
+    e.requests.clear()
+    got = run(e, prompts, params)  # beside a request without a grammar
+    assert got["r0"].text == plain["r0"].text and got["r0"].token_ids == plain["r0"].token_ids
     assert got["r1"].token_ids == plain["r1"].token_ids
-    assert e.speculator.stats.num_proposals > 0
     assert_all_free(e)
 
 
@@ -232,3 +255,23 @@ def test_ngram_prefers_the_longest_match():
     # [2, 3] last occurred before 7; [3] alone last occurred before 5
     assert lookup([2, 3, 7, 3, 5, 1, 2, 3], 1, 1, 2) == [7]
     assert lookup([2, 3, 7, 3, 5, 1, 2, 3], 1, 1, 1) == [5]
+
+
+def test_sampled_structured_output_stays_in_its_grammar(tiny_llama_dir):
+    import json
+
+    from disagg.worker.engine.structured_output_params import StructuredOutputParams
+
+    e = make(tiny_llama_dir, speculative_method="ngram")
+    constraint = StructuredOutputParams(**GRAMMARS["json"])
+    prompt = e.tokenizer.encode('{"tag": "red", "n": 7} ' * 4)
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=60, structured_output=constraint) for s in range(8)
+    ]
+    outs = run(e, [prompt] * 8, params)
+    finished = [out for out in outs.values() if out.finish_reason == "stop"]
+    assert finished
+    for out in finished:
+        assert json.loads(out.text)["tag"] in ("red", "green")
+    assert e.speculator.stats.num_proposed > 0
+    assert_all_free(e)

@@ -9,8 +9,8 @@ and end the request where a plain decode would. Afterwards the request's compute
 kept tokens; blocks only rejected tokens used go back to the pool, and only full blocks of kept
 tokens reach the prefix cache.
 
-Requests with a structured-output grammar do not speculate (their matcher would have to advance
-over proposals and roll back); they still decode in the same step, as runs of one token.
+Requests under a structured-output grammar speculate too: their proposals are cut to what the
+grammar allows and each verified position is masked by the grammar's state there (`grammar.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from disagg.worker.engine.spec import batches
 from disagg.worker.engine.spec.acceptance import AcceptanceEstimate
 from disagg.worker.engine.spec.config import SpeculativeConfig
 from disagg.worker.engine.spec.cost import StepCosts, choose_k, measure_costs
+from disagg.worker.engine.spec.grammar import verified_masks
 from disagg.worker.engine.spec.proposer import Proposal, Proposer
 from disagg.worker.engine.spec.rejection import accept_greedy, accept_sampled
 from disagg.worker.engine.spec.stats import SpecStats
@@ -100,7 +101,9 @@ class Speculator:
             for req in reqs:
                 self.estimate.idle(req.request_id)
             return None
-        proposals = [self._fit(r, p) for r, p in zip(reqs, self.proposer.propose(reqs, budgets), strict=True)]
+        proposals = self.proposer.propose(reqs, budgets)
+        masks = self._grammar_masks(reqs, proposals)
+        proposals = [self._fit(r, p) for r, p in zip(reqs, proposals, strict=True)]
         if not any(p.token_ids for p in proposals):
             for req in reqs:  # a draft ran ahead on tokens no one verifies: cut it back
                 self.proposer.verified(req)
@@ -112,7 +115,7 @@ class Speculator:
         ]
         logits = engine.runner.forward(batches.build(runs, engine.block_size, all_logits=True))
         self.stats.num_verify_steps += 1
-        emitted = self._accept(logits, reqs, proposals)
+        emitted = self._accept(logits, reqs, proposals, masks)
         outputs = []
         for req, p, (tokens, logprobs) in zip(reqs, proposals, emitted, strict=True):
             outputs.append(self._apply(req, p, tokens, logprobs))
@@ -147,10 +150,8 @@ class Speculator:
         return [min(b, k) for b in budgets]
 
     def _budget(self, req: Request) -> int:
-        """How many tokens `req` may propose: none under a grammar; never more than its output or
-        the context can still take beyond the token the step samples anyway."""
-        if req.grammar is not None:
-            return 0
+        """How many tokens `req` may propose: never more than its output or the context can still
+        take beyond the token the step samples anyway."""
         k = min(self.config.num_tokens, self.engine.max_model_len - req.num_tokens - 1)
         if req.params.max_tokens is not None:
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
@@ -172,8 +173,26 @@ class Speculator:
         probs = None if proposal.draft_probs is None else proposal.draft_probs[:k]
         return Proposal(proposal.token_ids[:k], probs)
 
+    def _grammar_masks(self, reqs: Sequence[Request], proposals: list[Proposal]) -> dict[int, torch.Tensor]:
+        """For requests under a grammar: proposals cut to what the grammar allows (in place) and
+        the mask of every verified position, by index in the step."""
+        masks = {}
+        vocab = self.engine.config.vocab_size
+        for i, (req, p) in enumerate(zip(reqs, proposals, strict=True)):
+            if req.grammar is None or not p.token_ids:
+                continue
+            kept, masks[i] = verified_masks(req.grammar, p.token_ids, vocab)
+            if len(kept) < len(p.token_ids):
+                probs = None if p.draft_probs is None else p.draft_probs[: len(kept)]
+                proposals[i] = Proposal(kept, probs)
+        return masks
+
     def _accept(
-        self, logits: torch.Tensor, reqs: Sequence[Request], proposals: Sequence[Proposal]
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[Request],
+        proposals: Sequence[Proposal],
+        grammar_masks: dict[int, torch.Tensor],
     ) -> list[tuple[list[int], list[TokenLogprob | None]]]:
         """Per request: the tokens it emits this step and their logprobs (None when not asked)."""
         plain_greedy = all(
@@ -206,7 +225,10 @@ class Speculator:
                 tokens = accept_greedy(argmax[row : row + k + 1], p.token_ids)
                 out.append((tokens, [None] * len(tokens)))
                 continue
-            final = final_logits(logits[row : row + k + 1], req, p.token_ids)
+            masks = grammar_masks.get(i)
+            if masks is not None:
+                masks = masks[: k + 1]  # proposals may have been cut to the free blocks since
+            final = final_logits(logits[row : row + k + 1], req, p.token_ids, masks)
             if req.params.greedy:
                 tokens = accept_greedy(final.argmax(dim=-1).tolist(), p.token_ids)
             else:

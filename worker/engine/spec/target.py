@@ -1,6 +1,6 @@
 """The target's sampling distribution at every verified position, exactly as `Sampler` would build
 it had the earlier proposals already been appended: penalties see them as output, `min_tokens`
-counts them, then temperature, top-k, top-p and min-p. Greedy rows keep the processed logits at
+counts them, the grammar's mask of that position applies, then temperature, top-k, top-p and min-p. Greedy rows keep the processed logits at
 temperature 1 (what greedy logprobs are reported from)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from disagg.worker.engine.request import Request
 from disagg.worker.engine.sampler import apply_penalties, filter_logits, mask_until_min_tokens
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.engine.structured_output import apply_bitmask
 
 
 @dataclass
@@ -54,15 +55,20 @@ def needs_processing(req: Request, num_proposed: int) -> bool:
     )
 
 
-def final_logits(logits: torch.Tensor, req: Request, proposed: Sequence[int]) -> torch.Tensor:
+def final_logits(
+    logits: torch.Tensor, req: Request, proposed: Sequence[int], grammar_masks: torch.Tensor | None = None
+) -> torch.Tensor:
     """[len(proposed) + 1, V] float32: for a sampled request the filtered, temperature-scaled
-    logits (softmax gives p), for a greedy one the processed logits (argmax gives the token)."""
+    logits (softmax gives p), for a greedy one the processed logits (argmax gives the token).
+    `grammar_masks`: the structured-output bitmask of each position (`grammar.verified_masks`)."""
     logits = logits.float()
-    if needs_processing(req, len(proposed)):
+    if needs_processing(req, len(proposed)) or grammar_masks is not None:
         logits = logits.clone()
         views = position_views(req, proposed)
         apply_penalties(logits, views)
         mask_until_min_tokens(logits, views)
+        if grammar_masks is not None:
+            apply_bitmask(logits, list(range(logits.shape[0])), grammar_masks)
     p = req.params
     if p.greedy:
         return logits
