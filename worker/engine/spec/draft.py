@@ -9,6 +9,8 @@ target kept, so the K/V of rejected proposals is overwritten on the next catch-u
 
 Greedy requests take the draft's argmax (a point mass); sampled ones draw from the draft's
 distribution after their temperature, top-k, top-p and min-p, which the acceptance rule needs as q.
+Under a structured-output grammar the draft samples within the grammar: the request's matcher
+follows the draft tokens and is rolled back once the proposal is made.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from disagg.worker.engine.sampler import filter_logits
 from disagg.worker.engine.spec import batches
 from disagg.worker.engine.spec.cost import measure_costs
 from disagg.worker.engine.spec.proposer import Proposal, Proposer
+from disagg.worker.engine.structured_output import apply_bitmask, fill_bitmasks
 from disagg.worker.model.runner import ModelRunner
 
 
@@ -41,6 +44,7 @@ class _Drafting:
     budget: int
     tokens: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
+    consumed: int = 0  # draft tokens fed to the request's grammar matcher (rolled back at the end)
 
 
 def draft_distribution(
@@ -147,14 +151,31 @@ class DraftModelProposer(Proposer):
                 w.seq.num_computed += 1
             self._take(live, logits)
         for w in work:
+            if w.consumed:
+                w.request.grammar.rollback(w.consumed)
             probs = None if w.request.params.greedy else torch.stack(w.probs)
             out[w.index] = Proposal(w.tokens, probs)
         return out
 
     @staticmethod
     def _take(work: list[_Drafting], logits: torch.Tensor) -> None:
+        """One more token per drafting request; under a grammar the draft samples within it (the
+        matcher follows the draft and is rolled back afterwards) and stops where it would end."""
+        constrained = [i for i, w in enumerate(work) if w.request.grammar is not None]
+        if constrained:
+            logits = logits.float().clone()
+            masks = fill_bitmasks([work[i].request.grammar for i in constrained], logits.shape[-1])
+            apply_bitmask(logits, constrained, masks)
         tokens, probs = draft_distribution(logits, [w.request for w in work])
         for w, t, q in zip(work, tokens, probs, strict=True):
+            grammar = w.request.grammar
+            if grammar is not None and w.budget > len(w.tokens):
+                if grammar.validate_tokens([t]) != 1 or not grammar.consume_token(t):
+                    w.budget = len(w.tokens)  # nothing the grammar allows: stop drafting here
+                    continue
+                w.consumed += 1
+                if grammar.is_stopped():
+                    w.budget = len(w.tokens) + 1
             w.tokens.append(t)
             if q is not None:
                 w.probs.append(q)
