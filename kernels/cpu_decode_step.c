@@ -128,7 +128,7 @@ static void rotary_write_kv_head(float *qkv_row, const float *cos_sin, int64_t p
  * Positions, slots and block ids are trusted (checked once per step by the caller); a sequence
  * length outside [1, max_len] returns -1 before anything is written.
  *
- * Barriers: one closing each GEMV and the attention, none for the small ops (see above). */
+ * Barriers: one closing each GEMV, the K/V write and the attention, none for the small ops (see above). */
 int decode_step_f32(const decode_model_f32 *m, float *residual, int64_t batch, const int64_t *positions,
                     const int64_t *slot_mapping, float *kv, int64_t layer_stride, int64_t block_size,
                     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
@@ -174,12 +174,18 @@ int decode_step_f32(const decode_model_f32 *m, float *residual, int64_t batch, c
             for (int64_t c = 0; c < NUM_CHUNKS(qkv_width); c++)
                 GEMV_ROWS(w->qkv, w->qkv_scale, w->qkv_bias, h, normed, h, qkv, qkv_width, batch, CHUNK_ROWS(c, qkv_width));
             MARK(PH_QKV)
+            /* every row's K/V is written before any row attends: rows of one sequence at consecutive
+             * positions (a speculative verify step) see each other's keys */
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < batch * hkv; item++) {
+                const int64_t b = item / hkv, kvh = item % hkv;
+                rotary_write_kv_head(qkv + b * qkv_width, m->cos_sin, positions[b], layer_kv, slot_mapping[b], hq,
+                                     hkv, d, kvh, block_size);
+            }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < batch * hkv; item++) {
                 const int64_t b = item / hkv, kvh = item % hkv;
                 float *row = qkv + b * qkv_width;
-                rotary_write_kv_head(row, m->cos_sin, positions[b], layer_kv, slot_mapping[b], hq, hkv, d, kvh,
-                                     block_size);
                 decode_attention_head_f32(row + kvh * group * d, layer_kv, block_tables + b * table_stride,
                                           seq_lens[b], group, d, kvh, hkv, block_size, m->scale, scores,
                                           attn + b * q_width + kvh * group * d);

@@ -194,6 +194,13 @@ class Monitoring:
 
 
 @dataclass(frozen=True)
+class Speculative:
+    method: str  # ngram | draft
+    num_tokens: int = 4
+    draft_path: str | None = None  # inside the model volume
+
+
+@dataclass(frozen=True)
 class GrpcTLS:
     secret_name: str
     server_name: str | None = None
@@ -218,6 +225,7 @@ class Spec:
     monitoring: Monitoring
     grpc_tls: GrpcTLS | None = None
     network_policy: NetworkPolicy = field(default_factory=NetworkPolicy)
+    speculative: Speculative | None = None
 
     def role(self, name: str) -> Role:
         return self.prefill if name == "prefill" else self.decode
@@ -384,7 +392,32 @@ def parse_spec(spec: dict) -> Spec:
         ),
         grpc_tls=_grpc_tls(spec),
         network_policy=_network_policy(spec),
+        speculative=_speculative(spec),
     )
+
+
+def _speculative(spec: dict) -> Speculative | None:
+    path = "spec.speculativeDecoding"
+    body = _section(spec, "speculativeDecoding", "spec")
+    if not body:
+        return None
+    method = _choice(body, "method", path, ("ngram", "draft"), None) or _missing(path, "method")
+    num_tokens = _int(body, "numTokens", path, 4, 1)
+    if num_tokens > 16:
+        raise SpecError(f"{path}.numTokens", f"must be at most 16, got {num_tokens}")
+    draft = _get(body, "draftModelPath", path, str, None)
+    if method == "draft":
+        if not draft:
+            _missing(path, "draftModelPath")
+        src = _section(_section(spec, "model", "spec"), "source", "spec.model")
+        if not any(src.get(k) is not None for k in ("pvc", "hostPath")):
+            raise SpecError(
+                f"{path}.draftModelPath",
+                "needs a model source of kind pvc or hostPath (the volume holding both models)",
+            )
+    elif draft:
+        raise SpecError(f"{path}.draftModelPath", "is only used with method draft")
+    return Speculative(method, num_tokens, draft)
 
 
 def parse(body: dict) -> InferenceDeployment:

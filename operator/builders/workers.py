@@ -6,6 +6,8 @@ here and nowhere else; user-supplied env may not override it.
 
 from __future__ import annotations
 
+import posixpath
+
 from disagg.operator import constants as c
 from disagg.operator.builders import common, config, hardening, model, secrets
 from disagg.operator.spec import InferenceDeployment, Role, SpecError
@@ -141,6 +143,13 @@ def _args(idep: InferenceDeployment, role: Role) -> list[str]:
         args += [cli_flag("max_model_len"), str(spec.model.max_model_length)]
     if role.tensor_parallel_size > 1:  # the worker starts its other ranks itself, in this pod
         args += [cli_flag("tensor_parallel_size"), str(role.tensor_parallel_size)]
+    if spec.speculative is not None and role.name == "decode":  # prefill workers never decode
+        spec_args = spec.speculative
+        args += [cli_flag("speculative_method"), spec_args.method,
+                 cli_flag("num_speculative_tokens"), str(spec_args.num_tokens)]  # fmt: skip
+        if spec_args.draft_path:
+            draft = posixpath.normpath(posixpath.join(c.MODEL_MOUNT, spec_args.draft_path.lstrip("/")))
+            args += [cli_flag("speculative_draft_model"), draft]
     return args
 
 

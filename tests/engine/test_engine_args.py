@@ -63,6 +63,9 @@ def test_crd_defaults_agree():
         quantization = spec["model"]["properties"]["quantization"]
         assert quantization["default"] == FIELDS["quantization"], path
         assert set(quantization["enum"]) == {"auto", "none", *engine_args.QUANTIZATIONS}, path
+        speculative = spec["speculativeDecoding"]["properties"]
+        assert speculative["numTokens"]["default"] == FIELDS["num_speculative_tokens"], path
+        assert set(speculative["method"]["enum"]) == set(engine_args.SPECULATIVE_METHODS), path
         for role in ("prefill", "decode"):
             kv = spec[role]["properties"]["kvCache"]["properties"]
             assert kv["blockSize"]["default"] == FIELDS["block_size"], (path, role)
@@ -96,6 +99,11 @@ def test_environment_gives_worker_defaults(monkeypatch):
             {"num_gpu_blocks": 8, "kv_cache_memory": 1 << 20},
             "at most one of num_gpu_blocks and kv_cache_memory",
         ),
+        ({"speculative_method": "medusa"}, "speculative_method must be one of"),
+        ({"speculative_method": "draft"}, "speculative_draft_model must be set"),
+        ({"speculative_draft_model": "d"}, "only used with speculative_method draft"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens must be >= 1"),
+        ({"speculative_ngram_min": 3, "speculative_ngram_max": 2}, "speculative_ngram_min must be <="),
     ],
 )
 def test_invalid_settings_name_the_setting(settings, named):
@@ -120,7 +128,9 @@ def test_command_line_errors_name_the_flag(capsys):
 
 def test_flags_round_trip_through_the_worker_parser():
     chosen = EngineArgs(model="m", dtype="bfloat16", block_size=32, enable_prefix_caching=False, cuda_graphs=False,
-                        kv_cache_memory=1 << 28, threads=2)  # fmt: skip
+                        kv_cache_memory=1 << 28, threads=2, speculative_method="draft",
+                        speculative_draft_model="/d", num_speculative_tokens=3,
+                        speculative_min_acceptance=0.5)  # fmt: skip
     _module, args = parse(["worker", "--model", "m", *chosen.to_cli_args()])
     assert EngineArgs.from_cli_args(args) == chosen
 

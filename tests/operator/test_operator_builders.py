@@ -227,6 +227,19 @@ def test_external_redis_password_comes_from_a_secret():
             lambda s: s["model"].update(source={"hostPath": {"path": "/etc"}}),
             "spec.model.source.hostPath.path",
         ),
+        # a draft model lives beside the model on its volume: a generated model has no such volume
+        (
+            lambda s: s.update(speculativeDecoding={"method": "draft", "draftModelPath": "draft"}),
+            "spec.speculativeDecoding.draftModelPath",
+        ),
+        (
+            lambda s: s.update(speculativeDecoding={"method": "draft"}),
+            "spec.speculativeDecoding.draftModelPath",
+        ),
+        (
+            lambda s: s.update(speculativeDecoding={"method": "ngram", "draftModelPath": "draft"}),
+            "spec.speculativeDecoding.draftModelPath",
+        ),
     ],
 )
 def test_unbuildable_specs_name_the_field(mutate, path):

@@ -81,7 +81,13 @@ def _grpc_transfer_and_small_blocks(spec: dict) -> None:
         spec[role]["kvCache"] = {"blockSize": 32, "memoryFraction": 0.5}
 
 
+def _speculative_draft(spec: dict) -> None:
+    spec["model"]["source"] = {"hostPath": {"path": "/data/models"}}
+    spec["speculativeDecoding"] = {"method": "draft", "numTokens": 3, "draftModelPath": "tiny-draft"}
+
+
 VARIANTS = {
+    "speculative-draft": _speculative_draft,
     "external-redis": _external_redis,
     "pvc": _pvc,
     "host-path": _host_path,
@@ -303,6 +309,15 @@ def test_worker_containers_parse_with_the_real_cli(example, variant, role, tmp_p
     assert args.block_size == r.block_size
     assert args.gpu_memory_utilization == pytest.approx(r.memory_fraction)
     assert args.max_model_len == idep.spec.model.max_model_length
+    spec_decoding = idep.spec.speculative
+    if spec_decoding is None or role == "prefill":  # prefill workers never decode
+        assert args.speculative_method is None and args.speculative_draft_model is None
+    else:
+        assert args.speculative_method == spec_decoding.method
+        assert args.num_speculative_tokens == spec_decoding.num_tokens
+        if spec_decoding.draft_path:
+            assert args.speculative_draft_model == f"{model.MODEL_MOUNT}/{spec_decoding.draft_path}"
+            assert _mounted_volume(pod, container, args.speculative_draft_model)["name"] == model.VOLUME
     assert args.device == ("cuda" if "nvidia.com/gpu" in (r.resources.get("limits") or {}) else "cpu")
     grace = pod["terminationGracePeriodSeconds"]
     assert grace == r.termination_grace_seconds

@@ -156,6 +156,12 @@ SCHEMA_BAD = [
         "spec.router.service.type",
     ),
     (lambda s: s["kvTransfer"].update(backend="rdma"), "spec.kvTransfer.backend"),
+    (lambda s: s.update(speculativeDecoding={"method": "medusa"}), "spec.speculativeDecoding.method"),
+    (lambda s: s.update(speculativeDecoding={"numTokens": 2}), "spec.speculativeDecoding"),
+    (
+        lambda s: s.update(speculativeDecoding={"method": "ngram", "numTokens": 17}),
+        "spec.speculativeDecoding.numTokens",
+    ),
     (
         lambda s: s["kvTransfer"].update(ucxTransports=["tcp", "carrier-pigeon"]),
         "spec.kvTransfer.ucxTransports.1",

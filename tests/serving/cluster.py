@@ -82,6 +82,7 @@ class Cluster:
         both: int = 0,
         kv_transfer: str = "nixl",
         worker_args: tuple[str, ...] = (),
+        role_args: dict[str, tuple[str, ...]] | None = None,
         router_args: tuple[str, ...] = (),
         deployment: str = "test",
         env: dict[str, str] | None = None,
@@ -105,6 +106,7 @@ class Cluster:
                     "--port", str(port), "--metrics-port", str(mport), "--kv-transfer", kv_transfer,
                     "--deployment", deployment, "--threads", "1", "--num-gpu-blocks", "512", "--max-num-seqs", "64",
                     *(["--redis-url", redis_url] if redis_url else []), *worker_args,
+                    *(role_args or {}).get(role, ()),
                 ]  # fmt: skip
                 self.workers[name] = Proc(
                     name, cmd, tmp / f"{name}.log", f"http://127.0.0.1:{mport}/health", f"127.0.0.1:{port}",

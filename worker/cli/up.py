@@ -209,7 +209,7 @@ class Deployment:
                     "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport),
                     "--redis-url", self.redis_url, "--deployment", "local", "--kv-transfer", a.kv_transfer,
                     "--disagg-threshold", str(a.disagg_threshold), "--prefill-placement", placement,
-                    *engine.to_cli_args(), *a.worker_arg,
+                    *(engine.without_speculation() if role == "prefill" else engine).to_cli_args(), *a.worker_arg,
                 ]  # fmt: skip
                 self.children.append(
                     Child(

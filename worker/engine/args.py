@@ -18,6 +18,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "fp8")
+SPECULATIVE_METHODS = ("ngram", "draft")
 ENV_PREFIX = "DISAGG_"
 
 
@@ -90,6 +91,35 @@ class EngineArgs:
         "and vocabulary are divided among them",
         minimum=1,
     )
+    speculative_method: str | None = _setting(
+        None,
+        "speculative decoding: ngram (prompt lookup in the prompt and output) or draft (a smaller "
+        "model with the same tokenizer, speculative_draft_model); default: off",
+        choices=SPECULATIVE_METHODS,
+    )
+    num_speculative_tokens: int = _setting(4, "tokens proposed per sequence and verified in one pass",
+                                           minimum=1, maximum=16)  # fmt: skip
+    speculative_draft_model: str | None = _setting(None, "draft model directory (speculative_method draft)")
+    speculative_ngram_min: int = _setting(1, "shortest n-gram the ngram proposer matches", minimum=1)
+    speculative_ngram_max: int = _setting(
+        4, "longest n-gram the ngram proposer matches (tried first)", minimum=1
+    )
+    speculative_max_batch: int = _setting(
+        8,
+        "decode steps of more sequences than this are not speculated (verifying costs more there)",
+        minimum=1,
+    )
+    speculative_adaptive: bool = _setting(
+        True,
+        "time verify steps at start-up and speculate only as far as it is measured to be faster than "
+        "plain decoding (off: always propose num_speculative_tokens)",
+    )
+    speculative_min_acceptance: float = _setting(
+        0.1,
+        "a request whose recent share of accepted proposals falls below this pauses speculating",
+        minimum=0.0,
+        maximum=1.0,
+    )
 
     def __post_init__(self):
         self.model = str(self.model)
@@ -97,6 +127,27 @@ class EngineArgs:
             _check(f, getattr(self, f.name))
         if self.num_gpu_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("set at most one of num_gpu_blocks and kv_cache_memory")
+        if self.speculative_method == "draft" and not self.speculative_draft_model:
+            raise ValueError("speculative_draft_model must be set when speculative_method is draft")
+        if self.speculative_draft_model and self.speculative_method != "draft":
+            raise ValueError("speculative_draft_model is only used with speculative_method draft")
+        if self.tensor_parallel_size > 1 and self.speculative_method is not None:
+            raise ValueError(
+                "speculative_method: speculative decoding is not supported with tensor_parallel_size > 1 yet"
+            )
+        if self.tensor_parallel_size > 1 and self.quantization in QUANTIZATIONS:
+            raise ValueError(
+                "quantization: 8-bit weights are not supported with tensor_parallel_size > 1 yet"
+            )
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError(
+                f"speculative_ngram_min must be <= speculative_ngram_max ({self.speculative_ngram_max}), "
+                f"got {self.speculative_ngram_min}"
+            )
+
+    def without_speculation(self) -> EngineArgs:
+        """These settings for a prefill worker, which never decodes (no draft model to load)."""
+        return dataclasses.replace(self, speculative_method=None, speculative_draft_model=None)
 
     # ---- resolution of the "auto" values -----------------------------------------------
     def resolved_dtype(self) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -38,6 +39,8 @@ from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.engine.sampler import Sampler
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.engine.scheduler import Scheduler, SchedulerOutput
+from disagg.worker.engine.spec.config import SpeculativeConfig
+from disagg.worker.engine.spec.speculator import Speculator, make_proposer
 from disagg.worker.engine.structured_output import Grammars
 from disagg.worker.model.runner import ModelRunner, plan_num_blocks
 
@@ -127,6 +130,11 @@ class LLMEngine:
             model_len = args.max_model_len
         self.block_size = block_size
         self.device = torch.device(device)
+        spec = SpeculativeConfig.from_args(args)
+        # a draft model loads before the target's cache takes its share of the free memory
+        proposer = spec and make_proposer(spec, dtype=dtype, device=device, block_size=block_size,
+                                          vocab_size=self.config.vocab_size, max_model_len=model_len,
+                                          cuda_graphs=args.cuda_graphs)  # fmt: skip
         num_blocks = plan_num_blocks(
             self.model.kv_cache_block_bytes(block_size),
             self.device,
@@ -157,6 +165,7 @@ class LLMEngine:
             self.ranks.wait_ready()
             self.runner = TensorParallelRunner(self.runner, self.ranks)
         self.sampler = Sampler()
+        self.speculator = Speculator(spec, proposer, self) if spec else None
         self.grammars: Grammars | None = None
         self.requests: dict[str, Request] = {}
         self._seeds = random.Random(args.seed)
@@ -304,6 +313,8 @@ class LLMEngine:
         if req.is_finished:
             return False
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         return True
 
     def release(self, request_id: str) -> bool:
@@ -365,6 +376,12 @@ class LLMEngine:
         self.scheduled = out
         if out is None:
             return []
+        plain_decode_from = None
+        if self.speculator is not None and not out.is_prefill:
+            plain_decode_from = time.perf_counter()
+            outputs = self.speculator.step(out)
+            if outputs is not None:
+                return outputs
         spans = prompt_logprobs.plan(out)
         logits = self.runner.forward(build_batch(out, self.block_size, spans), layer_hook)
         self.scheduler.advance(out)
@@ -375,12 +392,20 @@ class LLMEngine:
         if not reqs:
             return []
         sampled = self.sampler(logits, reqs)
-        return [
+        outputs = [
             self._append_token(req, tok, lp)
             for req, tok, lp in zip(reqs, sampled.token_ids, sampled.logprobs, strict=True)
         ]
+        if plain_decode_from is not None:  # what speculating is measured against
+            self.speculator.plain_step(len(out.chunks), time.perf_counter() - plain_decode_from)
+        return outputs
 
     def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        self._add_token(req, token, logprob)
+        return self._output(req)
+
+    def _add_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> bool:
+        """Append one sampled token and apply the stop conditions; True when it ends the request."""
         req.output_token_ids.append(token)
         if req.grammar is not None and not req.grammar.consume_token(token):
             log.warning("request %s: token %d is outside its grammar: %s", req.request_id, token,
@@ -409,7 +434,9 @@ class LLMEngine:
             self.scheduler.finish(req, status)
             if status != RequestStatus.FINISHED_PREFILLED:
                 del self.requests[req.request_id]
-        return self._output(req)
+            if self.speculator is not None:
+                self.speculator.forget(req.request_id)
+        return status is not None
 
     def _check_stop(self, req: Request, token: int, text_before: int) -> RequestStatus | None:
         p = req.params

@@ -467,6 +467,8 @@ class WorkerCore:
         self.metrics.running.set(e.num_running)
         self.metrics.waiting.set(e.num_waiting + len(self.reserved))
         self.metrics.kv_blocks(e.num_free_blocks, e.num_total_blocks)
+        if e.speculator is not None:
+            self.metrics.speculation(e.speculator.stats)
 
     def load_response(self, worker_id: str, role: str) -> pb.LoadResponse:
         return pb.LoadResponse(worker_id=worker_id, role=role, **self.load)

@@ -43,6 +43,10 @@ class _Families:
     remote_prefill_stages: Histogram
     weight_bytes: Gauge
     kv_bytes: Gauge
+    spec_verify_steps: Counter
+    spec_proposed: Counter
+    spec_accepted: Counter
+    spec_accepted_lengths: Counter
 
 
 _FAMILIES: dict[int, _Families] = {}
@@ -135,6 +139,30 @@ def _families(registry: CollectorRegistry) -> _Families:
                 (*LABELS, "dtype"),
                 registry=registry,
             ),
+            spec_verify_steps=Counter(
+                "disagg_spec_decode_verify_steps",
+                "Target forward passes that verified speculative proposals.",
+                (*LABELS, "proposer"),
+                registry=registry,
+            ),
+            spec_proposed=Counter(
+                "disagg_spec_decode_proposed_tokens",
+                "Tokens proposed by speculative decoding.",
+                (*LABELS, "proposer"),
+                registry=registry,
+            ),
+            spec_accepted=Counter(
+                "disagg_spec_decode_accepted_tokens",
+                "Proposed tokens the target accepted.",
+                (*LABELS, "proposer"),
+                registry=registry,
+            ),
+            spec_accepted_lengths=Counter(
+                "disagg_spec_decode_acceptance_length",
+                "Proposals by how many of their leading tokens were accepted (the accepted label).",
+                (*LABELS, "proposer", "accepted"),
+                registry=registry,
+            ),
         )
     return _FAMILIES[key]
 
@@ -175,6 +203,8 @@ class ServingMetrics:
         self._requests = f.requests
         self._weight_bytes = f.weight_bytes
         self._kv_bytes = f.kv_bytes
+        self._f = f
+        self._spec_seen: dict[str, int | list[int]] = {}
         self._decisions = f.decisions
         self._rejected = f.rejected
 
@@ -213,6 +243,22 @@ class ServingMetrics:
 
     def kv_cache(self, dtype: str, bytes_per_token: int) -> None:
         self._kv_bytes.labels(role=self.role, model=self.model, dtype=dtype).set(bytes_per_token)
+
+    def speculation(self, stats) -> None:
+        """Bring the speculative decoding counters up to an engine's cumulative `SpecStats`."""
+        f, seen = self._f, self._spec_seen
+        lab = {"role": self.role, "model": self.model, "proposer": stats.proposer}
+        for family, name in ((f.spec_verify_steps, "num_verify_steps"), (f.spec_proposed, "num_proposed"),
+                             (f.spec_accepted, "num_accepted")):  # fmt: skip
+            value = getattr(stats, name)
+            family.labels(**lab).inc(value - seen.get(name, 0))
+            seen[name] = value
+        before = seen.get("accepted_lengths") or [0] * len(stats.accepted_lengths)
+        for a, (now, was) in enumerate(zip(stats.accepted_lengths, before, strict=True)):
+            child = f.spec_accepted_lengths.labels(**lab, accepted=str(a))
+            if now > was or not seen:
+                child.inc(now - was)
+        seen["accepted_lengths"] = list(stats.accepted_lengths)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
