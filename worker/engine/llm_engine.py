@@ -112,7 +112,7 @@ class LLMEngine:
             raise
 
     def _build(self, args: EngineArgs, block_size: int, max_num_seqs: int, load_tokenizer: bool) -> None:
-        model, device = args.model, args.resolved_device()
+        model, dtype, device = args.model, args.resolved_dtype(), args.resolved_device()
         self.model_path = str(model)
         self.tokenizer = None
         if load_tokenizer:
