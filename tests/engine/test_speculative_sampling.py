@@ -107,7 +107,11 @@ def test_sampled_outputs_keep_the_target_distribution(tiny_llama_dir, near_draft
     }
     if method == "draft":
         spec["speculative_draft_model"] = str(near_draft)
-    e = LLMEngine(tiny_llama_dir, block_size=8, num_gpu_blocks=2 * N + 8, max_num_seqs=N, **spec)
+    # alternating steps: every request's tokens 2 and 3 come from decode steps, which speculate (a
+    # mixed step decodes its rows plainly while the other prompts are still being admitted)
+    e = LLMEngine(
+        tiny_llama_dir, block_size=8, num_gpu_blocks=2 * N + 8, max_num_seqs=N, mixed_steps=False, **spec
+    )
     for i in range(N):
         e.add_request(f"s{i}", prompt, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=3, ignore_eos=True,
                                                       seed=i))  # fmt: skip

@@ -29,7 +29,7 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         redis_url=redis_server.url,
         prefill=1,
         decode=1,
-        worker_args=("--disagg-threshold", str(THRESHOLD)),
+        worker_args=("--prefill-placement", "threshold", "--disagg-threshold", str(THRESHOLD)),
         role_args={
             "decode": (
                 "--speculative-method",

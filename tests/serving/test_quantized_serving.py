@@ -22,7 +22,7 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         tiny_model,
         tmp_path_factory.mktemp("int8"),
         redis_url=redis_server.url,
-        worker_args=("--disagg-threshold", "8", "--quantization", "int8"),
+        worker_args=("--prefill-placement", "threshold", "--disagg-threshold", "8", "--quantization", "int8"),
         deployment="int8",
     )
     try:
