@@ -236,3 +236,9 @@ def test_gemv_int8_row_sums_beyond_int32_stay_exact():
     torch.testing.assert_close(
         got, torch.tensor([[4096.0 * 127] * 3, [-4096.0 * 127] * 3]), atol=0, rtol=1e-6
     )
+
+
+def test_fp8_to_float32_is_torchs_conversion():
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(300, 77, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(cpu_native.fp8_to_float32(w), w.float())
