@@ -111,3 +111,18 @@ void gemv_fp8(const uint8_t *w, const float *scale, const float *bias, const flo
         gemv_rows_fp8(w, scale, bias, k, x, k, y, n, batch, r, r1);
     }
 }
+
+/* out[i] = the float value of e4m3 byte w[i] (n of them), for products with many rows, where one
+ * widening of the weight serves them all (torch's own e4m3 conversion is scalar and slow). */
+void fp8_to_f32(const uint8_t *w, float *out, int64_t n, int64_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && n >= (1 << 16))
+    for (int64_t i0 = 0; i0 < n; i0 += 4096) {
+        const int64_t i1 = i0 + 4096 < n ? i0 + 4096 : n;
+        int64_t i = i0;
+#ifdef FP8_AVX512
+        const __m512 unscale = _mm512_set1_ps(FP8_UNSCALE);
+        for (; i + 16 <= i1; i += 16) _mm512_storeu_ps(out + i, _mm512_mul_ps(load16_fp8(w + i), unscale));
+#endif
+        for (; i < i1; i++) out[i] = fp8_scaled(w[i]) * FP8_UNSCALE;
+    }
+}

@@ -167,6 +167,7 @@ def _load() -> ctypes.CDLL:
         "gemv_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_silu_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_fp8": ([p, p, p, p, p, i64, i64, i64, i64], None),
+        "fp8_to_f32": ([p, p, i64, i64], None),
         "decode_step_f32": ([p, p, i64, p, p, p, i64, i64, p, i64, p, i64, p, p, i64, p], ctypes.c_int),
         "decode_step_work_floats": ([p, i64, i64, i64], i64),
         "decode_step_phases": ([], i64),
@@ -329,6 +330,17 @@ def gemv_fp8(
         y.data_ptr(), b, n, k, torch.get_num_threads(),
     )  # fmt: skip
     return y
+
+
+def fp8_to_float32(weight: torch.Tensor) -> torch.Tensor:
+    """`weight.float()` for a contiguous float8_e4m3fn CPU tensor, vectorised."""
+    if weight.dtype != torch.float8_e4m3fn or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise ValueError(
+            f"weight: need a contiguous float8_e4m3fn CPU tensor, got {weight.dtype} {weight.device}"
+        )
+    out = torch.empty(weight.shape, dtype=torch.float32)
+    _require().fp8_to_f32(weight.data_ptr(), out.data_ptr(), weight.numel(), torch.get_num_threads())
+    return out
 
 
 def rotary_write_kv(

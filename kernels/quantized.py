@@ -27,7 +27,8 @@ SCHEMES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # weight to float32 for torch's GEMM, and float32 weights too (measured here, 4096 x 768: 3x at 16
 # rows, 1.5x at 128, par at 256-512); beyond, prefill-sized products amortise the widening.
 NATIVE_MAX_ROWS = 256
-# fp8 widens every weight in float (no integer dot product): par with the float32 GEMM at 16 rows.
+# fp8 widens every weight in float (no integer dot product): par with the float32 GEMM at 16 rows;
+# beyond, the weight is widened once per call (natively) for torch's GEMM.
 FP8_NATIVE_MAX_ROWS = 16
 
 
@@ -101,15 +102,17 @@ def linear(
             and cpu_native.available()
         ):
             return cpu_native.gemv_int8(x.contiguous(), w.data, w.scale, bias)
-        if (
-            w.scheme == "fp8"
-            and x.dtype == torch.float32
-            and x.dim() == 2
-            and x.shape[0] <= FP8_NATIVE_MAX_ROWS
-            and (bias is None or bias.dtype == torch.float32)
-            and cpu_native.available()
-        ):
-            return cpu_native.gemv_fp8(x.contiguous(), w.data, w.scale, bias)
+        if w.scheme == "fp8" and cpu_native.available():
+            if (
+                x.dtype == torch.float32
+                and x.dim() == 2
+                and x.shape[0] <= FP8_NATIVE_MAX_ROWS
+                and (bias is None or bias.dtype == torch.float32)
+            ):
+                return cpu_native.gemv_fp8(x.contiguous(), w.data, w.scale, bias)
+            # many rows: widen the weight once, natively (torch's e4m3 conversion is scalar)
+            y = F.linear(x, cpu_native.fp8_to_float32(w.data).to(x.dtype)) * w.scale.to(x.dtype)
+            return y if bias is None else y + bias
     elif x.device.type == "cuda":
         from disagg.kernels.triton_scaled_matmul import scaled_matmul
 

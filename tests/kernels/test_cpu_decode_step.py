@@ -236,3 +236,33 @@ def test_gemv_int8_row_sums_beyond_int32_stay_exact():
     torch.testing.assert_close(
         got, torch.tensor([[4096.0 * 127] * 3, [-4096.0 * 127] * 3]), atol=0, rtol=1e-6
     )
+
+
+def test_fp8_to_float32_is_torchs_conversion():
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(300, 77, generator=g) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(cpu_native.fp8_to_float32(w), w.float())
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_decode_step_runs_8bit_weights_whole_in_the_kernel(tiny_llama_dir, paged, scheme):
+    """8-bit models keep the whole-step kernel (its phase clock moves); one model mixing int8 and
+    fp8 weights is refused by it, naming the kinds."""
+    from disagg.worker.model.quantization import quantize
+
+    model, _ = load_model(tiny_llama_dir, quantization_setting=scheme)
+    step = model.native_decode_step()
+    step.phase_seconds = torch.zeros(len(cpu_decode_step.PHASES), dtype=torch.float64)
+    cache = model.allocate_kv_cache(num_blocks=16, block_size=4)
+    seqs = paged(4)
+    model.forward(seqs.prefill([(0, [10, 11, 12])]), cache)
+    model.forward(seqs.decode([(0, 20)]), cache)
+    assert (step.phase_seconds > 0).all()
+    layers = [cpu_decode_step.DecodeLayer(**vars(layer)) for layer in model.weights.layers]
+    other = "fp8" if scheme == "int8" else "int8"
+    layers[0].o = quantize(layers[0].o.dequantize(), other)
+    with pytest.raises(ValueError, match="one kind of 8-bit weights per model"):
+        cpu_decode_step.NativeDecodeStep(
+            layers, model.weights.norm, model.weights.lm_head, model.cos_sin_cache,
+            num_q_heads=model.num_heads, num_kv_heads=model.num_kv_heads, eps=1e-6, scale=model.scale,
+        )  # fmt: skip
