@@ -53,6 +53,28 @@ def tp_pd(tiny_model, tmp_path_factory, redis_server):
         c.stop()
 
 
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=lambda p: f"prefill-tp{p[0]}-decode-tp{p[1]}")
+def mixed_pd(request, tiny_model, tmp_path_factory, redis_server):
+    prefill_tp, decode_tp = request.param
+    c = Cluster(
+        tiny_model,
+        tmp_path_factory.mktemp("tp-mixed"),
+        redis_url=redis_server.url,
+        prefill=1,
+        decode=1,
+        worker_args=("--prefill-placement", "threshold", "--disagg-threshold", str(THRESHOLD)),
+        role_args={
+            "prefill": ("--tensor-parallel-size", str(prefill_tp)),
+            "decode": ("--tensor-parallel-size", str(decode_tp)),
+        },  # fmt: skip
+        deployment=f"tp-mixed-{prefill_tp}-{decode_tp}",
+    )
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+
+
 def _children(pid: int) -> list[int]:
     """Child processes of `pid`, whichever of its threads started them."""
     return [
@@ -67,6 +89,16 @@ def _complete(url: str, body: dict) -> httpx.Response:
 
 
 def test_outputs_equal_the_colocated_engine_and_blocks_come_back(tp_pd, reference_llm, redis_server):
+    _serve_and_compare(tp_pd, reference_llm, redis_server)
+
+
+def test_kv_moves_between_different_degrees(mixed_pd, reference_llm, redis_server):
+    """Fan-in (each prefill rank writes its heads into the one decode rank) and fan-out (the
+    prefill rank writes each decode rank's heads into it)."""
+    _serve_and_compare(mixed_pd, reference_llm, redis_server)
+
+
+def _serve_and_compare(tp_pd: Cluster, reference_llm, redis_server) -> None:
     rng = random.Random(0)
     vocab = reference_llm.engine.config.vocab_size
     prompts = [[rng.randrange(5, vocab) for _ in range(n)] for n in LENGTHS]

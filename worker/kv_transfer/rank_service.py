@@ -41,7 +41,7 @@ class RankKV:
             restrict_ucx_to(host)
         layout = KVLayout.from_tensor(runner.kv_cache, model_id, tp_size, model_kv_heads)
         self.rank = rank
-        self.transport = create_transport(kind, runner.kv_cache, layout, f"{name}-r{rank}")
+        self.transport = create_transport(kind, runner.kv_cache, layout, f"{name}-r{rank}", tp_rank=rank)
         self.sending: dict[tuple[str, str], _Sending] = {}
 
     def handshake_payload(self) -> bytes:

@@ -4,9 +4,10 @@ Every rank owns a transport over its own part of the cache: rank 0's lives here,
 their processes (`rank_service.RankKV`). This class offers the worker what one `KVTransport`
 offers, so the serving code is the same for any number of ranks:
 
-- handshake: rank 0's payload, carrying every rank's payload (`rank_payloads`, index = rank);
-  a sender adds rank r of the receiver as the peer of its own rank r. Both workers must split
-  the model the same way (each transport's handshake check refuses a peer split differently).
+- handshake: rank 0's payload, carrying every rank's payload (`rank_payloads`, index = rank).
+  Every rank of a sender reads the whole payload and writes the KV heads it holds into the
+  receiver's ranks that own them: rank r into rank r when both split the model alike, else the
+  head copies of `tp_layout.head_copies` (see `NixlTransport.add_peer`).
 - sending: each `send` / `finish` runs on rank 0 and is posted to every other rank, which sends
   the same blocks of its own heads after its part of the step. The handle `finish` returns is
   done once every rank's sends of the transfer are done, and fails if any rank's fails.
@@ -58,18 +59,12 @@ class ShardedTransport:
         return self._payload
 
     def add_peer(self, peer_id: str, payload: bytes, address: str | None = None) -> None:
-        msg = pb.KVHandshake()
-        msg.ParseFromString(payload)
-        payloads = list(msg.rank_payloads) or [payload]
-        self.local.add_peer(peer_id, payloads[0])  # refuses a peer split differently, saying how
-        if len(payloads) != self.world_size:
-            self.local.remove_peer(peer_id)
-            raise ValueError(
-                f"payload: {len(payloads)} rank handshakes for a tensor-parallel size of {self.world_size}"
-            )
+        """Every rank adds the peer from its whole payload and picks the peer's ranks it writes
+        into (refusing a peer it cannot write into, saying why)."""
+        self.local.add_peer(peer_id, payload)
         try:
             for r in self._children:
-                self.ranks.ask(r, SERVICE, "add_peer", peer_id, payloads[r])
+                self.ranks.ask(r, SERVICE, "add_peer", peer_id, payload)
         except BaseException:
             self.remove_peer(peer_id)
             raise
