@@ -1,5 +1,5 @@
-"""Prefill and decode workers at tensor-parallel size 2: every rank moves its own KV heads to the
-rank of the same index on the other worker (real processes, NIXL over CPU, gloo). Outputs equal
+"""Prefill and decode workers with tensor parallelism: every rank moves its own KV heads to the
+ranks of the other worker that own them (real processes, NIXL over CPU, gloo). Outputs equal
 the colocated single-rank engine's, every block comes back on both workers, and a rank killed
 while a request is in flight fails that request and ends its worker."""
 
@@ -53,7 +53,9 @@ def tp_pd(tiny_model, tmp_path_factory, redis_server):
         c.stop()
 
 
-@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=lambda p: f"prefill-tp{p[0]}-decode-tp{p[1]}")
+@pytest.fixture(
+    scope="module", params=[(2, 1), (1, 2), (4, 1), (2, 4)], ids=lambda p: f"prefill-tp{p[0]}-decode-tp{p[1]}"
+)
 def mixed_pd(request, tiny_model, tmp_path_factory, redis_server):
     prefill_tp, decode_tp = request.param
     c = Cluster(
@@ -93,8 +95,10 @@ def test_outputs_equal_the_colocated_engine_and_blocks_come_back(tp_pd, referenc
 
 
 def test_kv_moves_between_different_degrees(mixed_pd, reference_llm, redis_server):
-    """Fan-in (each prefill rank writes its heads into the one decode rank) and fan-out (the
-    prefill rank writes each decode rank's heads into it)."""
+    """Fan-in (each prefill rank writes its heads into the one decode rank), fan-out (the
+    prefill rank writes each decode rank's heads into it), and the tiny model's 2 KV heads
+    replicated over 4 ranks: on the prefill side (one holder of each head sends it, the other
+    ranks send nothing) and on the decode side (every rank holding a head gets its copy)."""
     _serve_and_compare(mixed_pd, reference_llm, redis_server)
 
 
