@@ -43,6 +43,7 @@ class RankKV:
         self.rank = rank
         self.transport = create_transport(kind, runner.kv_cache, layout, f"{name}-r{rank}", tp_rank=rank)
         self.sending: dict[tuple[str, str], _Sending] = {}
+        self.closed = False
 
     def handshake_payload(self) -> bytes:
         return self.transport.handshake_payload()
@@ -118,4 +119,7 @@ class RankKV:
         return result
 
     def close(self) -> None:
-        self.transport.close()
+        """Idempotent: rank 0 closes it when the worker drains, the rank again when it stops."""
+        if not self.closed:
+            self.closed = True
+            self.transport.close()
