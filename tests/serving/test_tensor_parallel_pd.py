@@ -182,3 +182,47 @@ def test_a_decode_rank_killed_mid_stream_ends_it_with_an_error_and_the_worker_ex
     assert events[-1] != "[DONE]" and "error" in json.loads(events[-1]), events[-1]
     assert len(events) < 400
     _exits_naming_rank_1(worker)
+
+
+@pytest.fixture(scope="module")
+def fan_in(tiny_model, tmp_path_factory, redis_server):
+    c = Cluster(
+        tiny_model,
+        tmp_path_factory.mktemp("tp-fan-in"),
+        redis_url=redis_server.url,
+        prefill=1,
+        decode=1,
+        worker_args=(
+            "--prefill-placement",
+            "threshold",
+            "--disagg-threshold",
+            str(THRESHOLD),
+            "--max-num-batched-tokens",
+            "64",
+            "--lease-seconds",
+            "3",
+        ),  # fmt: skip
+        role_args={"prefill": ("--tensor-parallel-size", "2")},
+        deployment="tp-fan-in",
+    )
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+
+
+def test_decode_worker_killed_mid_transfer_every_prefill_rank_lets_go(fan_in, redis_server):
+    """Both prefill ranks were to write into the dead worker: the prefill is given up (its
+    transfer's lease expires, or a send fails), its blocks are freed once, its Redis record is
+    reaped, and the prefill worker and its second rank keep running."""
+    rng = random.Random(5)
+    body = {"model": fan_in.model_name, "prompt": [rng.randrange(5, 1000) for _ in range(1200)],
+            "max_tokens": 4, "temperature": 0}  # fmt: skip
+    t = threading.Thread(target=lambda: _complete(fan_in.url, body))
+    t.start()
+    _wait_running(fan_in, "prefill-0")
+    fan_in.workers["decode-0"].kill()
+    t.join(120)
+    fan_in.assert_released(redis_server.url, idle_timeout=12, records_timeout=12)
+    assert fan_in.workers["prefill-0"].alive()
+    assert len(_children(fan_in.workers["prefill-0"].popen.pid)) == 1  # its rank lives on

@@ -43,6 +43,7 @@ class RankKV:
         self.rank = rank
         self.transport = create_transport(kind, runner.kv_cache, layout, f"{name}-r{rank}", tp_rank=rank)
         self.sending: dict[tuple[str, str], _Sending] = {}
+        self.peers: set[str] = set()  # added by rank 0 and not removed since
         self.closed = False
 
     def handshake_payload(self) -> bytes:
@@ -50,8 +51,10 @@ class RankKV:
 
     def add_peer(self, peer_id: str, payload: bytes) -> None:
         self.transport.add_peer(peer_id, payload)
+        self.peers.add(peer_id)
 
     def remove_peer(self, peer_id: str) -> None:
+        self.peers.discard(peer_id)
         self.transport.remove_peer(peer_id)
 
     # ---- sender (posted) ---------------------------------------------------------------------
@@ -92,8 +95,8 @@ class RankKV:
     # ---- asked between steps -----------------------------------------------------------------
     def poll(self, transfers: list[tuple[str, str]], receiving: bool) -> dict:
         """How this rank's sends of `transfers` stand ("pending", "done", or (kind, reason) of
-        the first error; settled ones are dropped here), and, when `receiving`, the transfers that
-        landed in or failed on this rank since the last poll."""
+        the first error; settled ones are dropped here), the peers it evicted, and, when
+        `receiving`, the transfers that landed in or failed on this rank since the last poll."""
         sends = {}
         for key in transfers:
             sending = self.sending.get(key)
@@ -112,7 +115,11 @@ class RankKV:
                 sends[key] = "pending"
                 continue
             del self.sending[key]
-        result = {"sends": sends}
+        # peers this rank's transport evicted after a send failed (disconnect, timeout): rank 0
+        # drops them everywhere, so the next request handshakes again
+        evicted = [p for p in self.peers if not self.transport.has_peer(p)]
+        self.peers.difference_update(evicted)
+        result = {"sends": sends, "evicted": evicted}
         if receiving:
             result["completed"] = self.transport.poll_completed()
             result["failed"] = self.transport.poll_failed()

@@ -140,6 +140,11 @@ class ShardedTransport:
                 self._take_receipts(r, self.ranks.ask(r, SERVICE, "poll", [], True))
 
     def _take_receipts(self, rank: int, reply: dict) -> None:
+        for peer_id in reply.get("evicted", ()):
+            if self.local.has_peer(peer_id):
+                log.warning("KV peer %s evicted by tensor-parallel rank %d: dropping it on every rank",
+                            peer_id, rank)  # fmt: skip
+                self.remove_peer(peer_id)
         for tid, reason in reply.get("failed", ()):
             if self._expected.pop(tid, None) is not None:
                 self._failed.append((tid, f"{reason} (tensor-parallel rank {rank})"))
