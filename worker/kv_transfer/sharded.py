@@ -45,6 +45,7 @@ class ShardedTransport:
         self._landed: list[str] = []
         self._failed: list[tuple[str, str]] = []
         self._finishing: dict[tuple[str, str], FinishHandle] = {}
+        self._send_polls = 0  # rounds of `_poll_sends` so far
 
     @property
     def _children(self) -> range:
@@ -104,6 +105,7 @@ class ShardedTransport:
         pending = [k for k, h in self._finishing.items() if h.state == PENDING]
         if not pending:
             return
+        self._send_polls += 1
         for r in self._children:
             reply = self.ranks.ask(r, SERVICE, "poll", pending, bool(self._expected))
             self._take_receipts(r, reply)
@@ -174,6 +176,7 @@ class FinishHandle(TransferHandle):
         self._transport = transport
         self._local = local
         self._waiting = set(transport._children)
+        self._seen_polls = transport._send_polls
 
     def settle_rank(self, rank: int, state) -> None:
         if state == DONE:
@@ -190,7 +193,11 @@ class FinishHandle(TransferHandle):
             self.fail(self._local.error_kind, self._local.reason)
             return
         if self._waiting:
-            self._transport._poll_sends()
+            # one round answers every pending finish: ask again only once this handle has seen
+            # the last round's answer (polling N handles costs one round, not N)
+            if self._seen_polls == self._transport._send_polls:
+                self._transport._poll_sends()
+            self._seen_polls = self._transport._send_polls
         if self.state == PENDING and local == DONE and not self._waiting:
             self._drop()
             self.succeed()
