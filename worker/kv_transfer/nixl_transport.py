@@ -23,6 +23,7 @@ import torch
 
 from disagg.proto import kv_transfer_pb2 as pb
 from disagg.worker.kv_transfer.base import KVTransport
+from disagg.worker.kv_transfer.errors import IncompatiblePeer
 from disagg.worker.kv_transfer.handle import TransferHandle, all_of, finished_handle
 from disagg.worker.kv_transfer.handshake import decode_handshake, encode_handshake, parse_handshake
 from disagg.worker.kv_transfer.layout import KVLayout
@@ -231,6 +232,12 @@ class NixlTransport(KVTransport):
             self._add_fanout(peer_id, TPLayout(*peer_tp), rank_payloads)
 
     def _add_fanout(self, peer_id: str, peer_tp: TPLayout, rank_payloads: list[bytes]) -> None:
+        if self.layout.kv_cache_dtype != "auto":
+            raise IncompatiblePeer(
+                f"the peer splits the model's KV heads differently (TP={peer_tp.tp_size}, here "
+                f"TP={self.layout.tp_size}), and head segments of a {self.layout.kv_cache_dtype} KV cache "
+                "(values with scales) are not supported: use equal tensor-parallel sizes"
+            )
         mine = TPLayout(self.layout.tp_size, self.layout.model_kv_heads)
         copies = head_copies(mine, peer_tp)
         head_bytes = self.layout.head_dim * self.layout.itemsize

@@ -31,15 +31,16 @@ class _Sending:
 
 
 class RankKV:
-    def __init__(self, runner, rank: int, kind: str, name: str, model_id: str, tp_size: int,
-                 model_kv_heads: int, host: str):  # fmt: skip
+    def __init__(self, runner, rank: int, kind: str, name: str, host: str, layout_fields: dict):
+        """`layout_fields`: rank 0's layout but for the shape (model id, ranks, the model's KV
+        heads, how values are stored): every rank of a worker describes its cache alike."""
         from disagg.worker.kv_transfer import create_transport
 
         if kind == "nixl":
             from disagg.worker.kv_transfer.nixl_transport import restrict_ucx_to
 
             restrict_ucx_to(host)
-        layout = KVLayout.from_tensor(runner.kv_cache, model_id, tp_size, model_kv_heads)
+        layout = KVLayout.from_tensor(runner.kv_cache, **layout_fields)
         self.rank = rank
         self.transport = create_transport(kind, runner.kv_cache, layout, f"{name}-r{rank}", tp_rank=rank)
         self.sending: dict[tuple[str, str], _Sending] = {}

@@ -27,14 +27,16 @@ log = logging.getLogger(__name__)
 
 
 class ShardedTransport:
-    def __init__(self, local, ranks, kind: str, name: str, model_id: str, host: str):
+    def __init__(self, local, ranks, kind: str, name: str, host: str):
         """`local`: rank 0's transport; `ranks`: the other ranks' processes (`RankProcesses`)."""
         self.local = local
         self.ranks = ranks
         self.backend = local.backend
         self.world_size = ranks.world_size
         layout = local.layout
-        ranks.install(SERVICE, FACTORY, kind, name, model_id, layout.tp_size, layout.model_kv_heads, host)
+        fields = {f: getattr(layout, f) for f in ("model_id", "tp_size", "model_kv_heads", "kv_cache_dtype",
+                                                  "weight_quantization")}  # fmt: skip
+        ranks.install(SERVICE, FACTORY, kind, name, host, fields)
         payloads = [local.handshake_payload()]
         payloads += [ranks.ask(r, SERVICE, "handshake_payload") for r in self._children]
         msg = pb.KVHandshake()

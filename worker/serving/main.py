@@ -86,9 +86,7 @@ def _build_transport(cfg: WorkerConfig, engine, address: str):
     from disagg.worker.kv_transfer.sharded import ShardedTransport
 
     try:  # every other rank gets its own transport over its part of the cache
-        return ShardedTransport(
-            transport, engine.ranks, cfg.kv_transfer, cfg.worker_id, cfg.model_name, cfg.host
-        )
+        return ShardedTransport(transport, engine.ranks, cfg.kv_transfer, cfg.worker_id, cfg.host)
     except BaseException:
         transport.close()
         raise
