@@ -37,13 +37,15 @@ def check_placeable(idep: InferenceDeployment, settings: Settings) -> None:
 
 
 def check_kv_transfer(idep: InferenceDeployment) -> None:
-    """Prefill and decode workers move KV from one cache to another; a tensor-parallel worker's
-    cache is split over its ranks' processes, which the KV transports do not read or write yet, so
-    the worker refuses those roles with more than one rank (it serves them colocated only)."""
+    """Every rank of a tensor-parallel prefill or decode worker moves its own KV heads over its own
+    NIXL agent; the gRPC fallback serves one cache per worker, so the worker refuses it with more
+    than one rank."""
+    if idep.spec.kv_transfer.backend == "nixl":
+        return
     for role in (idep.spec.prefill, idep.spec.decode):
         if role.tensor_parallel_size > 1:
             raise SpecError(
-                f"spec.{role.name}.tensorParallelSize",
-                f"is {role.tensor_parallel_size}, but KV transfer between tensor-parallel workers is "
-                "not supported yet (the worker shards models only when serving colocated); set 1",
+                "spec.kvTransfer.backend",
+                f"is {idep.spec.kv_transfer.backend!r}, but spec.{role.name}.tensorParallelSize is "
+                f"{role.tensor_parallel_size}: KV moves between tensor-parallel workers over nixl only",
             )

@@ -371,7 +371,13 @@ def _check_redis_url(url: str, idep, kids: dict, password: str | None) -> None:
 @pytest.mark.parametrize(
     ("mutate", "path"),
     [
-        (lambda s: s["decode"].update(tensorParallelSize=2), "spec.decode.tensorParallelSize"),
+        (
+            lambda s: (
+                s["decode"].update(tensorParallelSize=2),
+                s.setdefault("kvTransfer", {}).update(backend="grpc"),
+            ),
+            "spec.kvTransfer.backend",
+        ),
         (lambda s: s["prefill"].update(kvCache={"blockSize": 32}), "spec.prefill.kvCache.blockSize"),
     ],
 )
@@ -915,6 +921,7 @@ async def test_tensor_parallel_request_is_reported_in_the_status_naming_the_fiel
     """The real kopf handlers turn the refusal into the Degraded condition a user reads."""
     body = load_example("cpu-tiny.yaml")
     body["spec"]["prefill"]["tensorParallelSize"] = 2
+    body["spec"].setdefault("kvTransfer", {})["backend"] = "grpc"  # the worker shards over nixl only
 
     def degraded() -> dict:
         obj = cluster.live("disagg.dev/v1alpha1/inferencedeployments", "tiny") or {}
@@ -923,7 +930,7 @@ async def test_tensor_parallel_request_is_reported_in_the_status_naming_the_fiel
 
     await cluster.api.apply(body, field_manager="test-user")
     await cluster.eventually(lambda: degraded().get("reason") == "InvalidSpec", what="InvalidSpec")
-    assert degraded()["message"].startswith("spec.prefill.tensorParallelSize: ")
+    assert degraded()["message"].startswith("spec.kvTransfer.backend: ")
     assert cluster.live("apps/v1/statefulsets", "tiny-prefill") is None
 
 

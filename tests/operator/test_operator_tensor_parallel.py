@@ -1,6 +1,6 @@
 """tensorParallelSize per role: the worker pod a role with several ranks gets (the flag, one GPU per
 rank, a /dev/shm sized for the ranks), and the refusals that name the field: GPU counts that do not
-match, more ranks than a node holds, and prefill/decode roles while KV transfer reads one cache."""
+match, more ranks than a node holds, and prefill/decode roles over the gRPC KV fallback."""
 
 from __future__ import annotations
 
@@ -93,11 +93,16 @@ def test_more_ranks_than_a_node_holds_are_refused_naming_the_field():
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_tensor_parallel_prefill_and_decode_are_refused_until_kv_moves_between_sharded_caches(role):
+def test_tensor_parallel_prefill_and_decode_build_over_nixl_and_are_refused_over_grpc(role):
     body = _body(role, 2, 2)
-    with pytest.raises(specs.SpecError, match="KV transfer between tensor-parallel workers") as err:
+    children = build_children(specs.parse(body), body)
+    (sts,) = [c for c in children if c["kind"] == "StatefulSet" and c["metadata"]["name"].endswith(role)]
+    args = _worker_args(sts["spec"]["template"]["spec"]["containers"][0])
+    assert (args.tensor_parallel_size, args.role, args.kv_transfer) == (2, role, "nixl")
+    body["spec"]["kvTransfer"] = {"backend": "grpc"}
+    with pytest.raises(specs.SpecError, match="over nixl only") as err:
         build_children(specs.parse(body), body)
-    assert err.value.path == f"spec.{role}.tensorParallelSize"
+    assert err.value.path == "spec.kvTransfer.backend"
 
 
 def test_the_operator_flag_sets_the_node_size():

@@ -1,6 +1,6 @@
 """`disagg worker --tensor-parallel-size 2`: the worker starts its second rank, serves what the
 single-rank engine serves, frees every block, and exits non-zero (for its pod to restart) when the
-rank dies; prefill and decode roles refuse TP until KV moves between sharded caches."""
+rank dies; prefill and decode roles refuse TP over the gRPC KV transport (NIXL only)."""
 
 from __future__ import annotations
 
@@ -82,11 +82,11 @@ def test_a_killed_rank_fails_the_request_and_the_worker_exits(tp_cluster):
     assert "tensor-parallel rank 1 exited" in worker.log.read_text()
 
 
-def test_prefill_and_decode_roles_refuse_tensor_parallelism(tiny_model):
+def test_prefill_role_refuses_tensor_parallelism_over_the_grpc_transport(tiny_model):
     cmd = [sys.executable, "-P", "-m", "disagg.worker.cli", "worker", "--role", "prefill", "--model",
-           str(tiny_model), "--tensor-parallel-size", "2"]  # fmt: skip
+           str(tiny_model), "--tensor-parallel-size", "2", "--kv-transfer", "grpc"]  # fmt: skip
     start = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
-    assert "--tensor-parallel-size 2 is served with --role both only" in out.stderr
+    assert "--tensor-parallel-size 2 with --role prefill needs --kv-transfer nixl" in out.stderr
     assert time.monotonic() - start < 60

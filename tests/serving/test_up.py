@@ -107,3 +107,50 @@ def test_up_keeps_its_secrets_private_and_restarts_a_dead_child(tiny_model, tmp_
     finally:
         up.send_signal(signal.SIGTERM)
         assert up.wait(60) == 0, log.read_text()[-3000:]
+
+
+def test_role_ranks_come_from_the_role_flags_else_the_engine_setting():
+    from argparse import Namespace
+
+    from disagg.worker.cli.up import role_ranks
+
+    args = Namespace(prefill_tp=2, decode_tp=None, kv_transfer="nixl", prefill=1, decode=1)
+    assert role_ranks(args, 1) == {"prefill": 2, "decode": 1, "both": 1}
+    assert role_ranks(Namespace(**{**vars(args), "prefill_tp": None}), 2) == {
+        "prefill": 2,
+        "decode": 2,
+        "both": 2,
+    }
+    with pytest.raises(SystemExit, match="--decode-tp must be >= 1"):
+        role_ranks(Namespace(**{**vars(args), "decode_tp": 0}), 1)
+    with pytest.raises(SystemExit, match="--prefill-tp 2 needs --kv-transfer nixl"):
+        role_ranks(Namespace(**{**vars(args), "kv_transfer": "grpc"}), 1)
+
+
+@pytest.mark.slow
+def test_up_runs_prefill_and_decode_at_different_tensor_parallel_sizes(tiny_model, tmp_path):
+    run_dir, port = tmp_path / "run", free_port()
+    log = tmp_path / "up.log"
+    cmd = [sys.executable, "-m", "disagg.worker.cli", "up", "--model", str(tiny_model), "--prefill-tp", "2",
+           "--decode-tp", "1", "--port", str(port), "--run-dir", str(run_dir), "--num-gpu-blocks", "256",
+           "--prefill-placement", "threshold", "--disagg-threshold", "8", "--timeout", "150"]  # fmt: skip
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}, "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as out:
+        up = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while "ready: OpenAI-compatible endpoint" not in log.read_text():
+            assert up.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        # the prefill worker started its second rank, the decode worker none
+        assert any(
+            "disagg.worker.model.tp_rank" in _cmdline(c) for c in _children(_worker_pid(up, "prefill-0"))
+        )
+        assert _children(_worker_pid(up, "decode-0")) == []
+        body = {"model": tiny_model.name, "prompt": list(range(5, 60)), "max_tokens": 4, "temperature": 0}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.headers["X-Disagg-Prefill-Worker"] == "prefill-0"
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0, log.read_text()[-3000:]

@@ -110,3 +110,33 @@ def test_tracker_keeps_senders_apart_and_reports_failures_once():
     t.on_part("z", "r4", 1)
     t.fail_sender("z", "disconnect: peer z gone")
     assert t.pop_failed() == [("r4", "disconnect: peer z gone")] and t.in_flight() == 0
+
+
+def test_tracker_waits_for_every_rank_of_a_tensor_parallel_sender():
+    t = ReceiveTracker()
+    t.on_part("p-rank0", "r", 5)
+    t.on_final("p-rank0", "r", 1, senders=2)
+    assert t.pop_completed() == []  # rank 1's heads have not landed yet
+    t.on_final("p-rank1", "r", 1, senders=2)
+    t.on_part("p-rank1", "r", 5)
+    assert t.pop_completed() == ["r"] and t.in_flight() == 0
+    t.on_final("a", "r2", 0, senders=2)  # one rank done, the other aborts: failed, once
+    t.on_failure("b", "r2", "aborted: rank 1 failed")
+    assert t.pop_completed() == [] and t.pop_failed() == [("r2", "aborted: rank 1 failed")]
+
+
+def test_handshake_between_workers_split_differently():
+    """Ranks of workers split differently exchange heads only when asked to (`cross_tp`), and
+    only for the same model's KV heads."""
+    local = _layout(num_kv_heads=2, tp_size=2, model_kv_heads=4)
+    peer = encode_handshake(_layout(num_kv_heads=4), "nixl", "d")
+    with pytest.raises(IncompatiblePeer, match="tensor-parallel layouts differ: local TP=2 .* peer TP=1"):
+        decode_handshake(peer, local, "nixl")
+    _msg, remote = decode_handshake(peer, local, "nixl", cross_tp=True)
+    assert remote.tp_key == (1, 4)
+    other_model = encode_handshake(_layout(num_kv_heads=8), "nixl", "d")
+    with pytest.raises(IncompatiblePeer, match="model's KV heads: local 4, peer 8"):
+        decode_handshake(other_model, local, "nixl", cross_tp=True)
+    with pytest.raises(IncompatiblePeer, match="head_dim"):
+        decode_handshake(encode_handshake(_layout(num_kv_heads=4, head_dim=32), "nixl", "d"), local, "nixl",
+                         cross_tp=True)  # fmt: skip

@@ -9,7 +9,7 @@ from transfer_peer import MODEL, SHAPE, Receiver, make_cache
 
 from disagg.worker.kv_transfer import KVLayout, create_transport
 from disagg.worker.kv_transfer.nixl_transport import MERGE_RATIO
-from disagg.worker.kv_transfer.region_runs import block_runs, find_runs, run_descriptors
+from disagg.worker.kv_transfer.region_runs import block_runs, find_runs, run_descriptors, segment_descriptors
 
 # ---- pure logic ----------------------------------------------------------------------------------
 
@@ -45,6 +45,14 @@ def test_run_descriptors_are_address_length_device_rows():
     table = run_descriptors(1 << 20, runs.src_starts, runs.lengths, unit=256, device_id=2)
     assert table.dtype == np.uint64 and table.shape == (2, 3)
     assert table.tolist() == [[(1 << 20) + 3 * 256, 512, 2], [(1 << 20) + 8 * 256, 256, 2]]
+
+
+def test_segment_descriptors_are_each_segment_of_each_region_region_major():
+    segments = np.array([[16, 8], [48, 8]], dtype=np.uint64)  # (offset, length) inside a region
+    table = segment_descriptors(4096, np.array([2, 0]), 64, segments, device_id=1)
+    assert table.dtype == np.uint64
+    assert table.tolist() == [[4096 + 128 + 16, 8, 1], [4096 + 128 + 48, 8, 1], [4096 + 16, 8, 1],
+                              [4096 + 48, 8, 1]]  # fmt: skip
 
 
 def test_block_runs():

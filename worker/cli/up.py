@@ -85,6 +85,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--both", type=int, default=0, help="number of colocated workers (role both)")
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--kv-transfer", choices=("nixl", "grpc"), default="nixl")
+    p.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks of each prefill worker (default: --tensor-parallel-size)",
+    )
+    p.add_argument("--decode-tp", type=int, default=None,
+                   help="tensor-parallel ranks of each decode worker (default: --tensor-parallel-size); "
+                        "it may differ from --prefill-tp: each rank receives its own KV heads")  # fmt: skip
     p.add_argument("--disagg-threshold", type=int, default=32)
     p.add_argument("--prefill-placement", choices=("load", "threshold"), default=None,
                    help="where decode workers prefill (see `disagg worker --help`); default: load, "
@@ -95,6 +104,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker")
     # every worker gets these; --threads defaults to cores / workers here
     EngineArgs.add_cli_args(p, model=False)
+
+
+def role_ranks(args, tensor_parallel_size: int) -> dict[str, int]:
+    """Tensor-parallel ranks per role: --prefill-tp / --decode-tp, else --tensor-parallel-size."""
+    ranks = {"prefill": args.prefill_tp, "decode": args.decode_tp, "both": None}
+    for role, flag in (("prefill", "--prefill-tp"), ("decode", "--decode-tp")):
+        if ranks[role] is not None and ranks[role] < 1:
+            raise SystemExit(f"disagg up: {flag} must be >= 1, got {ranks[role]}")
+    ranks = {role: n or tensor_parallel_size for role, n in ranks.items()}
+    if args.kv_transfer != "nixl":
+        for role, flag in (("prefill", "--prefill-tp"), ("decode", "--decode-tp")):
+            if ranks[role] > 1 and getattr(args, role) > 0:
+                raise SystemExit(
+                    f"disagg up: {flag} {ranks[role]} needs --kv-transfer nixl (got --kv-transfer "
+                    f"{args.kv_transfer}): KV moves between tensor-parallel workers over NIXL only"
+                )
+    return ranks
 
 
 def _die_with_parent() -> None:
@@ -194,11 +220,13 @@ class Deployment:
         # file paths, not values, in the environment: the values stay in the 0600 files
         secret_env = {"DISAGG_INTERNAL_TOKEN_FILE": str(token_file.resolve()),
                       "DISAGG_REDIS_PASSWORD_FILE": str(password_file.resolve())}  # fmt: skip
-        n_workers = a.prefill + a.decode + a.both
         placement = a.prefill_placement or ("threshold" if a.demo else "load")
         engine = EngineArgs.from_cli_args(a, model=str(model))
-        if engine.threads is None:
-            engine.threads = max(1, (os.cpu_count() or 1) // n_workers)
+        ranks = role_ranks(a, engine.tensor_parallel_size)
+        if engine.threads is None:  # per rank: every rank of every worker shares this machine
+            total = sum(ranks[role] * count for role, count in (("prefill", a.prefill), ("decode", a.decode),
+                                                                ("both", a.both)))  # fmt: skip
+            engine.threads = max(1, (os.cpu_count() or 1) // total)
         py = [sys.executable, "-m", "disagg.worker.cli"]
         for role, count in (("prefill", a.prefill), ("decode", a.decode), ("both", a.both)):
             for i in range(count):
@@ -209,7 +237,8 @@ class Deployment:
                     "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport),
                     "--redis-url", self.redis_url, "--deployment", "local", "--kv-transfer", a.kv_transfer,
                     "--disagg-threshold", str(a.disagg_threshold), "--prefill-placement", placement,
-                    *(engine.without_speculation() if role == "prefill" else engine).to_cli_args(), *a.worker_arg,
+                    *(engine.without_speculation() if role == "prefill" else engine).to_cli_args(),
+                    "--tensor-parallel-size", str(ranks[role]), *a.worker_arg,
                 ]  # fmt: skip
                 self.children.append(
                     Child(

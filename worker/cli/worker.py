@@ -80,11 +80,12 @@ def config_from_args(args):
         raise SystemExit(f"disagg worker: --model {args.model}: no such directory")
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{args.port or os.getpid()}"
     engine = EngineArgs.from_cli_args(args, model=str(model_dir))
-    if engine.tensor_parallel_size > 1 and args.role != "both":
-        # a sharded cache is several tensors in several processes; the transports move one
+    if engine.tensor_parallel_size > 1 and args.role != "both" and args.kv_transfer != "nixl":
+        # each rank's process owns a transport over its part of the cache; the gRPC fallback
+        # would need a KVTransfer server in every rank's process
         raise SystemExit(
-            f"disagg worker: --tensor-parallel-size {engine.tensor_parallel_size} is served with --role both "
-            f"only: KV transfer between tensor-parallel ranks is not supported yet (got --role {args.role})"
+            f"disagg worker: --tensor-parallel-size {engine.tensor_parallel_size} with --role {args.role} "
+            f"needs --kv-transfer nixl (got --kv-transfer {args.kv_transfer})"
         )
     # resolved here so that every later reader (KV layout, handshake, logs) sees the real values
     engine = dataclasses.replace(engine, dtype=engine.resolved_dtype(), device=engine.resolved_device())

@@ -72,6 +72,8 @@ class KVTransport(ABC):
         self.tracker = ReceiveTracker(stall_timeout)
         self._outgoing: dict[tuple[str, str], _Outgoing] = {}
         self._peer_layouts: dict[str, KVLayout] = {}
+        # peer id -> how many ranks of this worker write into that peer (its FINAL says so)
+        self._senders: dict[str, int] = {}
         # Notices still in flight: a gRPC call whose future is garbage-collected gets cancelled.
         self._notices: list[TransferHandle] = []
         # transfer id -> the blocks reserved for it (read by receiving server threads)
@@ -144,7 +146,12 @@ class KVTransport(ABC):
             self.abort(peer_id, transfer_id, outgoing.failure)
             return finished_handle(self.backend, peer_id, transfer_id, ("aborted", outgoing.failure))
         self._peer_layout(peer_id)
-        notice = pb.KVNotice(kind=pb.KVNotice.FINAL, request_id=transfer_id, parts=outgoing.parts)
+        notice = pb.KVNotice(
+            kind=pb.KVNotice.FINAL,
+            request_id=transfer_id,
+            parts=outgoing.parts,
+            senders=self._senders.get(peer_id, 0),
+        )
         return self._track_notice(self._notify(peer_id, notice, timeout))
 
     def abort(self, peer_id: str, transfer_id: str, reason: str) -> TransferHandle | None:
@@ -241,7 +248,7 @@ class KVTransport(ABC):
         if notice.kind == pb.KVNotice.PART:
             self._received(sender, notice.request_id, notice.bytes)
         elif notice.kind == pb.KVNotice.FINAL:
-            self.tracker.on_final(sender, notice.request_id, notice.parts)
+            self.tracker.on_final(sender, notice.request_id, notice.parts, notice.senders)
         elif notice.kind == pb.KVNotice.ABORT:
             self.tracker.on_failure(sender, notice.request_id, f"aborted: {notice.reason}")
         else:

@@ -105,3 +105,28 @@ def finished_handle(backend: str, peer_id: str, request_id: str, error: tuple[st
     else:
         handle.fail(*error)
     return handle
+
+
+class AllHandles(TransferHandle):
+    """Several sends as one: done when all are, an error as soon as one is (the ranks of a peer
+    split differently, each written its own heads)."""
+
+    def __init__(self, backend: str, peer_id: str, request_id: str, handles: list[TransferHandle]):
+        timeout = max(h._deadline for h in handles) - time.monotonic()
+        super().__init__(backend, peer_id, request_id, sum(h.bytes for h in handles), max(timeout, 0.0),
+                         counts_bytes=False)  # fmt: skip
+        self.handles = handles
+
+    def _check(self) -> None:
+        states = [h.poll() for h in self.handles]
+        bad = next((h for h in self.handles if h.state == ERROR), None)
+        if bad is not None:
+            self.fail(bad.error_kind, bad.reason)
+        elif all(state == DONE for state in states):
+            self.succeed()
+
+
+def all_of(backend: str, peer_id: str, request_id: str, handles: list[TransferHandle]) -> TransferHandle:
+    if not handles:
+        return finished_handle(backend, peer_id, request_id)
+    return handles[0] if len(handles) == 1 else AllHandles(backend, peer_id, request_id, handles)

@@ -62,8 +62,7 @@ def encode_handshake(layout: KVLayout, backend: str, agent_name: str, **fields) 
     return msg.SerializeToString()
 
 
-def decode_handshake(payload: bytes, local: KVLayout, backend: str) -> tuple[pb.KVHandshake, KVLayout]:
-    """Parse a peer's payload; raise IncompatiblePeer saying exactly what differs."""
+def parse_handshake(payload: bytes) -> pb.KVHandshake:
     if not isinstance(payload, bytes | bytearray) or not payload:
         raise ValueError("payload: expected the non-empty bytes of a peer's handshake_payload()")
     msg = pb.KVHandshake()
@@ -71,6 +70,16 @@ def decode_handshake(payload: bytes, local: KVLayout, backend: str) -> tuple[pb.
         msg.ParseFromString(bytes(payload))
     except DecodeError as exc:
         raise ValueError(f"payload: not a KV handshake ({exc})") from exc
+    return msg
+
+
+def decode_handshake(
+    payload: bytes, local: KVLayout, backend: str, cross_tp: bool = False
+) -> tuple[pb.KVHandshake, KVLayout]:
+    """Parse a peer's payload; raise IncompatiblePeer saying exactly what differs. `cross_tp`:
+    the caller moves heads between ranks, so the peer may split the model's KV heads differently
+    (the model, dtype, layers, head size and block size must still match)."""
+    msg = parse_handshake(payload)
     if msg.protocol_version != PROTOCOL_VERSION:
         raise IncompatiblePeer(
             f"KV protocol version differs: local {PROTOCOL_VERSION}, peer {msg.protocol_version}"
@@ -83,16 +92,27 @@ def decode_handshake(payload: bytes, local: KVLayout, backend: str) -> tuple[pb.
         remote = layout_from_proto(msg.layout)
     except ValueError as exc:
         raise ValueError(f"payload: bad layout ({exc})") from exc
-    if local.tp_key != remote.tp_key:
+    if cross_tp:
+        if local.model_kv_heads != remote.model_kv_heads:
+            raise IncompatiblePeer(
+                f"KV layouts differ in the model's KV heads: local {local.model_kv_heads}, "
+                f"peer {remote.model_kv_heads}"
+            )
+    elif local.tp_key != remote.tp_key:
         raise IncompatiblePeer(
-            f"tensor-parallel layouts differ: local {_tp_text(local)}, peer {_tp_text(remote)}; KV "
-            "transfer between workers split differently is not supported yet"
+            f"tensor-parallel layouts differ: local {_tp_text(local)}, peer {_tp_text(remote)}; this "
+            f"{backend} transport moves KV only between workers split the same way"
         )
     for field in _COMPAT_FIELDS:
+        if cross_tp and field == "num_kv_heads":
+            continue
         mine, theirs = getattr(local, field), getattr(remote, field)
         if mine != theirs:
             raise IncompatiblePeer(f"KV layouts differ in {field}: local {mine!r}, peer {theirs!r}")
-    if msg.compat_hash != local.compat_hash():
+    if cross_tp:
+        if msg.compat_hash != remote.compat_hash():
+            raise ValueError("payload: compat_hash does not match its layout")
+    elif msg.compat_hash != local.compat_hash():
         raise IncompatiblePeer(
             f"KV compatibility hash differs: local {local.compat_hash()}, peer {msg.compat_hash}"
         )

@@ -23,10 +23,12 @@ import torch
 
 from disagg.proto import kv_transfer_pb2 as pb
 from disagg.worker.kv_transfer.base import KVTransport
-from disagg.worker.kv_transfer.handle import TransferHandle, finished_handle
-from disagg.worker.kv_transfer.handshake import decode_handshake, encode_handshake
+from disagg.worker.kv_transfer.errors import IncompatiblePeer
+from disagg.worker.kv_transfer.handle import TransferHandle, all_of, finished_handle
+from disagg.worker.kv_transfer.handshake import decode_handshake, encode_handshake, parse_handshake
 from disagg.worker.kv_transfer.layout import KVLayout
-from disagg.worker.kv_transfer.region_runs import find_runs, run_descriptors
+from disagg.worker.kv_transfer.region_runs import find_runs, run_descriptors, segment_descriptors
+from disagg.worker.kv_transfer.tp_layout import TPLayout, block_segments, head_copies
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +104,11 @@ def _region_table(base: int, layout: KVLayout, device_id: int) -> np.ndarray:
 
 
 class _Peer:
-    def __init__(self, agent_name: str, dlist, layout: KVLayout, base: int, mem_type: str, device_id: int):
+    def __init__(self, agent_name: str, dlist, layout: KVLayout, base: int, mem_type: str, device_id: int,
+                 segments: np.ndarray | None = None):  # fmt: skip
+        # segments: rows (src offset, dst offset, length) of the bytes of each (layer, block)
+        # region that go to this peer; None: whole regions
+        self.segments = segments
         self.agent_name = agent_name
         self.sender_name = agent_name  # how its notices name it when it sends to us
         self.dlist = dlist
@@ -161,9 +167,16 @@ class NixlTransport(KVTransport):
         *,
         descriptors: str = "auto",
         threads: int | None = None,
+        tp_rank: int = 0,
         **kw,
     ):
+        """tp_rank: which rank of its tensor-parallel worker this transport's cache belongs to."""
         super().__init__(kv_cache, layout, name, **kw)
+        if not 0 <= tp_rank < layout.tp_size:
+            raise ValueError(f"tp_rank: must be in [0, {layout.tp_size}), got {tp_rank}")
+        self.tp_rank = tp_rank
+        # peer id -> the ids of that peer's ranks we write heads into (a peer split differently)
+        self._fanout: dict[str, list[str]] = {}
         if descriptors not in DESCRIPTOR_MODES:
             raise ValueError(f"descriptors: must be one of {DESCRIPTOR_MODES}, got {descriptors!r}")
         if threads is None:
@@ -203,12 +216,51 @@ class NixlTransport(KVTransport):
         )
 
     def add_peer(self, peer_id: str, payload: bytes, address: str | None = None) -> None:
-        """`address` is unused: NIXL finds the peer from its agent metadata."""
-        msg, remote = decode_handshake(payload, self.layout, self.backend)
+        """`address` is unused: NIXL finds the peer from its agent metadata. A tensor-parallel
+        peer's payload holds each of its ranks' handshakes: split like us, our rank r writes
+        into its rank r; split otherwise, into each rank that owns heads this rank holds."""
+        msg = parse_handshake(payload)
+        rank_payloads = list(msg.rank_payloads) or [bytes(payload)]
+        peer_tp = (msg.layout.tp_size or 1, msg.layout.model_kv_heads or msg.layout.num_kv_heads)
+        if peer_id in self._peers or peer_id in self._fanout:
+            self.remove_peer(peer_id)
+        if len(rank_payloads) != peer_tp[0]:
+            raise ValueError(f"payload: {len(rank_payloads)} rank handshakes for a peer of TP={peer_tp[0]}")
+        if peer_tp == self.layout.tp_key:
+            self._add_rank(peer_id, rank_payloads[self.tp_rank])
+        else:
+            self._add_fanout(peer_id, TPLayout(*peer_tp), rank_payloads)
+
+    def _add_fanout(self, peer_id: str, peer_tp: TPLayout, rank_payloads: list[bytes]) -> None:
+        if self.layout.kv_cache_dtype != "auto":
+            raise IncompatiblePeer(
+                f"the peer splits the model's KV heads differently (TP={peer_tp.tp_size}, here "
+                f"TP={self.layout.tp_size}), and head segments of a {self.layout.kv_cache_dtype} KV cache "
+                "(values with scales) are not supported: use equal tensor-parallel sizes"
+            )
+        mine = TPLayout(self.layout.tp_size, self.layout.model_kv_heads)
+        copies = head_copies(mine, peer_tp)
+        head_bytes = self.layout.head_dim * self.layout.itemsize
+        subs: list[str] = []
+        try:
+            for copy in copies:
+                if copy.src_rank != self.tp_rank:
+                    continue
+                segments = block_segments(copy, mine, peer_tp, self.layout.block_size, head_bytes)
+                sub = f"{peer_id}#rank{copy.dst_rank}"
+                self._add_rank(sub, rank_payloads[copy.dst_rank], np.asarray(segments, dtype=np.uint64))
+                self._senders[sub] = len({c.src_rank for c in copies if c.dst_rank == copy.dst_rank})
+                subs.append(sub)
+        except BaseException:
+            for sub in subs:
+                self.remove_peer(sub)
+            raise
+        self._fanout[peer_id] = subs
+
+    def _add_rank(self, peer_id: str, payload: bytes, segments: np.ndarray | None = None) -> None:
+        msg, remote = decode_handshake(payload, self.layout, self.backend, cross_tp=segments is not None)
         if msg.mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"payload: mem_type must be DRAM or VRAM, got {msg.mem_type!r}")
-        if peer_id in self._peers:
-            self.remove_peer(peer_id)
         name = self.agent.add_remote_agent(msg.agent_metadata)
         name = name.decode() if isinstance(name, bytes) else name
         table = _region_table(msg.base_address, remote, msg.device_id)
@@ -217,10 +269,44 @@ class NixlTransport(KVTransport):
         except Exception:
             self.agent.remove_remote_agent(name)
             raise
-        self._peers[peer_id] = _Peer(name, dlist, remote, msg.base_address, msg.mem_type, msg.device_id)
+        self._peers[peer_id] = _Peer(
+            name, dlist, remote, msg.base_address, msg.mem_type, msg.device_id, segments
+        )
         self._peer_layouts[peer_id] = remote
 
+    def has_peer(self, peer_id: str) -> bool:
+        subs = self._fanout.get(peer_id)
+        if subs is None:
+            return super().has_peer(peer_id)
+        return all(sub in self._peers for sub in subs)  # a rank evicted: handshake again
+
+    def send(self, peer_id, transfer_id, src_block_ids, dst_block_ids, layers=None, timeout=None):
+        subs = self._fanout.get(peer_id)
+        if subs is None:
+            return super().send(peer_id, transfer_id, src_block_ids, dst_block_ids, layers, timeout)
+        handles = [super(NixlTransport, self).send(sub, transfer_id, src_block_ids, dst_block_ids, layers,
+                                                   timeout) for sub in subs]  # fmt: skip
+        return all_of(self.backend, peer_id, transfer_id, handles)
+
+    def finish(self, peer_id: str, transfer_id: str, timeout: float | None = None) -> TransferHandle:
+        subs = self._fanout.get(peer_id)
+        if subs is None:
+            return super().finish(peer_id, transfer_id, timeout)
+        handles = [super(NixlTransport, self).finish(sub, transfer_id, timeout) for sub in subs]
+        return all_of(self.backend, peer_id, transfer_id, handles)
+
+    def abort(self, peer_id: str, transfer_id: str, reason: str) -> TransferHandle | None:
+        subs = self._fanout.get(peer_id)
+        if subs is None:
+            return super().abort(peer_id, transfer_id, reason)
+        for sub in subs:
+            super().abort(sub, transfer_id, reason)
+        return None
+
     def remove_peer(self, peer_id: str) -> None:
+        for sub in self._fanout.pop(peer_id, ()):
+            self.remove_peer(sub)
+        self._senders.pop(peer_id, None)
         peer = self._peers.pop(peer_id, None)
         self._peer_layouts.pop(peer_id, None)
         if peer is None:
@@ -240,7 +326,8 @@ class NixlTransport(KVTransport):
 
     def _post(self, peer_id, transfer_id, layers, src, dst, src_regions, dst_regions, timeout):
         peer = self._peers[peer_id]
-        nbytes = len(src_regions) * self.layout.block_bytes
+        region_bytes = self.layout.block_bytes if peer.segments is None else int(peer.segments[:, 2].sum())
+        nbytes = len(src_regions) * region_bytes
         notice = pb.KVNotice(kind=pb.KVNotice.PART, request_id=transfer_id, bytes=nbytes)
         try:
             xfer = self._make_xfer(peer, src_regions, dst_regions, notice.SerializeToString())
@@ -263,7 +350,26 @@ class NixlTransport(KVTransport):
         return handle
 
     def _make_xfer(self, peer: _Peer, src_regions: list[int], dst_regions: list[int], notif: bytes):
-        """One descriptor per run of regions adjacent on both sides when that pays, else prepped regions."""
+        """One descriptor per run of regions adjacent on both sides when that pays, else prepped
+        regions; for a peer split differently, one per head segment of each region."""
+        if peer.segments is not None:
+            local = segment_descriptors(
+                self.kv_cache.data_ptr(),
+                np.asarray(src_regions),
+                self.layout.block_bytes,
+                peer.segments[:, [0, 2]],
+                self.device_id,
+            )
+            remote = segment_descriptors(peer.base, np.asarray(dst_regions), peer.layout.block_bytes,
+                                         peer.segments[:, [1, 2]], peer.device_id)  # fmt: skip
+            self.last_descriptors = len(local)
+            return self.agent.initialize_xfer(
+                "WRITE",
+                self.agent.get_xfer_descs(local, self.mem_type),
+                self.agent.get_xfer_descs(remote, peer.mem_type),
+                peer.agent_name,
+                notif_msg=notif,
+            )
         runs = find_runs(src_regions, dst_regions)
         self.last_descriptors = len(runs)
         if not self._merge(len(src_regions), len(runs)):

@@ -63,3 +63,16 @@ def block_runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
         else:
             out.append((b, 1))
     return out
+
+
+def segment_descriptors(
+    base: int, regions: np.ndarray, region_bytes: int, segments: np.ndarray, device_id: int
+) -> np.ndarray:
+    """Nx3 uint64 (address, bytes, device) of byte segments (rows of `segments`: offset, length)
+    inside each of `regions` of a tensor starting at `base`, region-major."""
+    starts = np.uint64(base) + regions.astype(np.uint64)[:, None] * np.uint64(region_bytes)
+    table = np.empty((len(regions) * len(segments), 3), dtype=np.uint64)
+    table[:, 0] = (starts + segments[:, 0].astype(np.uint64)[None, :]).reshape(-1)
+    table[:, 1] = np.tile(segments[:, 1].astype(np.uint64), len(regions))
+    table[:, 2] = device_id
+    return table

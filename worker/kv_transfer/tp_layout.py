@@ -1,5 +1,6 @@
 """Which KV heads move between which ranks when the prefill and decode workers shard the model
-over different tensor-parallel degrees (pure functions; the transports do not call them yet).
+over different tensor-parallel degrees (pure functions; `NixlTransport.add_peer` turns them into
+per-rank peers and descriptors).
 
 Each rank's cache holds only its KV heads: [layers, blocks, 2, block_size, heads_of_rank, head_dim].
 A decode rank needs exactly the heads it owns; they come from whichever prefill ranks hold them —

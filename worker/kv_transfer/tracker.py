@@ -25,6 +25,7 @@ class _Entry:
     parts: int = 0
     bytes: int = 0
     expected: int | None = None
+    senders: int = 1  # sending ranks whose every part the request needs (from FINAL)
     last_activity: float = field(default_factory=time.monotonic)
 
 
@@ -38,6 +39,7 @@ class ReceiveTracker:
         self._stall_timeout = stall_timeout
         self._closed: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.bytes_received = 0
+        self._senders_done: dict[str, int] = {}  # request id -> sending ranks complete so far
 
     def _close(self, key: tuple[str, str]) -> None:
         self._entries.pop(key, None)
@@ -55,6 +57,11 @@ class ReceiveTracker:
     def _settle(self, key: tuple[str, str], entry: _Entry) -> None:
         if entry.expected is not None and entry.parts >= entry.expected:
             self._close(key)
+            if entry.senders > 1:  # several ranks of one sender each write part of the request
+                done = self._senders_done[key[1]] = self._senders_done.get(key[1], 0) + 1
+                if done < entry.senders:
+                    return
+                del self._senders_done[key[1]]
             self._completed.append(key[1])
             # Leftovers of a replaced sender for the same request must not report it failed later.
             for other in [k for k in self._entries if k[1] == key[1]]:
@@ -70,12 +77,15 @@ class ReceiveTracker:
             entry.bytes += nbytes
             self._settle((sender, request_id), entry)
 
-    def on_final(self, sender: str, request_id: str, parts: int) -> None:
+    def on_final(self, sender: str, request_id: str, parts: int, senders: int = 1) -> None:
+        """`senders` > 1: the request completes once that many senders (the ranks of a
+        tensor-parallel worker, each with its own part of the KV heads) have each completed."""
         with self._lock:
             entry = self._entry(sender, request_id)
             if entry is None:
                 return
             entry.expected = parts
+            entry.senders = max(senders, 1)
             self._settle((sender, request_id), entry)
 
     def on_failure(self, sender: str, request_id: str, reason: str) -> None:
@@ -83,6 +93,7 @@ class ReceiveTracker:
             if (sender, request_id) in self._closed:
                 return
             self._close((sender, request_id))
+            self._senders_done.pop(request_id, None)
             self._failed.append((request_id, reason))
 
     def fail_sender(self, sender: str, reason: str) -> None:
@@ -90,10 +101,12 @@ class ReceiveTracker:
         with self._lock:
             for key in [k for k in self._entries if k[0] == sender]:
                 self._close(key)
+                self._senders_done.pop(key[1], None)
                 self._failed.append((key[1], reason))
 
     def forget(self, request_id: str) -> None:
         with self._lock:
+            self._senders_done.pop(request_id, None)
             for key in [k for k in self._entries if k[1] == request_id]:
                 self._close(key)
 

@@ -192,8 +192,42 @@ class RankProcesses:
     # ---- stepping ---------------------------------------------------------------------------
     def send(self, batch: ForwardBatch) -> None:
         """Hand this step's batch to every child (before rank 0 runs it)."""
+        self._send_all(pickle.dumps(batch.to("cpu")))
+
+    # ---- services: per-rank objects a higher layer installs (each rank's KV transport) --------
+    def install(self, name: str, factory: str, *args) -> None:
+        """Every child builds `factory(runner, rank, *args)` ("module:callable", imported in the
+        child) as its service `name`; raises what a child's factory raised."""
+        for rank in range(1, self.world_size):
+            self._ask(rank, ("install", name, factory, args))
+
+    def ask(self, rank: int, name: str, method: str, *args):
+        """Call `method(*args)` on child `rank`'s service `name` and return its result (or raise
+        its exception). Only between steps: the child answers once its current step is done."""
+        return self._ask(rank, ("call", name, method, args))
+
+    def post(self, name: str, method: str, *args) -> None:
+        """Call `method(*args)` on every child's service `name` without waiting: children run it
+        after the step they are in, in the order posted. A posted call that raises ends the rank."""
+        self._send_all(pickle.dumps(("post", name, method, args)))
+
+    def _ask(self, rank: int, message: tuple):
         self._check_alive()
-        data = pickle.dumps(batch.to("cpu"))
+        conn = self.conns[rank - 1]
+        try:
+            conn.send_bytes(pickle.dumps(message))
+        except OSError as exc:
+            raise RankFailedError(f"tensor-parallel rank {rank} is unreachable: {exc}") from exc
+        self._wait(conn.poll, f"tensor-parallel rank {rank} did not answer {message[0]} {message[1]!r}")
+        kind, value = self._recv(rank, conn)
+        if kind == "ok":
+            return value
+        if kind == "raised":
+            raise value
+        raise RankFailedError(f"tensor-parallel rank {rank} failed:\n{value}")
+
+    def _send_all(self, data: bytes) -> None:
+        self._check_alive()
         for rank, conn in enumerate(self.conns, start=1):
             try:
                 conn.send_bytes(data)

@@ -7,6 +7,7 @@ connection closes (rank 0 is gone). Errors are reported to rank 0 before exiting
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pickle
@@ -35,11 +36,16 @@ def serve(spec: dict) -> int:
         model, _ = load_model(spec["model"], dtype=spec["dtype"], device=device, tp=tp)
         runner = ModelRunner(model, **conn.recv())
         conn.send(("ready", None))
+        services: dict = {}
         while True:
-            batch = pickle.loads(conn.recv_bytes())
-            if batch is None:
+            message = pickle.loads(conn.recv_bytes())
+            if message is None:
+                _close(services)
                 return 0
-            runner.forward(batch)  # the logits are rank 0's to sample
+            if isinstance(message, tuple):
+                _serve_call(conn, runner, spec["rank"], services, message)
+            else:
+                runner.forward(message)  # the logits are rank 0's to sample
     except EOFError:  # rank 0 is gone: nothing left to serve
         return 1
     except BaseException:
@@ -50,6 +56,37 @@ def serve(spec: dict) -> int:
         except OSError:
             pass
         return 1
+
+
+def _serve_call(conn, runner, rank: int, services: dict, message: tuple) -> None:
+    """("install", name, "module:factory", args) | ("call" or "post", name, method, args): a call's
+    result or exception goes back to rank 0; a posted call has no answer, and raising ends the rank."""
+    kind, name, target, args = message
+    try:
+        if kind == "install":
+            module, _, attr = target.partition(":")
+            services[name] = getattr(importlib.import_module(module), attr)(runner, rank, *args)
+            result = None
+        else:
+            result = getattr(services[name], target)(*args)
+    except Exception as exc:
+        if kind == "post":
+            raise
+        try:
+            reply = pickle.dumps(("raised", exc))
+        except Exception:
+            reply = pickle.dumps(("raised", RuntimeError(f"{type(exc).__name__}: {exc}")))
+        conn.send_bytes(reply)
+        return
+    if kind != "post":
+        conn.send(("ok", result))
+
+
+def _close(services: dict) -> None:
+    for service in services.values():
+        close = getattr(service, "close", None)
+        if close is not None:
+            close()
 
 
 if __name__ == "__main__":

@@ -80,7 +80,16 @@ def _build_transport(cfg: WorkerConfig, engine, address: str):
         restrict_ucx_to(cfg.host)
     if cfg.kv_transfer == "grpc":
         options = {"advertise_address": address, "connect": cfg.auth.channel, "wrap_stub": cfg.auth.wrap}
-    return create_transport(cfg.kv_transfer, engine.kv_cache, layout, cfg.worker_id, **options)
+    transport = create_transport(cfg.kv_transfer, engine.kv_cache, layout, cfg.worker_id, **options)
+    if engine.ranks is None:
+        return transport
+    from disagg.worker.kv_transfer.sharded import ShardedTransport
+
+    try:  # every other rank gets its own transport over its part of the cache
+        return ShardedTransport(transport, engine.ranks, cfg.kv_transfer, cfg.worker_id, cfg.host)
+    except BaseException:
+        transport.close()
+        raise
 
 
 def _kv_state(cfg: WorkerConfig, address: str, metrics_url: str):
@@ -215,6 +224,8 @@ class WorkerProcess:
         self.loop.on_fatal = lambda e: self._engine_failed(core, e, aio)
         self.loop.has_work = core.has_work
         self.loop.on_iteration = core.refresh_load
+        if engine.ranks is not None:
+            self.loop.add_poller(lambda: self._watch_ranks(core, engine.ranks, aio))
         self.loop.add_poller(core.poll_sender)
         self.loop.add_poller(core.poll_receiver)
         await asyncio.wrap_future(self.loop.call(core.refresh_load))
@@ -269,6 +280,18 @@ class WorkerProcess:
         core.on_loop_fail_all(error)
         self.exit_code = 1
         aio.call_soon_threadsafe(self._stop.set)
+
+    def _watch_ranks(self, core, ranks, aio) -> bool:
+        """A tensor-parallel rank that exited fails every request now, even when no step runs
+        (a decode worker waiting for KV, a prefill worker sending it), and the worker exits."""
+        if self.exit_code == 0:
+            try:
+                ranks.check_alive()
+            except Exception as exc:
+                if not self._stop.is_set():
+                    log.error("%s; failing its requests and stopping", exc)
+                    self._engine_failed(core, exc, aio)
+        return False
 
     async def drain(self) -> None:
         """Stop admitting, let in-flight requests finish (bounded), deregister, stop."""

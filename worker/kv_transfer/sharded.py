@@ -1,0 +1,211 @@
+"""The KV transport of a tensor-parallel worker, as its rank 0 (the engine's process) sees it.
+
+Every rank owns a transport over its own part of the cache: rank 0's lives here, the others in
+their processes (`rank_service.RankKV`). This class offers the worker what one `KVTransport`
+offers, so the serving code is the same for any number of ranks:
+
+- handshake: rank 0's payload, carrying every rank's payload (`rank_payloads`, index = rank).
+  Every rank of a sender reads the whole payload and writes the KV heads it holds into the
+  receiver's ranks that own them: rank r into rank r when both split the model alike, else the
+  head copies of `tp_layout.head_copies` (see `NixlTransport.add_peer`).
+- sending: each `send` / `finish` runs on rank 0 and is posted to every other rank, which sends
+  the same blocks of its own heads after its part of the step. The handle `finish` returns is
+  done once every rank's sends of the transfer are done, and fails if any rank's fails.
+- receiving: `accept` / `forget` go to every rank; a transfer completes once it has landed on
+  every rank, and fails as soon as it fails on one (the others are told to forget it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from disagg.proto import kv_transfer_pb2 as pb
+from disagg.worker.kv_transfer.handle import DONE, ERROR, PENDING, TransferHandle
+from disagg.worker.kv_transfer.rank_service import FACTORY, SERVICE
+
+log = logging.getLogger(__name__)
+
+
+class ShardedTransport:
+    def __init__(self, local, ranks, kind: str, name: str, host: str):
+        """`local`: rank 0's transport; `ranks`: the other ranks' processes (`RankProcesses`)."""
+        self.local = local
+        self.ranks = ranks
+        self.backend = local.backend
+        self.world_size = ranks.world_size
+        layout = local.layout
+        fields = {f: getattr(layout, f) for f in ("model_id", "tp_size", "model_kv_heads", "kv_cache_dtype",
+                                                  "weight_quantization")}  # fmt: skip
+        ranks.install(SERVICE, FACTORY, kind, name, host, fields)
+        payloads = [local.handshake_payload()]
+        payloads += [ranks.ask(r, SERVICE, "handshake_payload") for r in self._children]
+        msg = pb.KVHandshake()
+        msg.ParseFromString(payloads[0])
+        msg.rank_payloads.extend(payloads)
+        self._payload = msg.SerializeToString()
+        self._expected: dict[str, set[int]] = {}  # transfer id -> ranks it has not landed on yet
+        self._landed: list[str] = []
+        self._failed: list[tuple[str, str]] = []
+        self._finishing: dict[tuple[str, str], FinishHandle] = {}
+        self._send_polls = 0  # rounds of `_poll_sends` so far
+
+    @property
+    def _children(self) -> range:
+        return range(1, self.world_size)
+
+    @property
+    def layout(self):
+        return self.local.layout
+
+    # ---- peers -------------------------------------------------------------------------------
+    def handshake_payload(self) -> bytes:
+        return self._payload
+
+    def add_peer(self, peer_id: str, payload: bytes, address: str | None = None) -> None:
+        """Every rank adds the peer from its whole payload and picks the peer's ranks it writes
+        into (refusing a peer it cannot write into, saying why)."""
+        self.local.add_peer(peer_id, payload)
+        try:
+            for r in self._children:
+                self.ranks.ask(r, SERVICE, "add_peer", peer_id, payload)
+        except BaseException:
+            self.remove_peer(peer_id)
+            raise
+
+    def remove_peer(self, peer_id: str) -> None:
+        self.local.remove_peer(peer_id)
+        self.ranks.post(SERVICE, "remove_peer", peer_id)
+
+    def has_peer(self, peer_id: str) -> bool:
+        return self.local.has_peer(peer_id)
+
+    def peers(self) -> list[str]:
+        return self.local.peers()
+
+    # ---- sender ------------------------------------------------------------------------------
+    def send(self, peer_id, transfer_id, src_block_ids, dst_block_ids, layers=None, timeout=None):
+        handle = self.local.send(peer_id, transfer_id, src_block_ids, dst_block_ids, layers, timeout)
+        self.ranks.post(SERVICE, "send", peer_id, transfer_id, list(src_block_ids), list(dst_block_ids),
+                        None if layers is None else list(layers))  # fmt: skip
+        return handle
+
+    def finish(self, peer_id: str, transfer_id: str, timeout: float | None = None) -> TransferHandle:
+        self.ranks.post(SERVICE, "finish", peer_id, transfer_id)
+        local = self.local.finish(peer_id, transfer_id, timeout)
+        timeout = self.local.default_timeout if timeout is None else timeout
+        handle = FinishHandle(self, local, timeout)
+        self._finishing[(peer_id, transfer_id)] = handle
+        return handle
+
+    def abort(self, peer_id: str, transfer_id: str, reason: str):
+        self._finishing.pop((peer_id, transfer_id), None)
+        self.ranks.post(SERVICE, "abort", peer_id, transfer_id, reason)
+        return self.local.abort(peer_id, transfer_id, reason)
+
+    def _poll_sends(self) -> None:
+        """One question per child: how its sends of every unsettled `finish` stand."""
+        pending = [k for k, h in self._finishing.items() if h.state == PENDING]
+        if not pending:
+            return
+        self._send_polls += 1
+        for r in self._children:
+            reply = self.ranks.ask(r, SERVICE, "poll", pending, bool(self._expected))
+            self._take_receipts(r, reply)
+            for key, state in reply["sends"].items():
+                handle = self._finishing.get(key)
+                if handle is not None:
+                    handle.settle_rank(r, state)
+
+    # ---- receiver ----------------------------------------------------------------------------
+    def accept(self, transfer_id: str, block_ids: list[int]) -> None:
+        self.local.accept(transfer_id, block_ids)
+        self.ranks.post(SERVICE, "accept", transfer_id, list(block_ids))
+        self._expected[transfer_id] = set(range(self.world_size))
+
+    def forget(self, transfer_id: str) -> None:
+        self.local.forget(transfer_id)
+        self.ranks.post(SERVICE, "forget", transfer_id)
+        self._expected.pop(transfer_id, None)
+
+    def poll_completed(self) -> list[str]:
+        self._poll_receivers()
+        landed, self._landed = self._landed, []
+        return landed
+
+    def poll_failed(self) -> list[tuple[str, str]]:
+        self._poll_receivers()
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _poll_receivers(self) -> None:
+        self._take_receipts(0, {"completed": self.local.poll_completed(), "failed": self.local.poll_failed()})
+        if self._expected:
+            for r in self._children:
+                self._take_receipts(r, self.ranks.ask(r, SERVICE, "poll", [], True))
+
+    def _take_receipts(self, rank: int, reply: dict) -> None:
+        for peer_id in reply.get("evicted", ()):
+            if self.local.has_peer(peer_id):
+                log.warning("KV peer %s evicted by tensor-parallel rank %d: dropping it on every rank",
+                            peer_id, rank)  # fmt: skip
+                self.remove_peer(peer_id)
+        for tid, reason in reply.get("failed", ()):
+            if self._expected.pop(tid, None) is not None:
+                self._failed.append((tid, f"{reason} (tensor-parallel rank {rank})"))
+                self.forget(tid)
+        for tid in reply.get("completed", ()):
+            waiting = self._expected.get(tid)
+            if waiting is None:
+                continue
+            waiting.discard(rank)
+            if not waiting:
+                del self._expected[tid]
+                self._landed.append(tid)
+
+    def close(self) -> None:
+        self.local.close()
+        try:
+            self.ranks.post(SERVICE, "close")
+        except Exception as exc:  # the ranks are gone already: nothing to close there
+            log.debug("closing the ranks' KV transports: %s", exc)
+
+
+class FinishHandle(TransferHandle):
+    """Done once rank 0's `finish` is done and every other rank reports its sends done."""
+
+    def __init__(self, transport: ShardedTransport, local: TransferHandle, timeout: float):
+        super().__init__(transport.backend, local.peer_id, local.request_id, 0, timeout, counts_bytes=False)
+        self._transport = transport
+        self._local = local
+        self._waiting = set(transport._children)
+        self._seen_polls = transport._send_polls
+
+    def settle_rank(self, rank: int, state) -> None:
+        if state == DONE:
+            self._waiting.discard(rank)
+        elif state != PENDING:
+            kind, reason = state
+            self._drop()
+            self.fail(kind, reason)
+
+    def _check(self) -> None:
+        local = self._local.poll()
+        if local == ERROR:
+            self._drop()
+            self.fail(self._local.error_kind, self._local.reason)
+            return
+        if self._waiting:
+            # one round answers every pending finish: ask again only once this handle has seen
+            # the last round's answer (polling N handles costs one round, not N)
+            if self._seen_polls == self._transport._send_polls:
+                self._transport._poll_sends()
+            self._seen_polls = self._transport._send_polls
+        if self.state == PENDING and local == DONE and not self._waiting:
+            self._drop()
+            self.succeed()
+
+    def _cancel(self) -> None:
+        self._drop()
+
+    def _drop(self) -> None:
+        self._transport._finishing.pop((self.peer_id, self.request_id), None)
