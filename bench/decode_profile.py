@@ -1,6 +1,6 @@
-"""Where one batch-1 decode step of the engine spends its time, op by op.
+"""Where one decode step (batch 1 unless `--batch N`) of the engine spends its time, op by op.
 
-    python bench/decode_profile.py [--steps 32] [--threads 2]
+    python bench/decode_profile.py [--steps 32] [--threads 2] [--batch 32]
 
 Runs the `small` preset (float32) through `LLMEngine.step()` with one sequence and the torch
 profiler on: torch ops are recorded as they are; the engine's phases (schedule, batch building,
@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--rows", type=int, default=25, help="table rows printed")
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     ap.add_argument(
         "--per-op",
         action="store_true",
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     make_model(args.model, preset=args.preset, seed=0)
     engine = LLM(model=str(args.model), dtype="float32").engine
     params = SamplingParams(temperature=0.0, max_tokens=2 * args.steps + 8, ignore_eos=True)
-    engine.add_request("profile", list(range(10, 138)), params)
+    for i in range(args.batch):
+        engine.add_request(f"profile-{i}", list(range(10 + i, 138 + i)), params)
     for _ in range(args.steps):  # prefill and warm-up
         engine.step()
     if args.per_op:
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(e.self_cpu_time_total for e in events)
     rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.rows]
     print(
-        f"\none batch-1 decode step, profiled over {args.steps} steps, {torch.get_num_threads()} threads; "
+        f"\none batch-{args.batch} decode step, profiled over {args.steps} steps, {torch.get_num_threads()} threads; "
         f"1-min load average {os.getloadavg()[0]:.2f}; total {total / args.steps / 1e3:.2f} ms/step"
     )
     print(f"  {'op':<24} {'shapes':<28} {'calls':>5} {'ms/step':>8} {'share':>6}")
