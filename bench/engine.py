@@ -35,18 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import memory_floor  # noqa: E402
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def ensure_model(path: Path, preset: str) -> Path:
-    from disagg.worker.tools.make_model import make_model
-
-    if not (path / "config.json").is_file():
-        log(f"making the {preset} model in {path} (once)")
-    return make_model(path, preset=preset, seed=0, progress=log)
+from bench_model import ensure_model, log  # noqa: E402
 
 
 def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:

@@ -44,6 +44,11 @@ from disagg.worker.planner.profile import Profile
 from disagg.worker.planner.simulate import Outcome
 from disagg.worker.planner.workload import WORKLOADS, Workload
 
+# Safe-path mode (PYTHONSAFEPATH=1, which the Makefile sets) keeps this folder off sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_model import ensure_model  # noqa: E402
+
 
 @dataclass
 class Result:
@@ -460,13 +465,7 @@ def main(argv=None) -> int:
                    help="skip the two runs with the long prompts cached beforehand (no prefill interference)")  # fmt: skip
     args = p.parse_args(argv)
     if args.model is None:
-        path = Path(".models") / args.preset
-        if not (path / "config.json").is_file():
-            from disagg.worker.tools.make_model import make_model
-
-            print(f"making the {args.preset} model under {path} ...", flush=True)
-            make_model(path, preset=args.preset)
-        args.model = str(path)
+        args.model = str(ensure_model(Path(".models") / args.preset, args.preset))
     if not args.interference:
         return goodput_main(args)
     plan = workload(args)

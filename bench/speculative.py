@@ -25,18 +25,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+# Safe-path mode (PYTHONSAFEPATH=1, which the Makefile sets) keeps this folder off sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def ensure_model(path: Path, preset: str) -> Path:
-    from disagg.worker.tools.make_model import make_model
-
-    if not (path / "config.json").is_file():
-        log(f"making the {preset} model in {path} (once, a minute or two)")
-    return make_model(path, preset=preset, seed=0, progress=log)
+from bench_model import ensure_model  # noqa: E402
 
 
 def prompts(tokenizer, workload: str, n: int, seed: int) -> list[list[int]]:

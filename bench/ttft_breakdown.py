@@ -32,6 +32,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serve  # noqa: E402
+from bench_model import ensure_model  # noqa: E402
 
 STAGES = ("setup", "queue", "compute", "transfer", "overhead", "commit")
 
@@ -127,13 +128,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.disagg_threshold = 1
     if args.model is None:
-        path = Path(".models") / args.preset
-        if not (path / "config.json").is_file():
-            from disagg.worker.tools.make_model import make_model
-
-            print(f"making the {args.preset} model under {path} ...", flush=True)
-            make_model(path, preset=args.preset)
-        args.model = str(path)
+        args.model = str(ensure_model(Path(".models") / args.preset, args.preset))
     from disagg.worker.model.config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(args.model).vocab_size

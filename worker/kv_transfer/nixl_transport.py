@@ -363,13 +363,7 @@ class NixlTransport(KVTransport):
             remote = segment_descriptors(peer.base, np.asarray(dst_regions), peer.layout.block_bytes,
                                          peer.segments[:, [1, 2]], peer.device_id)  # fmt: skip
             self.last_descriptors = len(local)
-            return self.agent.initialize_xfer(
-                "WRITE",
-                self.agent.get_xfer_descs(local, self.mem_type),
-                self.agent.get_xfer_descs(remote, peer.mem_type),
-                peer.agent_name,
-                notif_msg=notif,
-            )
+            return self._write(peer, local, remote, notif)
         runs = find_runs(src_regions, dst_regions)
         self.last_descriptors = len(runs)
         if not self._merge(len(src_regions), len(runs)):
@@ -385,6 +379,10 @@ class NixlTransport(KVTransport):
         unit = self.layout.block_bytes
         local = run_descriptors(self.kv_cache.data_ptr(), runs.src_starts, runs.lengths, unit, self.device_id)
         remote = run_descriptors(peer.base, runs.dst_starts, runs.lengths, unit, peer.device_id)
+        return self._write(peer, local, remote, notif)
+
+    def _write(self, peer: _Peer, local, remote, notif: bytes):
+        """A WRITE of `local` descriptors (address, bytes, device rows) into the peer's `remote`."""
         return self.agent.initialize_xfer(
             "WRITE",
             self.agent.get_xfer_descs(local, self.mem_type),

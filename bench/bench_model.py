@@ -1,0 +1,23 @@
+"""The checkpoint a benchmark runs: a generated preset under `.models/<preset>`, made once.
+
+Progress goes to stderr so that a benchmark's table on stdout stays clean.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def ensure_model(path: str | Path, preset: str) -> Path:
+    """`path`, holding the `preset` model (seed 0): made now if it is not there yet."""
+    from disagg.worker.tools.make_model import make_model
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        log(f"making the {preset} model in {path} (once; a trained preset takes a minute or two)")
+    return make_model(path, preset=preset, seed=0, progress=log)
