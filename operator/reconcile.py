@@ -111,7 +111,7 @@ class Reconciler:
         self.children = children if children is not None else Children()
         self._locks: dict[str, asyncio.Lock] = {}
         self._sm_checked: tuple[float, bool] | None = None
-        self._lws_checked: tuple[float, bool] | None = None
+        self._lws_checked: tuple[float, bool] | None = None  # when the LWS API was last found served
         self._waiting: dict[str, int] = {}  # uid -> runs queued for the lock
         self._held: dict[str, set[str]] = {}  # uid -> children held back, to post the Event once
 
@@ -145,12 +145,14 @@ class Reconciler:
         return self._sm_checked[1]
 
     async def _leader_worker_sets_served(self) -> bool:
-        # Asked only for a role spanning nodes, and once a minute at most (installing LWS is rare);
-        # discovery needs no RBAC rule.
+        # Asked only for a role spanning nodes (discovery: no RBAC rule). A yes holds a minute; a no
+        # is asked again next time, so the refused role is built at the first reconcile (a spec
+        # edit, the resync) after LeaderWorkerSet is installed.
         now = time.monotonic()
         if self._lws_checked is None or now - self._lws_checked[0] > DISCOVERY_TTL_SECONDS:
-            served = await self.kube.serves(leader_worker_set.API_VERSION, leader_worker_set.PLURAL)
-            self._lws_checked = (now, served)
+            if not await self.kube.serves(leader_worker_set.API_VERSION, leader_worker_set.PLURAL):
+                return False
+            self._lws_checked = (now, True)
         return self._lws_checked[1]
 
     async def _live(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
