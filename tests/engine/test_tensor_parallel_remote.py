@@ -121,6 +121,42 @@ def test_a_rank_with_the_wrong_credential_is_not_let_in(tiny_llama_dir):
         intruder.kill()
 
 
+def test_a_silent_connection_does_not_hold_up_the_ranks(tiny_llama_dir):
+    """A peer that connects first and never answers the challenge is dropped after the join's
+    per-connection bound; the real rank behind it joins."""
+    import threading
+
+    port = free_port_pair()
+    made: list = []
+    build = threading.Thread(target=lambda: made.append(RankProcesses(
+        tiny_llama_dir, "float32", _cpu(), 2, threads=1, local_ranks=1, port=port,
+        authkey=authkey_from_token(TOKEN), join_timeout=_seconds(60))))  # fmt: skip
+    build.start()
+    silent = _connect_when_listening(port)
+    follower = start_follower(port)
+    try:
+        build.join(60)
+        (ranks,) = made
+        try:
+            assert ranks.host_of(1) == "127.0.0.1"
+        finally:
+            ranks.close()  # before any runner: the rank exits (non-zero, it never ran)
+        follower.wait(20)
+    finally:
+        silent.close()
+        follower.kill()
+
+
+def _connect_when_listening(port: int) -> socket.socket:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port))
+        except ConnectionRefusedError:
+            assert time.monotonic() < deadline, "rank 0 never listened"
+            time.sleep(0.05)
+
+
 def test_ranks_from_other_hosts_need_the_credential(tiny_llama_dir):
     with pytest.raises(ValueError, match="tensor_parallel_local_ranks is 1 of 2: .*DISAGG_INTERNAL_TOKEN"):
         LLMEngine(tiny_llama_dir, load_tokenizer=False, tensor_parallel_size=2, tensor_parallel_local_ranks=1,

@@ -33,13 +33,20 @@ import torch.distributed as dist
 from disagg.worker.model.config import ModelConfig
 from disagg.worker.model.forward_batch import ForwardBatch
 from disagg.worker.model.parallel import TensorParallel, plan_for
-from disagg.worker.model.tp_join import AUTHKEY_ENV, GroupSpec, keepalive, peer_closed
+from disagg.worker.model.tp_join import (
+    AUTHKEY_ENV,
+    GroupSpec,
+    authenticate,
+    keepalive,
+    peer_closed,
+    recv_timeout,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
 DEFAULT_JOIN_TIMEOUT = timedelta(seconds=600)  # ranks on other hosts: their pods may start later
-JOIN_HELLO_TIMEOUT = 10.0  # seconds an authenticated connection has to say which rank it is
+JOIN_HELLO_TIMEOUT = 10.0  # seconds a connection has to authenticate and to say which rank it is
 RENDEZVOUS_HOST = "127.0.0.1"
 LISTEN_ALL = "0.0.0.0"  # with ranks on other hosts: they reach rank 0 on its pod's address
 
@@ -131,9 +138,8 @@ class RankProcesses:
         self._group = GroupSpec(str(model_path), str(dtype), device.type, world_size, store.port,
                                 timeout.total_seconds())  # fmt: skip
         try:
-            with Listener(
-                (LISTEN_ALL if remote else RENDEZVOUS_HOST, port if remote else 0), authkey=authkey
-            ) as listener:
+            # authenticated per connection in `_accept` (bounded in time), not by the listener
+            with Listener((LISTEN_ALL if remote else RENDEZVOUS_HOST, port if remote else 0)) as listener:
                 env = {**os.environ, AUTHKEY_ENV: authkey.hex()}
                 control = [RENDEZVOUS_HOST, listener.address[1]]
                 for rank in range(1, local_ranks):
@@ -146,13 +152,13 @@ class RankProcesses:
                 if remote:
                     log.info("waiting for tensor-parallel ranks %d..%d from other hosts on port %d",
                              local_ranks, world_size - 1, port)  # fmt: skip
-                self.conns = self._join(listener, join_timeout if remote else timeout)
+                self.conns = self._join(listener, authkey, join_timeout if remote else timeout)
             self.tp = TensorParallel(plan, self._join_group(store, device))
         except BaseException:
             self.close()
             raise
 
-    def _join(self, listener: Listener, timeout: timedelta) -> list[Connection]:
+    def _join(self, listener: Listener, authkey: bytes, timeout: timedelta) -> list[Connection]:
         """Every other rank's control connection, in rank order: accept until each rank has said
         which it is (connections that fail authentication or name a wrong rank are dropped)."""
         joined: dict[int, Connection] = {}
@@ -160,7 +166,7 @@ class RankProcesses:
         try:
             while len(joined) < self.world_size - 1:
                 missing = sorted(set(range(1, self.world_size)) - joined.keys())
-                conn = self._accept(listener, deadline, missing)
+                conn = self._accept(listener, authkey, deadline, missing)
                 if conn is not None and (rank := self._hello(conn, joined)) is not None:
                     joined[rank] = conn
         except BaseException:
@@ -169,14 +175,17 @@ class RankProcesses:
             raise
         return [joined[r] for r in range(1, self.world_size)]
 
-    def _accept(self, listener: Listener, deadline: float, missing: list[int]) -> Connection | None:
-        """The next authenticated connection; None for one that failed authentication."""
+    def _accept(
+        self, listener: Listener, authkey: bytes, deadline: float, missing: list[int]
+    ) -> Connection | None:
+        """The next authenticated connection; None for one that failed authentication (or said
+        nothing within JOIN_HELLO_TIMEOUT)."""
         result: list = []
 
         def accept():
             try:
                 result.append(listener.accept())
-            except (AuthenticationError, OSError, EOFError) as exc:
+            except OSError as exc:
                 result.append(exc)
 
         thread = threading.Thread(target=accept, daemon=True)
@@ -187,10 +196,19 @@ class RankProcesses:
                 raise RankFailedError(self._not_joined(missing))
             time.sleep(0.05)
         if isinstance(result[0], BaseException):
-            log.warning("a connection to the tensor-parallel control port was refused: %s", result[0])
+            log.warning("accepting on the tensor-parallel control port failed: %s", result[0])
             return None
-        keepalive(result[0])
-        return result[0]
+        conn = result[0]
+        try:
+            authenticate(conn, authkey, JOIN_HELLO_TIMEOUT)
+        except (AuthenticationError, OSError, EOFError) as exc:
+            log.warning(
+                "a connection to the tensor-parallel control port was refused: %s", exc or type(exc).__name__
+            )
+            conn.close()
+            return None
+        keepalive(conn)
+        return conn
 
     def _not_joined(self, missing: list[int]) -> str:
         local = [r for r in missing if r < self.local_ranks]
@@ -223,6 +241,7 @@ class RankProcesses:
                 pass
             conn.close()
             return None
+        recv_timeout(conn, 0)  # joined: from now on a step may take as long as it takes
         if rank >= self.local_ranks:
             self.hosts[rank] = host
             log.info("tensor-parallel rank %d joined from %s", rank, host)

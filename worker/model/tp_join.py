@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import struct
 import time
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 
 AUTHKEY_ENV = "DISAGG_TP_AUTHKEY"  # the control connection's key (hex), kept off the command line
 # TCP keepalive on control connections: a host that vanishes without closing them (power loss,
@@ -59,6 +60,27 @@ def connect(address: tuple[str, int], authkey: bytes, timeout_s: float) -> Conne
             continue
         keepalive(conn)
         return conn
+
+
+def authenticate(conn: Connection, authkey: bytes, timeout_s: float) -> None:
+    """Rank 0's side of the HMAC challenge (what `Listener(authkey=...)` does on accept), each
+    read bounded by `timeout_s`, so a peer that connects and says nothing cannot hold up the ranks
+    that join after it. Raises AuthenticationError, or OSError / EOFError for a silent or gone peer;
+    the bound stays on the connection until `recv_timeout(conn, 0)`."""
+    recv_timeout(conn, timeout_s)
+    deliver_challenge(conn, authkey)
+    answer_challenge(conn, authkey)
+
+
+def recv_timeout(conn: Connection, seconds: float) -> None:
+    """Bound every read of `conn` (0: no bound); a read that times out raises OSError."""
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    finally:
+        sock.detach()
 
 
 def keepalive(conn: Connection) -> None:
