@@ -1,7 +1,9 @@
 """`disagg worker --tensor-parallel-size 2 --tensor-parallel-local-ranks 1` with its rank 1 from
 `disagg tp-ranks` (another host's command, here a separate process over loopback): served outputs
 equal the single-rank engine's; losing the follower fails the request and the worker exits non-zero,
-and the follower exits non-zero when the worker is gone."""
+and the follower exits non-zero when the worker is gone. Prefill and decode workers whose rank 1
+is remote move KV rank by rank as when all ranks are local (the remote ranks' NIXL agents on
+their own host's interface)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from disagg.worker.engine.sampling_params import SamplingParams
 
 from .cluster import Cluster, Proc
+from .test_tensor_parallel_pd import THRESHOLD, _serve_and_compare
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -33,10 +36,10 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def _follower(cluster: Cluster, port: int, tmp) -> Proc:
+def _follower(cluster: Cluster, port: int, tmp, name: str = "tp-ranks") -> Proc:
     cmd = [sys.executable, "-m", "disagg.worker.cli", "tp-ranks", "--leader", f"127.0.0.1:{port}",
            "--first-rank", "1", "--count", "1", "--threads", "1", "--host", "127.0.0.1"]  # fmt: skip
-    return Proc("tp-ranks", cmd, tmp / "tp-ranks.log", "", env=cluster.env)
+    return Proc(name, cmd, tmp / f"{name}.log", "", env=cluster.env)
 
 
 @pytest.fixture
@@ -107,3 +110,42 @@ def test_a_lost_follower_fails_the_request_and_the_worker_exits(remote_tp_cluste
     assert r.status_code >= 500, r.text
     assert worker.popen.wait(60) != 0
     assert "tensor-parallel rank 1 (on 127.0.0.1) exited" in worker.log.read_text()
+
+
+def _remote_rank_args(port: int) -> tuple[str, ...]:
+    return (
+        "--tensor-parallel-size",
+        "2",
+        "--tensor-parallel-local-ranks",
+        "1",
+        "--tensor-parallel-port",
+        str(port),
+    )
+
+
+def test_prefill_and_decode_with_remote_ranks_move_kv_and_serve_the_single_rank_outputs(
+    tiny_model, tmp_path, reference_llm, redis_server
+):
+    ports = {"prefill": free_port_pair(), "decode": free_port_pair()}
+    while ports["decode"] in (ports["prefill"], ports["prefill"] + 1, ports["prefill"] - 1):
+        ports["decode"] = free_port_pair()
+    c = Cluster(
+        tiny_model,
+        tmp_path,
+        redis_url=redis_server.url,
+        prefill=1,
+        decode=1,
+        worker_args=("--prefill-placement", "threshold", "--disagg-threshold", str(THRESHOLD)),
+        role_args={role: _remote_rank_args(port) for role, port in ports.items()},
+        deployment="tp-remote-pd",
+    )
+    followers = [_follower(c, port, tmp_path, f"tp-ranks-{role}") for role, port in ports.items()]
+    for f in followers:
+        f.start()
+    try:
+        c.start()
+        _serve_and_compare(c, reference_llm, redis_server)
+    finally:
+        c.stop()
+        for f in followers:
+            f.kill()
