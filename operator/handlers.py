@@ -24,6 +24,7 @@ CHILD_FILTER = {c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
 # (ServiceMonitor without the Prometheus Operator) is simply not watched until it is.
 CHILD_RESOURCES = (
     ("apps", "v1", "statefulsets"),
+    ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),
     ("apps", "v1", "deployments"),
     ("", "v1", "services"),
     ("", "v1", "configmaps"),

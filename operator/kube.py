@@ -38,6 +38,7 @@ PLURALS = {
     "Pod": "pods",
     "Service": "services",
     "StatefulSet": "statefulsets",
+    "LeaderWorkerSet": "leaderworkersets",
     "Deployment": "deployments",
     "PodDisruptionBudget": "poddisruptionbudgets",
     "ServiceMonitor": "servicemonitors",

@@ -70,8 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=8,
         metavar="N",
-        help="most GPUs a node offers one pod: a GPU role with a larger tensorParallelSize is refused "
-        "(one pod holds all of a worker's ranks; multi-node workers are not supported) (default 8)",
+        help="most GPUs a node offers one pod: a GPU role with a larger tensorParallelSize runs as a "
+        "LeaderWorkerSet spanning nodes (refused where the cluster does not serve that API) (default 8)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 

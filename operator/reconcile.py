@@ -20,7 +20,7 @@ from disagg.operator import constants as c
 from disagg.operator import credential_secret, events, replicas, rollout
 from disagg.operator import spec as specs
 from disagg.operator import status as statuses
-from disagg.operator.builders import build_children, common
+from disagg.operator.builders import build_children, common, leader_worker_set, spans_nodes, workload_key
 from disagg.operator.children import UNKNOWN, Children
 from disagg.operator.drift import differences
 from disagg.operator.kube import Kube, KubeError
@@ -45,12 +45,11 @@ def _key(manifest: dict) -> tuple[str, str]:
     return manifest["kind"], manifest["metadata"]["name"]
 
 
-def autoscaled_statefulsets(idep: specs.InferenceDeployment) -> set[tuple[str, str]]:
-    """The worker StatefulSets whose replicas are not the operator's: autoscaled roles, either mode."""
+def autoscaled_workloads(idep: specs.InferenceDeployment, settings: Settings) -> set[tuple[str, str]]:
+    """The worker StatefulSets (or LeaderWorkerSets) whose replicas are not the operator's:
+    autoscaled roles, either mode."""
     return {
-        ("StatefulSet", common.role_name(idep, role))
-        for role in c.ROLES
-        if idep.spec.role(role).autoscaling is not None
+        workload_key(idep, role, settings) for role in c.ROLES if idep.spec.role(role).autoscaling is not None
     }
 
 
@@ -112,6 +111,7 @@ class Reconciler:
         self.children = children if children is not None else Children()
         self._locks: dict[str, asyncio.Lock] = {}
         self._sm_checked: tuple[float, bool] | None = None
+        self._lws_checked: tuple[float, bool] | None = None  # when the LWS API was last found served
         self._waiting: dict[str, int] = {}  # uid -> runs queued for the lock
         self._held: dict[str, set[str]] = {}  # uid -> children held back, to post the Event once
 
@@ -143,6 +143,17 @@ class Reconciler:
         if self._sm_checked is None or now - self._sm_checked[0] > DISCOVERY_TTL_SECONDS:
             self._sm_checked = (now, await self.kube.serves("monitoring.coreos.com/v1", "servicemonitors"))
         return self._sm_checked[1]
+
+    async def _leader_worker_sets_served(self) -> bool:
+        # Asked only for a role spanning nodes (discovery: no RBAC rule). A yes holds a minute; a no
+        # is asked again next time, so the refused role is built at the first reconcile (a spec
+        # edit, the resync) after LeaderWorkerSet is installed.
+        now = time.monotonic()
+        if self._lws_checked is None or now - self._lws_checked[0] > DISCOVERY_TTL_SECONDS:
+            if not await self.kube.serves(leader_worker_set.API_VERSION, leader_worker_set.PLURAL):
+                return False
+            self._lws_checked = (now, True)
+        return self._lws_checked[1]
 
     async def _live(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
         found = self.children.lookup(kind, namespace, name)
@@ -235,10 +246,15 @@ class Reconciler:
         try:
             idep = specs.parse(body)
             sm_available = idep.spec.monitoring.service_monitor and await self._service_monitors_served()
+            lws_available = spans_nodes(idep, self.settings) and await self._leader_worker_sets_served()
             desired = [
                 rollout.stamp(m)
                 for m in build_children(
-                    idep, body, service_monitor_available=sm_available, settings=self.settings
+                    idep,
+                    body,
+                    service_monitor_available=sm_available,
+                    settings=self.settings,
+                    leader_worker_sets=lws_available,
                 )
             ]
         except specs.SpecError as exc:
@@ -249,10 +265,10 @@ class Reconciler:
             raise InvalidSpec(str(exc)) from exc
 
         observed = await self._observe(desired, idep)
-        autoscaled = autoscaled_statefulsets(idep)
+        autoscaled = autoscaled_workloads(idep, self.settings)
         desired = leave_replicas_to_autoscaler(desired, observed, autoscaled)
-        decode_key = ("StatefulSet", common.role_name(idep, "decode"))
-        prefill_key = ("StatefulSet", common.role_name(idep, "prefill"))
+        decode_key = workload_key(idep, "decode", self.settings)
+        prefill_key = workload_key(idep, "prefill", self.settings)
         plan = rollout.plan(desired, observed, decode_key, prefill_key)
         seen_before = "observedGeneration" in (body.get("status") or {})
 

@@ -42,7 +42,7 @@ def replicas_patch(sts: dict, replicas: int, *, resource_version: str | None = N
         metadata["resourceVersion"] = resource_version
     return {
         "apiVersion": sts.get("apiVersion", "apps/v1"),
-        "kind": "StatefulSet",
+        "kind": sts.get("kind", "StatefulSet"),
         "metadata": metadata,
         "spec": {"replicas": int(replicas)},
     }

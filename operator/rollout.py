@@ -47,13 +47,24 @@ def up_to_date(desired: dict, observed: dict | None) -> bool:
     return observed is not None and not differences(desired, observed)
 
 
+def generation_seen(observed: dict) -> bool:
+    """The workload's controller has acted on its latest spec. LeaderWorkerSets before lws 0.7
+    report no observedGeneration: for them the updated count stands alone."""
+    meta = observed.get("metadata") or {}
+    status = observed.get("status") or {}
+    if "generation" not in meta:
+        return True
+    if "observedGeneration" not in status and observed.get("kind") == "LeaderWorkerSet":
+        return True
+    return status.get("observedGeneration", 0) >= meta["generation"]
+
+
 def rolled_out(desired: dict, observed: dict | None) -> bool:
     """A workload runs the desired template on all its replicas, and they are all ready."""
     if observed is None or applied_hash(observed) != applied_hash(desired):
         return False
-    meta = observed.get("metadata") or {}
     status = observed.get("status") or {}
-    if "generation" in meta and status.get("observedGeneration", 0) < meta["generation"]:
+    if not generation_seen(observed):
         return False
     replicas = (observed.get("spec") or {}).get("replicas", 1)
     return status.get("updatedReplicas", 0) >= replicas and status.get("readyReplicas", 0) >= replicas

@@ -15,8 +15,8 @@ class Settings:
     # Where the operator itself runs: its autoscaler scrapes the pods' /metrics from there, so
     # the NetworkPolicies let that namespace in.
     operator_namespace: str | None = None
-    # The most GPUs one node gives one pod: a tensor-parallel worker's ranks share its pod, so a
-    # role whose tensorParallelSize exceeds this would need a multi-node worker (LeaderWorkerSet).
+    # The most GPUs one node gives one pod: a GPU role whose tensorParallelSize exceeds this runs as
+    # a LeaderWorkerSet, several pods per worker (builders/leader_worker_set.py).
     gpus_per_node: int = 8
 
     def host_path_allowed(self, path: str) -> bool:

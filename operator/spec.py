@@ -85,6 +85,9 @@ class ModelSource:
     preset: str | None = None
 
 
+# Ranks per worker: powers of two (attention heads and KV heads split evenly); above a node's GPUs a
+# role runs as a LeaderWorkerSet.
+TENSOR_PARALLEL_SIZES = (1, 2, 4, 8, 16, 32, 64)
 SOURCE_KINDS = ("pvc", "hostPath", "huggingFace", "generate")
 
 
@@ -272,8 +275,11 @@ def _role(spec: dict, name: str) -> Role:
     kv = _section(body, "kvCache", path)
     auto = _section(body, "autoscaling", path)
     tp = _int(body, "tensorParallelSize", path, 1, 1)
-    if tp not in (1, 2, 4, 8):
-        raise SpecError(f"{path}.tensorParallelSize", f"must be one of 1, 2, 4, 8, got {tp}")
+    if tp not in TENSOR_PARALLEL_SIZES:
+        raise SpecError(
+            f"{path}.tensorParallelSize",
+            f"must be one of {', '.join(map(str, TENSOR_PARALLEL_SIZES))}, got {tp}",
+        )
     fraction = _get(kv, "memoryFraction", f"{path}.kvCache", (int, float), 0.9)
     if not 0.05 <= fraction <= 0.98:
         raise SpecError(f"{path}.kvCache.memoryFraction", f"must be between 0.05 and 0.98, got {fraction}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 
-from disagg.operator.rollout import applied_hash, rolled_out
+from disagg.operator.rollout import applied_hash, generation_seen, rolled_out
 
 WORKLOADS = ("decode", "prefill", "router")
 
@@ -130,13 +130,11 @@ def compute(
 
 
 def _template_current(desired: dict, observed: dict) -> bool:
-    meta = observed.get("metadata") or {}
     status = observed.get("status") or {}
     replicas = (observed.get("spec") or {}).get("replicas", 1)
-    generation_seen = "generation" not in meta or status.get("observedGeneration", 0) >= meta["generation"]
     return (
         applied_hash(observed) == applied_hash(desired)
-        and generation_seen
+        and generation_seen(observed)
         and status.get("updatedReplicas", 0) >= replicas
     )
 

@@ -76,9 +76,10 @@ def _rules(stabilization: float, max_step: int | None, select: str) -> dict:
     return rules
 
 
-def build_hpa(idep: InferenceDeployment, role: str) -> dict:
+def build_hpa(idep: InferenceDeployment, role: str, target_ref: dict | None = None) -> dict:
     """The HorizontalPodAutoscaler for `role` of an InferenceDeployment (names, labels and owner
-    reference as for every other child)."""
+    reference as for every other child); `target_ref`: what it scales, the role's StatefulSet by
+    default (a LeaderWorkerSet for a role spanning nodes: its scale subresource counts groups)."""
     spec: AutoscalingSpec | None = idep.spec.role(role).autoscaling
     if spec is None:
         raise ValueError(f"spec.{role}.autoscaling: is required to build an HPA")
@@ -88,7 +89,7 @@ def build_hpa(idep: InferenceDeployment, role: str) -> dict:
         "kind": "HorizontalPodAutoscaler",
         "metadata": common.metadata(idep, target, role),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": target},
+            "scaleTargetRef": target_ref or {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": target},
             "minReplicas": max(spec.min_replicas, 1),
             "maxReplicas": spec.max_replicas,
             "metrics": [

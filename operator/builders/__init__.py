@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from disagg.operator.builders import (
+    common,
     config,
     disruption,
+    leader_worker_set,
     monitoring,
     network,
     policy,
@@ -17,7 +19,7 @@ from disagg.operator.settings import Settings
 from disagg.operator.spec import InferenceDeployment
 
 
-def hpa_children(idep: InferenceDeployment, body: dict) -> list[dict]:
+def hpa_children(idep: InferenceDeployment, body: dict, settings: Settings = Settings()) -> list[dict]:  # noqa: B008
     """HorizontalPodAutoscalers for roles autoscaled in `hpa` mode, built by the autoscaling package."""
     roles = [r for r in ("decode", "prefill") if (a := idep.spec.role(r).autoscaling) and a.mode == "hpa"]
     if not roles:
@@ -29,7 +31,16 @@ def hpa_children(idep: InferenceDeployment, body: dict) -> list[dict]:
             f"spec.{roles[0]}.autoscaling.mode is hpa, but this operator build has no HPA support "
             f"(disagg.operator.autoscaling.hpa is missing: {exc})"
         ) from exc
-    return [build_hpa(idep, role) for role in roles]
+    return [
+        build_hpa(
+            idep,
+            role,
+            leader_worker_set.target_ref(idep, role)
+            if leader_worker_set.spans_nodes(idep.spec.role(role), settings)
+            else None,
+        )
+        for role in roles
+    ]
 
 
 def infrastructure(idep: InferenceDeployment, settings: Settings = Settings()) -> list[dict]:  # noqa: B008
@@ -47,19 +58,39 @@ def infrastructure(idep: InferenceDeployment, settings: Settings = Settings()) -
     return out
 
 
-def role_statefulset(idep: InferenceDeployment, role: str) -> dict:
+def role_workload(idep: InferenceDeployment, role: str, settings: Settings = Settings()) -> dict:  # noqa: B008
+    """The role's pods: a StatefulSet, or a LeaderWorkerSet when its ranks span nodes."""
+    if leader_worker_set.spans_nodes(idep.spec.role(role), settings):
+        return leader_worker_set.leader_worker_set(idep, role, settings)
     return workers.statefulset(idep, role)
+
+
+def workload_key(idep: InferenceDeployment, role: str, settings: Settings = Settings()) -> tuple[str, str]:  # noqa: B008
+    """(kind, name) of `role_workload`, without building it."""
+    if leader_worker_set.spans_nodes(idep.spec.role(role), settings):
+        return leader_worker_set.KIND, leader_worker_set.name(idep, role)
+    return "StatefulSet", common.role_name(idep, role)
+
+
+def spans_nodes(idep: InferenceDeployment, settings: Settings) -> bool:
+    """Whether some role of `idep` runs as a LeaderWorkerSet."""
+    return any(leader_worker_set.spans_nodes(idep.spec.role(r), settings) for r in ("decode", "prefill"))
 
 
 def frontend(idep: InferenceDeployment) -> list[dict]:
     return [router.deployment(idep), router.service(idep), disruption.router_pdb(idep)]
 
 
-def extras(idep: InferenceDeployment, body: dict, service_monitor_available: bool) -> list[dict]:
+def extras(
+    idep: InferenceDeployment,
+    body: dict,
+    service_monitor_available: bool,
+    settings: Settings = Settings(),  # noqa: B008
+) -> list[dict]:
     out = []
     if idep.spec.monitoring.service_monitor and service_monitor_available:
         out.append(monitoring.service_monitor(idep))
-    return out + hpa_children(idep, body)
+    return out + hpa_children(idep, body, settings)
 
 
 def build_children(
@@ -68,19 +99,21 @@ def build_children(
     *,
     service_monitor_available: bool = False,
     settings: Settings = Settings(),  # noqa: B008  (frozen)
+    leader_worker_sets: bool = False,
 ) -> list[dict]:
     """Every child in apply order: infrastructure, decode, prefill, router, monitoring and HPAs.
 
     `body` is the raw InferenceDeployment object, handed to the HPA builder; `settings` are the
-    operator's own (allowed host paths, its namespace).
+    operator's own (allowed host paths, its namespace, GPUs per node); `leader_worker_sets`: the
+    cluster serves LeaderWorkerSets (a role spanning nodes is refused otherwise).
     """
-    policy.check(idep, settings)
+    policy.check(idep, settings, leader_worker_sets)
     children = [
         *infrastructure(idep, settings),
-        role_statefulset(idep, "decode"),
-        role_statefulset(idep, "prefill"),
+        role_workload(idep, "decode", settings),
+        role_workload(idep, "prefill", settings),
         *frontend(idep),
-        *extras(idep, body or {}, service_monitor_available),
+        *extras(idep, body or {}, service_monitor_available, settings),
     ]
     # after the builders, so a spec that is also malformed names its more specific field first
     policy.check_kv_transfer(idep)

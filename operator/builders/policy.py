@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from disagg.operator.builders.workers import device
+from disagg.operator.builders import leader_worker_set as lws
 from disagg.operator.settings import Settings
 from disagg.operator.spec import InferenceDeployment, SpecError
 
 
-def check(idep: InferenceDeployment, settings: Settings) -> None:
-    check_placeable(idep, settings)
+def check(idep: InferenceDeployment, settings: Settings, leader_worker_sets: bool = False) -> None:
+    check_placeable(idep, settings, leader_worker_sets)
     src = idep.spec.model.source
     if src.kind == "hostPath" and not settings.host_path_allowed(src.path):
         allowed = ", ".join(settings.host_path_prefixes)
@@ -24,15 +24,27 @@ def check(idep: InferenceDeployment, settings: Settings) -> None:
         )
 
 
-def check_placeable(idep: InferenceDeployment, settings: Settings) -> None:
-    """A worker's ranks share one pod, so a GPU role's tensorParallelSize must fit one node."""
+def check_placeable(idep: InferenceDeployment, settings: Settings, leader_worker_sets: bool) -> None:
+    """A GPU role with more ranks than a node gives a pod runs as a LeaderWorkerSet: only where the
+    cluster serves that API, and scaled by its replicas or an HPA (the operator's own autoscaler
+    scales StatefulSets)."""
     for role in (idep.spec.prefill, idep.spec.decode):
+        if not lws.spans_nodes(role, settings):
+            continue
         tp = role.tensor_parallel_size
-        if device(role) == "cuda" and tp > settings.gpus_per_node:
+        if not leader_worker_sets:
             raise SpecError(
                 f"spec.{role.name}.tensorParallelSize",
                 f"is {tp}, but a node gives a pod at most {settings.gpus_per_node} GPUs (the operator's "
-                "--gpus-per-node) and workers spanning nodes (LeaderWorkerSet) are not supported",
+                f"--gpus-per-node): workers spanning nodes run as a LeaderWorkerSet, and this cluster does not "
+                f"serve {lws.API_VERSION} {lws.PLURAL} (install LeaderWorkerSet, kubernetes-sigs/lws)",
+            )
+        lws.group_size(role, settings)
+        if role.autoscaling is not None and role.autoscaling.mode == "operator":
+            raise SpecError(
+                f"spec.{role.name}.autoscaling.mode",
+                f"is operator, but spec.{role.name}.tensorParallelSize {tp} spans nodes (a LeaderWorkerSet): "
+                "autoscale it with mode hpa, which scales the LeaderWorkerSet's groups",
             )
 
 

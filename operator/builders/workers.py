@@ -69,24 +69,29 @@ def desired_replicas(idep: InferenceDeployment, role: Role) -> int | None:
     return max(auto.min_replicas, min(auto.max_replicas, desired))
 
 
-def _resources(idep: InferenceDeployment, role: Role) -> dict:
+def resources_of(idep: InferenceDeployment, role: Role, pod_ranks: int | None = None) -> dict:
+    """The container's resources; `pod_ranks`: the ranks this pod runs (all of them by default;
+    fewer when the role's ranks span several pods, see `leader_worker_set`)."""
     path = f"spec.{role.name}.resources"
     requests = dict(role.resources.get("requests") or {})
     limits = dict(role.resources.get("limits") or {})
     tp = role.tensor_parallel_size
-    if GPU in limits and str(limits[GPU]).isdigit() and int(limits[GPU]) < tp:
+    ranks = tp if pod_ranks is None else pod_ranks
+    per_pod = "" if ranks == tp else f" (tensorParallelSize {tp} over {tp // ranks} pods)"
+    if GPU in limits and str(limits[GPU]).isdigit() and int(limits[GPU]) < ranks:
         raise SpecError(
             f"{path}.limits.{GPU}",
-            f"tensorParallelSize {tp} needs at least that many GPUs, got {limits[GPU]}",
+            f"{ranks} ranks per pod{per_pod} need at least that many GPUs, got {limits[GPU]}",
         )
     if tp > 1 and device(role) == "cuda":
         # one GPU per rank, all in this pod: an extended resource's request equals its limit
         count = int(limits.get(GPU) or requests.get(GPU))
-        if count != tp:
+        if count != ranks:
             raise SpecError(
-                f"{path}.limits.{GPU}", f"must equal tensorParallelSize {tp} (one GPU per rank), got {count}"
+                f"{path}.limits.{GPU}",
+                f"must equal the {ranks} ranks per pod{per_pod} (one GPU per rank), got {count}",
             )
-        requests[GPU] = limits[GPU] = tp
+        requests[GPU] = limits[GPU] = ranks
     rdma = idep.spec.kv_transfer
     if rdma.rdma_count > 0:
         requests[rdma.rdma_resource] = rdma.rdma_count
@@ -176,7 +181,7 @@ def prestop_command(role: Role) -> list[str]:
     ]
 
 
-def _env(idep: InferenceDeployment, role: Role) -> list[dict]:
+def env(idep: InferenceDeployment, role: Role) -> list[dict]:
     for i, item in enumerate(role.env):
         if item["name"] in common.RESERVED_ENV:
             raise SpecError(f"spec.{role.name}.env[{i}].name", f"{item['name']} is set by the operator")
@@ -194,13 +199,21 @@ def _env(idep: InferenceDeployment, role: Role) -> list[dict]:
     return env + [dict(item) for item in role.env]
 
 
-def _container(idep: InferenceDeployment, role: Role) -> dict:
-    spec = idep.spec
+def container_security(idep: InferenceDeployment) -> dict:
     security = hardening.container()
-    if spec.kv_transfer.rdma_count > 0:
+    if idep.spec.kv_transfer.rdma_count > 0:
         # RDMA registers (pins) memory, which needs IPC_LOCK (beyond `restricted`: see docs/security.md).
         security["capabilities"] = {"drop": ["ALL"], "add": ["IPC_LOCK"]}
-    resources = _resources(idep, role)
+    return security
+
+
+def worker_container(
+    idep: InferenceDeployment, role: Role, pod_ranks: int | None = None, extra_args: tuple[str, ...] = ()
+) -> dict:
+    """The `disagg worker` container; `pod_ranks`: the ranks it runs itself (see `resources`)."""
+    spec = idep.spec
+    security = container_security(idep)
+    resources = resources_of(idep, role, pod_ranks)
     http_health = {"path": HEALTH_PATH, "port": "metrics"}
     http_live = {"path": LIVE_PATH, "port": "metrics"}
     container = {
@@ -208,8 +221,8 @@ def _container(idep: InferenceDeployment, role: Role) -> dict:
         "image": spec.image.ref,
         "imagePullPolicy": spec.image.pull_policy,
         "command": ["disagg"],
-        "args": _args(idep, role),
-        "env": _env(idep, role),
+        "args": [*_args(idep, role), *extra_args],
+        "env": env(idep, role),
         "envFrom": [{"configMapRef": {"name": common.config_name(idep)}}],
         "ports": [
             {"name": "grpc", "containerPort": c.WORKER_GRPC_PORT, "protocol": "TCP"},
@@ -235,23 +248,20 @@ def _container(idep: InferenceDeployment, role: Role) -> dict:
     return container
 
 
-def shm_volume(role: Role) -> dict:
+def shm_volume(role: Role, pod_ranks: int | None = None) -> dict:
     """/dev/shm: unbounded for one rank (UCX's shared-memory transport), bounded and sized by the
-    rank count for a tensor-parallel worker."""
+    rank count (of this pod) for a tensor-parallel worker."""
     empty_dir = {"medium": "Memory"}
     if role.tensor_parallel_size > 1:
-        empty_dir["sizeLimit"] = f"{role.tensor_parallel_size * SHM_PER_RANK}Gi"
+        ranks = role.tensor_parallel_size if pod_ranks is None else pod_ranks
+        empty_dir["sizeLimit"] = f"{ranks * SHM_PER_RANK}Gi"
     return {"name": SHM_VOLUME, "emptyDir": empty_dir}
 
 
-def statefulset(idep: InferenceDeployment, role_name: str) -> dict:
-    role = idep.spec.role(role_name)
+def pod_spec(idep: InferenceDeployment, role: Role, container: dict, pod_ranks: int | None = None) -> dict:
+    """A worker pod of `role` around `container`: hardening, model volume, shared memory, placement."""
     spec = idep.spec
-    name = common.role_name(idep, role_name)
-    container = _container(idep, role)
-    check_supported(idep, role)
-    check_memory_limit(role)
-    pod_spec = {
+    out = {
         "serviceAccountName": common.service_account_name(idep),
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": role.termination_grace_seconds,
@@ -261,37 +271,50 @@ def statefulset(idep: InferenceDeployment, role_name: str) -> dict:
         "volumes": [
             model.volume(idep),
             # NCCL and UCX shared-memory transports need more than the container runtime's 64 MiB /dev/shm.
-            shm_volume(role),
+            shm_volume(role, pod_ranks),
             *hardening.scratch_volumes(cache=True),
             *secrets.tls_volumes(idep),
         ],
     }
-    if not pod_spec["initContainers"]:
-        del pod_spec["initContainers"]
+    if not out["initContainers"]:
+        del out["initContainers"]
     if spec.image.pull_secrets:
-        pod_spec["imagePullSecrets"] = common.pull_secrets(idep)
+        out["imagePullSecrets"] = common.pull_secrets(idep)
     if role.node_selector:
-        pod_spec["nodeSelector"] = dict(role.node_selector)
+        out["nodeSelector"] = dict(role.node_selector)
     if role.tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in role.tolerations]
+        out["tolerations"] = [dict(t) for t in role.tolerations]
     if role.affinity:
-        pod_spec["affinity"] = role.affinity
+        out["affinity"] = role.affinity
+    return out
+
+
+def pod_template(idep: InferenceDeployment, role_name: str, spec: dict) -> dict:
+    return {
+        "metadata": {
+            "labels": common.labels(idep, role_name),
+            "annotations": {
+                "disagg.dev/model": idep.spec.model.name,
+                config.CONFIG_HASH_ANNOTATION: config.config_hash(idep),
+            },
+        },
+        "spec": spec,
+    }
+
+
+def statefulset(idep: InferenceDeployment, role_name: str) -> dict:
+    role = idep.spec.role(role_name)
+    name = common.role_name(idep, role_name)
+    container = worker_container(idep, role)
+    check_supported(idep, role)
+    check_memory_limit(role)
     sts_spec = {
         "serviceName": name,
         # Workers do not depend on each other's start order.
         "podManagementPolicy": "Parallel",
         "selector": {"matchLabels": common.selector_labels(idep, role_name)},
         "updateStrategy": {"type": "RollingUpdate"},
-        "template": {
-            "metadata": {
-                "labels": common.labels(idep, role_name),
-                "annotations": {
-                    "disagg.dev/model": spec.model.name,
-                    config.CONFIG_HASH_ANNOTATION: config.config_hash(idep),
-                },
-            },
-            "spec": pod_spec,
-        },
+        "template": pod_template(idep, role_name, pod_spec(idep, role, container)),
     }
     replicas = desired_replicas(idep, role)
     if replicas is not None:

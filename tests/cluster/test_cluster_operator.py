@@ -19,6 +19,7 @@ import time
 
 import helm_python as helm
 import pytest
+import yaml
 from cluster import (
     CHART,
     IDEP,
@@ -497,7 +498,8 @@ async def test_an_invalid_spec_is_refused_naming_the_field(kube, ns):
     assert err.value.status == 422 and "set exactly one of replicas and autoscaling" in str(err.value)
 
     body = example("bad", ns)
-    body["spec"]["prefill"]["tensorParallelSize"] = 2  # admitted, but this worker cannot run it
+    body["spec"]["prefill"]["tensorParallelSize"] = 2  # admitted, but its ranks move KV over NIXL only
+    body["spec"]["kvTransfer"] = {"backend": "grpc"}
     await create(kube, body)
 
     async def degraded():
@@ -505,12 +507,83 @@ async def test_an_invalid_spec_is_refused_naming_the_field(kube, ns):
 
     await eventually(degraded, 30, "Degraded InvalidSpec")
     idep = await kube.get(*IDEP, ns, "bad")
-    assert condition(idep, "Degraded")["message"].startswith("spec.prefill.tensorParallelSize: ")
+    assert condition(idep, "Degraded")["message"].startswith("spec.kvTransfer.backend: ")
     assert (condition(idep, "Progressing")["status"], condition(idep, "Progressing")["reason"]) == (
         "False",
         "InvalidSpec",
     )
     assert await sts(kube, ns, "bad-prefill") is None and await sts(kube, ns, "bad-decode") is None
+
+
+LWS = ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
+LWS_CRD = yaml.safe_load((pathlib.Path(__file__).parent / "leaderworkerset-crd.yaml").read_text())
+
+
+def _spanning(name: str, ns: str, tp: int) -> dict:
+    """The CPU example with decode on GPUs: 16 ranks span two nodes of the chart's 8 GPUs."""
+    body = example(name, ns)
+    body["spec"]["decode"]["tensorParallelSize"] = tp
+    body["spec"]["decode"]["resources"] = {"limits": {"memory": "2Gi", "nvidia.com/gpu": min(tp, 8)}}
+    return body
+
+
+async def _dry_run_pod(kube, ns: str, name: str, template: dict) -> None:
+    """The API server's own pod validation and the namespace's `restricted` Pod Security admission,
+    without creating anything (no LeaderWorkerSet controller runs here to make the pods)."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, **template["metadata"]},
+           "spec": template["spec"]}  # fmt: skip
+    await kube.request("POST", f"/api/v1/namespaces/{ns}/pods", body=pod, params={"dryRun": "All"})
+
+
+async def test_a_role_spanning_nodes_is_refused_without_the_lws_api_and_built_as_an_lws_with_it(kube, ns):
+    served_before = await kube.serves(LWS[0], "leaderworkersets")
+    body = _spanning("wide", ns, 16)
+    await create(kube, body)
+    if not served_before:  # the suite's own control plane: no LeaderWorkerSet installed
+
+        async def refused():
+            return condition(await kube.get(*IDEP, ns, "wide"), "Degraded").get("reason") == "InvalidSpec"
+
+        await eventually(refused, 30, "Degraded InvalidSpec")
+        message = condition(await kube.get(*IDEP, ns, "wide"), "Degraded")["message"]
+        assert message.startswith("spec.decode.tensorParallelSize: is 16"), message
+        assert "does not serve leaderworkerset.x-k8s.io/v1" in message
+        assert await sts(kube, ns, "wide-decode") is None
+        await kube.apply(LWS_CRD, field_manager=USER)
+        await eventually(lambda: kube.serves(LWS[0], "leaderworkersets"), 30, "the LWS CRD served")
+    try:
+        body["spec"]["decode"]["replicas"] = 2  # an edit: the next reconcile finds the API
+        await create(kube, body)
+        lws = await eventually(lambda: kube.get(*LWS, ns, "wide-decode-lws"), 60, "the LeaderWorkerSet")
+        assert lws["spec"]["replicas"] == 2
+        group = lws["spec"]["leaderWorkerTemplate"]
+        assert (group["size"], group["restartPolicy"]) == (2, "RecreateGroupOnPodRestart")
+        owner = lws["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"], owner["controller"]) == ("InferenceDeployment", "wide", True)
+        assert await sts(kube, ns, "wide-decode") is None and await sts(kube, ns, "wide-prefill") is not None
+        for part in ("leaderTemplate", "workerTemplate"):
+            await _dry_run_pod(kube, ns, f"wide-{part.lower()}", group[part])
+        idep = await kube.get(*IDEP, ns, "wide")
+        assert condition(idep, "Degraded")["reason"] != "InvalidSpec", condition(idep, "Degraded")
+        assert idep["status"]["decode"]["replicas"] == 2  # the LWS's groups (no controller: none ready)
+
+        await create(kube, _spanning("wide", ns, 8))  # fits a node again: back to a StatefulSet
+
+        async def swapped():
+            return await kube.get(*LWS, ns, "wide-decode-lws") is None and await sts(kube, ns, "wide-decode")
+
+        await eventually(swapped, 60, "the LWS pruned, the StatefulSet back")
+    finally:
+        await kube.delete(*IDEP, ns, "wide")
+        if not served_before:
+
+            async def lws_gone():
+                return not await kube.list(*LWS, ns, "")
+
+            await eventually(lws_gone, 60, "no LeaderWorkerSet left")
+            await kube.delete(
+                "apiextensions.k8s.io/v1", "CustomResourceDefinition", None, LWS_CRD["metadata"]["name"]
+            )
 
 
 async def test_deletion_runs_the_finalizer_and_children_are_collected(kube, ns):

@@ -91,6 +91,16 @@ SERVICE_MONITORS = {
     }
 }
 
+# Served only when a test asks for it (as a cluster with LeaderWorkerSet installed would).
+LEADER_WORKER_SETS = {
+    "leaderworkerset.x-k8s.io/v1/leaderworkersets": {
+        "kind": "LeaderWorkerSet",
+        "namespaced": True,
+        "subresources": ["status"],
+        "verbs": CHILD_VERBS,
+    }
+}
+
 
 # Defaults the API server fills in when a field is absent (only those the tests look at).
 DEFAULTS = {"statefulsets": {("spec", "replicas"): 1}}

@@ -102,6 +102,10 @@ def pod_specs(manifests: list[dict]) -> dict[str, dict]:
     for m in manifests:
         if m["kind"] in ("StatefulSet", "Deployment", "Job", "DaemonSet", "ReplicaSet"):
             out[f"{m['kind']}/{m['metadata']['name']}"] = m["spec"]["template"]["spec"]
+        elif m["kind"] == "LeaderWorkerSet":
+            for part in ("leaderTemplate", "workerTemplate"):
+                template = m["spec"]["leaderWorkerTemplate"][part]
+                out[f"{m['kind']}/{m['metadata']['name']}/{part}"] = template["spec"]
         elif m["kind"] == "Pod":
             out[f"Pod/{m['metadata']['name']}"] = m["spec"]
     return out

@@ -4,13 +4,21 @@ The operator with the autoscaler, against an API that serves ServiceMonitors (ko
 namespace: the emulator cannot serve the namespace listing a namespaced kopf makes; see
 test_operator_rbac for that one): create with every child kind (HPA mode for decode, operator mode for
 prefill, NetworkPolicies, ServiceMonitor, managed Redis), mark the workloads ready, delete a child
-by hand (recreated), turn the NetworkPolicies off and switch to an external Redis (pruned), then
+by hand (recreated), turn the NetworkPolicies off and switch to an external Redis (pruned), run
+decode across nodes (a LeaderWorkerSet, against an API that serves them) and back (pruned), then
 delete the resource (finalizer, cleanup Job). The tests' own calls are told apart by User-Agent.
 """
 
 from __future__ import annotations
 
-from kube_emulator import IDEP_RESOURCE, SERVICE_MONITORS, TEST_CLIENT, load_example, running_operator
+from kube_emulator import (
+    IDEP_RESOURCE,
+    LEADER_WORKER_SETS,
+    SERVICE_MONITORS,
+    TEST_CLIENT,
+    load_example,
+    running_operator,
+)
 
 from disagg.operator import constants as c
 from disagg.operator.autoscaling import handlers as autoscaler
@@ -37,7 +45,7 @@ async def record() -> set[tuple[str, str, str]]:
     """(group, resource, verb) of every call the operator process made."""
     tuned = autoscaler.Settings(interval_seconds=0.3, tuning=Tuning(window_seconds=1.0), metrics_port=0)
     async with running_operator(
-        tuned, SERVICE_MONITORS, settings=Settings(operator_namespace="ops")
+        tuned, {**SERVICE_MONITORS, **LEADER_WORKER_SETS}, settings=Settings(operator_namespace="ops")
     ) as cluster:
         body = _body()
         await cluster.api.apply(body, field_manager="user")
@@ -88,6 +96,19 @@ async def record() -> set[tuple[str, str, str]]:
         await cluster.eventually(
             lambda: cluster.live("networking.k8s.io/v1/networkpolicies", "tiny-router") is None, what="pruned"
         )
+        # Decode across nodes: a LeaderWorkerSet instead of its StatefulSet, then back (LWS pruned).
+        # (autoscaled in hpa mode: the HPA scales the LWS; the operator's own autoscaler scales
+        # StatefulSets only)
+        decode = body["spec"]["decode"]
+        decode["autoscaling"]["mode"] = "hpa"
+        decode.update(tensorParallelSize=16, resources={"limits": {"memory": "2Gi", "nvidia.com/gpu": 8}})
+        await cluster.api.apply(body, field_manager="user")
+        lws = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
+        await cluster.eventually(lambda: cluster.live(lws, "tiny-decode-lws"), what="the LeaderWorkerSet")
+        decode["autoscaling"]["mode"] = "operator"
+        decode.update(tensorParallelSize=1, resources={"limits": {"memory": "2Gi"}})
+        await cluster.api.apply(body, field_manager="user")
+        await cluster.eventually(lambda: cluster.live(lws, "tiny-decode-lws") is None, what="LWS pruned")
         await cluster.api.delete(c.API_VERSION, c.KIND, NAMESPACE, "tiny")
         await cluster.eventually(lambda: cluster.live(IDEP_RESOURCE, "tiny") is None, what="deleted")
         assert cluster.live("batch/v1/jobs", "tiny-cleanup-uid-1") is not None

@@ -59,6 +59,7 @@ def test_the_lifecycle_exercised_every_kind_the_operator_writes(calls):
         "networkpolicies",
         "horizontalpodautoscalers",
         "servicemonitors",
+        "leaderworkersets",
     }
 
 

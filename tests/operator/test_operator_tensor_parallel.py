@@ -68,7 +68,7 @@ def test_one_rank_pods_are_unchanged():
     assert _shm(sts) == {"name": "dshm", "emptyDir": {"medium": "Memory"}}
 
 
-@pytest.mark.parametrize(("count", "problem"), [(1, "needs at least that many GPUs"), (8, "must equal")])
+@pytest.mark.parametrize(("count", "problem"), [(1, "need at least that many GPUs"), (8, "must equal")])
 def test_a_gpu_count_other_than_the_rank_count_is_refused_naming_the_limit(count, problem):
     gpus = {"limits": {"memory": "96Gi", "nvidia.com/gpu": count}}
     with pytest.raises(specs.SpecError, match=problem) as err:

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("disagg.worker.cli.make_model", "write a randomly initialised Llama-family checkpoint"),
     "generate": ("disagg.worker.cli.generate", "run the engine offline on prompts"),
     "worker": ("disagg.worker.cli.worker", "run a prefill, decode or colocated worker"),
+    "tp-ranks": ("disagg.worker.cli.tp_ranks", "run tensor-parallel ranks of a worker on another host"),
     "router": ("disagg.worker.cli.router", "run the OpenAI-compatible router"),
     "drain": ("disagg.worker.cli.drain", "drain a worker (its pod's preStop hook)"),
     "cleanup": ("disagg.worker.cli.cleanup", "delete a deployment's keys from Redis (its deletion Job)"),

@@ -91,6 +91,25 @@ class EngineArgs:
         "and vocabulary are divided among them",
         minimum=1,
     )
+    tensor_parallel_local_ranks: int | None = _setting(
+        None,
+        "ranks this worker runs on its own host (rank 0 and the next ones); the others join from other "
+        "hosts with `disagg tp-ranks`, authenticated with the internal credential; default: all",
+        minimum=1,
+    )
+    tensor_parallel_port: int = _setting(
+        29500,
+        "with ranks on other hosts: the port they connect to, on every interface (the rendezvous store "
+        "takes the next one)",
+        minimum=1,
+        maximum=65534,
+    )
+    tensor_parallel_join_timeout: float = _setting(
+        600.0,
+        "seconds the worker waits for its ranks on other hosts to join",
+        minimum=0.0,
+        exclusive_min=True,
+    )
     speculative_method: str | None = _setting(
         None,
         "speculative decoding: ngram (prompt lookup in the prompt and output) or draft (a smaller "
@@ -131,6 +150,12 @@ class EngineArgs:
             raise ValueError("speculative_draft_model must be set when speculative_method is draft")
         if self.speculative_draft_model and self.speculative_method != "draft":
             raise ValueError("speculative_draft_model is only used with speculative_method draft")
+        local = self.tensor_parallel_local_ranks
+        if local is not None and local > self.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_local_ranks must be <= tensor_parallel_size ({self.tensor_parallel_size}), "
+                f"got {local}"
+            )
         if self.tensor_parallel_size > 1 and self.speculative_method is not None:
             raise ValueError(
                 "speculative_method: speculative decoding is not supported with tensor_parallel_size > 1 yet"

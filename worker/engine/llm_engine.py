@@ -26,6 +26,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -83,9 +84,11 @@ def _names(settings: dict) -> dict:
 
 
 class LLMEngine:
-    def __init__(self, model: str | Path | EngineArgs, *, load_tokenizer: bool = True, **settings):
+    def __init__(self, model: str | Path | EngineArgs, *, load_tokenizer: bool = True,
+                 rank_authkey: bytes | None = None, **settings):  # fmt: skip
         """`LLMEngine(path, block_size=32, ...)` or `LLMEngine(EngineArgs(...))`: the settings, their
-        defaults and their checks are `EngineArgs`'s."""
+        defaults and their checks are `EngineArgs`'s. `rank_authkey`: the key tensor-parallel ranks
+        on other hosts authenticate with (`tp_join.authkey_from_token`)."""
         from disagg.worker.model.loader import load_model
 
         args = engine_args(model, settings)
@@ -99,8 +102,10 @@ class LLMEngine:
             from disagg.worker.model.tp_executor import RankProcesses
 
             self.ranks = RankProcesses(
-                model, dtype, torch.device(device), args.tensor_parallel_size, threads=args.threads
-            )
+                model, dtype, torch.device(device), args.tensor_parallel_size, threads=args.threads,
+                local_ranks=args.tensor_parallel_local_ranks, port=args.tensor_parallel_port,
+                authkey=rank_authkey, join_timeout=timedelta(seconds=args.tensor_parallel_join_timeout),
+            )  # fmt: skip
         try:
             self.model, self.config = load_model(
                 model, dtype=dtype, device=device, tp=None if self.ranks is None else self.ranks.tp,

@@ -36,7 +36,8 @@ class ShardedTransport:
         layout = local.layout
         fields = {f: getattr(layout, f) for f in ("model_id", "tp_size", "model_kv_heads", "kv_cache_dtype",
                                                   "weight_quantization")}  # fmt: skip
-        ranks.install(SERVICE, FACTORY, kind, name, host, fields)
+        for r in self._children:  # a rank on another host binds its own host's interface
+            ranks.install_on(r, SERVICE, FACTORY, kind, name, ranks.host_of(r) or host, fields)
         payloads = [local.handshake_payload()]
         payloads += [ranks.ask(r, SERVICE, "handshake_payload") for r in self._children]
         msg = pb.KVHandshake()

@@ -202,18 +202,22 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="development only: accept and send internal calls without a credential")  # fmt: skip
 
 
-def from_cli_args(args, prog: str) -> InternalAuth:
-    """The credential from --internal-token-file or DISAGG_INTERNAL_TOKEN; a clear exit without one."""
-    token = None
-    if args.internal_token_file:
+def read_token(token_file: str | None, prog: str) -> str | None:
+    """The credential from `token_file` (a mounted Secret) or DISAGG_INTERNAL_TOKEN; None without."""
+    if token_file:
         try:
-            token = Path(args.internal_token_file).read_text().strip()
+            token = Path(token_file).read_text().strip()
         except OSError as e:
             raise MissingCredential(f"{prog}: --internal-token-file: {e.strerror}: {e.filename}") from None
         if not token:
-            raise MissingCredential(f"{prog}: --internal-token-file {args.internal_token_file} is empty")
-    elif os.environ.get(TOKEN_ENV, "").strip():
-        token = os.environ[TOKEN_ENV].strip()
+            raise MissingCredential(f"{prog}: --internal-token-file {token_file} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV, "").strip() or None
+
+
+def from_cli_args(args, prog: str) -> InternalAuth:
+    """The credential from --internal-token-file or DISAGG_INTERNAL_TOKEN; a clear exit without one."""
+    token = read_token(args.internal_token_file, prog)
     tls = TLSFiles.load(args.grpc_tls_dir, args.grpc_tls_server_name) if args.grpc_tls_dir else None
     if token is None:
         if not args.insecure_internal:

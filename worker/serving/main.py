@@ -56,8 +56,11 @@ class WorkerConfig:
 
 def _build_engine(cfg: WorkerConfig):
     from disagg.worker.engine.llm_engine import LLMEngine
+    from disagg.worker.model.tp_join import authkey_from_token
 
-    return LLMEngine(cfg.engine)
+    # ranks on other hosts join with a key derived from the internal credential (none: refused)
+    token = cfg.auth.token
+    return LLMEngine(cfg.engine, rank_authkey=authkey_from_token(token) if token else None)
 
 
 def _build_transport(cfg: WorkerConfig, engine, address: str):

@@ -54,6 +54,10 @@ Secret. The same rules namespaced (Role) or cluster-wide (ClusterRole). */}}
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [get, list, watch, create, patch, delete]
+# A role whose ranks span nodes runs as a LeaderWorkerSet (when the cluster serves the API).
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
