@@ -563,8 +563,12 @@ async def test_a_role_spanning_nodes_is_refused_without_the_lws_api_and_built_as
         assert await sts(kube, ns, "wide-decode") is None and await sts(kube, ns, "wide-prefill") is not None
         for part in ("leaderTemplate", "workerTemplate"):
             await _dry_run_pod(kube, ns, f"wide-{part.lower()}", group[part])
-        idep = await kube.get(*IDEP, ns, "wide")
-        assert condition(idep, "Degraded")["reason"] != "InvalidSpec", condition(idep, "Degraded")
+
+        async def accepted():  # the status is written after the children: it may trail the LWS
+            idep = await kube.get(*IDEP, ns, "wide")
+            return condition(idep, "Degraded").get("reason") != "InvalidSpec" and idep
+
+        idep = await eventually(accepted, 30, "the spec accepted once the LWS API is served")
         assert idep["status"]["decode"]["replicas"] == 2  # the LWS's groups (no controller: none ready)
 
         await create(kube, _spanning("wide", ns, 8))  # fits a node again: back to a StatefulSet
