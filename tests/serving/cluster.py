@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 
 from disagg.proto import worker_pb2 as pb
 from disagg.proto import worker_pb2_grpc as pb_grpc
@@ -23,6 +24,22 @@ from disagg.worker.cli.ports import free_port
 from .redis_check import assert_no_transfer_records
 
 STARTUP_TIMEOUT = 120.0
+
+
+def child_pids(pid: int) -> list[int]:
+    """Child processes of `pid`, whichever of its threads started them (a worker starts its
+    tensor-parallel ranks from its engine thread; /proc/PID/task/PID/children lists only the
+    main thread's)."""
+    return [
+        int(c)
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for c in (task / "children").read_text().split()
+    ]
+
+
+def complete(url: str, body: dict) -> httpx.Response:
+    """POST /v1/completions to the router at `url`."""
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
 @dataclass

@@ -16,7 +16,7 @@ import pytest
 from disagg.proto import worker_pb2 as pb
 from disagg.worker.engine.sampling_params import SamplingParams
 
-from .cluster import Cluster
+from .cluster import Cluster, complete
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -52,10 +52,6 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(5, vocab) for _ in range(n)] for n in LENGTHS]
 
 
-def _complete(url: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-
-
 def test_greedy_ragged_batch_matches_colocated_engine(cluster, reference_llm):
     prompts = _prompts(reference_llm.engine.config.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -67,7 +63,7 @@ def test_greedy_ragged_batch_matches_colocated_engine(cluster, reference_llm):
         for p in prompts
     ]
     with ThreadPoolExecutor(len(bodies)) as pool:  # concurrently: the workers batch them
-        responses = list(pool.map(lambda b: _complete(cluster.url, b), bodies))
+        responses = list(pool.map(lambda b: complete(cluster.url, b), bodies))
     for n, r, want in zip(LENGTHS, responses, expected, strict=True):
         assert r.status_code == 200, r.text
         body = r.json()
@@ -103,7 +99,7 @@ def test_second_request_with_a_cached_prefix_skips_those_blocks(cluster, referen
             "temperature": 0,
             "ignore_eos": True,
         }
-        r = _complete(cluster.url, body)
+        r = complete(cluster.url, body)
         assert r.status_code == 200, r.text
         assert r.headers.get("X-Disagg-Prefill-Worker") == "prefill-0"
         assert r.json()["choices"][0]["text"] == want
@@ -129,7 +125,7 @@ def test_logprobs_and_stop_through_the_disaggregated_path(cluster, reference_llm
     ref = reference_llm.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
     )[0]
-    r = _complete(
+    r = complete(
         cluster.url,
         {"model": cluster.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2,
          "ignore_eos": True},
@@ -256,7 +252,7 @@ def test_client_disconnect_aborts_on_the_workers(cluster):
 
 def test_metrics_pages_carry_the_contract_names(cluster):
     for prompt in ([11, 12, 13], list(range(20, 60))):  # one prefilled locally, one remotely
-        r = _complete(cluster.url, {"model": cluster.model_name, "prompt": prompt, "max_tokens": 3})
+        r = complete(cluster.url, {"model": cluster.model_name, "prompt": prompt, "max_tokens": 3})
         assert r.status_code == 200, r.text
     cluster.wait_idle()
     names = [

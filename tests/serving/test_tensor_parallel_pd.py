@@ -11,14 +11,13 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
 from disagg.worker.engine.sampling_params import SamplingParams
 
-from .cluster import Cluster
+from .cluster import Cluster, child_pids, complete
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -77,19 +76,6 @@ def mixed_pd(request, tiny_model, tmp_path_factory, redis_server):
         c.stop()
 
 
-def _children(pid: int) -> list[int]:
-    """Child processes of `pid`, whichever of its threads started them."""
-    return [
-        int(c)
-        for task in Path(f"/proc/{pid}/task").iterdir()
-        for c in (task / "children").read_text().split()
-    ]
-
-
-def _complete(url: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-
-
 def test_outputs_equal_the_colocated_engine_and_blocks_come_back(tp_pd, reference_llm, redis_server):
     _serve_and_compare(tp_pd, reference_llm, redis_server)
 
@@ -113,7 +99,7 @@ def _serve_and_compare(tp_pd: Cluster, reference_llm, redis_server) -> None:
         for p in prompts
     ]
     with ThreadPoolExecutor(len(bodies)) as pool:  # concurrently: the workers batch them
-        responses = list(pool.map(lambda b: _complete(tp_pd.url, b), bodies))
+        responses = list(pool.map(lambda b: complete(tp_pd.url, b), bodies))
     for n, r, want in zip(LENGTHS, responses, expected, strict=True):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want, f"prompt of {n} tokens"
@@ -149,11 +135,11 @@ def test_a_prefill_rank_killed_mid_prefill_fails_it_and_the_worker_exits(tp_pd, 
         "temperature": 0,
         "ignore_eos": True,
     }
-    t = threading.Thread(target=lambda: result.update(r=_complete(tp_pd.url, body)))
+    t = threading.Thread(target=lambda: result.update(r=complete(tp_pd.url, body)))
     t.start()
     _wait_running(tp_pd, "prefill-0")
     worker = tp_pd.workers["prefill-0"]
-    (rank1,) = _children(worker.popen.pid)
+    (rank1,) = child_pids(worker.popen.pid)
     subprocess.run(["kill", "-9", str(rank1)], check=True)
     t.join(120)
     _exits_naming_rank_1(worker)
@@ -170,7 +156,7 @@ def test_a_decode_rank_killed_mid_stream_ends_it_with_an_error_and_the_worker_ex
     body = {"model": tp_pd.model_name, "prompt": [11, 12, 13], "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     worker = tp_pd.workers["decode-0"]
-    (rank1,) = _children(worker.popen.pid)
+    (rank1,) = child_pids(worker.popen.pid)
     events = []
     with httpx.stream("POST", f"{tp_pd.url}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -218,11 +204,11 @@ def test_decode_worker_killed_mid_transfer_every_prefill_rank_lets_go(fan_in, re
     rng = random.Random(5)
     body = {"model": fan_in.model_name, "prompt": [rng.randrange(5, 1000) for _ in range(1200)],
             "max_tokens": 4, "temperature": 0}  # fmt: skip
-    t = threading.Thread(target=lambda: _complete(fan_in.url, body))
+    t = threading.Thread(target=lambda: complete(fan_in.url, body))
     t.start()
     _wait_running(fan_in, "prefill-0")
     fan_in.workers["decode-0"].kill()
     t.join(120)
     fan_in.assert_released(redis_server.url, idle_timeout=12, records_timeout=12)
     assert fan_in.workers["prefill-0"].alive()
-    assert len(_children(fan_in.workers["prefill-0"].popen.pid)) == 1  # its rank lives on
+    assert len(child_pids(fan_in.workers["prefill-0"].popen.pid)) == 1  # its rank lives on

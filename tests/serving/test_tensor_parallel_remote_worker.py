@@ -11,12 +11,11 @@ import random
 import socket
 import sys
 
-import httpx
 import pytest
 
 from disagg.worker.engine.sampling_params import SamplingParams
 
-from .cluster import Cluster, Proc
+from .cluster import Cluster, Proc, complete
 from .test_tensor_parallel_pd import THRESHOLD, _serve_and_compare
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -72,10 +71,6 @@ def remote_tp_cluster(tiny_model, tmp_path):
         follower.kill()
 
 
-def _complete(url: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-
-
 def test_remote_rank_serves_the_single_rank_outputs_then_loses_the_worker(remote_tp_cluster, reference_llm):
     cluster, follower = remote_tp_cluster
     rng = random.Random(0)
@@ -91,7 +86,7 @@ def test_remote_rank_serves_the_single_rank_outputs_then_loses_the_worker(remote
             "temperature": 0,
             "ignore_eos": True,
         }
-        r = _complete(cluster.url, body)
+        r = complete(cluster.url, body)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want
     load = cluster.wait_idle()["both-0"]
@@ -106,7 +101,7 @@ def test_a_lost_follower_fails_the_request_and_the_worker_exits(remote_tp_cluste
     worker = cluster.workers["both-0"]
     follower.kill()  # its rank dies with it
     body = {"model": cluster.model_name, "prompt": list(range(10, 30)), "max_tokens": 8, "temperature": 0}
-    r = _complete(cluster.url, body)
+    r = complete(cluster.url, body)
     assert r.status_code >= 500, r.text
     assert worker.popen.wait(60) != 0
     assert "tensor-parallel rank 1 (on 127.0.0.1) exited" in worker.log.read_text()

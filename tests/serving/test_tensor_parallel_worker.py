@@ -9,14 +9,12 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import httpx
 import pytest
 
 from disagg.worker.engine.sampling_params import SamplingParams
 
-from .cluster import Cluster
+from .cluster import Cluster, child_pids, complete
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -39,19 +37,6 @@ def tp_cluster(tiny_model, tmp_path_factory):
         c.stop()
 
 
-def _children(pid: int) -> list[int]:
-    """Child processes of `pid`, whichever of its threads started them."""
-    return [
-        int(c)
-        for task in Path(f"/proc/{pid}/task").iterdir()
-        for c in (task / "children").read_text().split()
-    ]
-
-
-def _complete(url: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-
-
 def test_two_rank_worker_serves_the_single_rank_outputs(tp_cluster, reference_llm):
     rng = random.Random(0)
     vocab = reference_llm.engine.config.vocab_size
@@ -63,7 +48,7 @@ def test_two_rank_worker_serves_the_single_rank_outputs(tp_cluster, reference_ll
         for p in prompts
     ]
     with ThreadPoolExecutor(len(bodies)) as pool:
-        responses = list(pool.map(lambda b: _complete(tp_cluster.url, b), bodies))
+        responses = list(pool.map(lambda b: complete(tp_cluster.url, b), bodies))
     for r, want in zip(responses, expected, strict=True):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want
@@ -73,10 +58,10 @@ def test_two_rank_worker_serves_the_single_rank_outputs(tp_cluster, reference_ll
 
 def test_a_killed_rank_fails_the_request_and_the_worker_exits(tp_cluster):
     worker = tp_cluster.workers["both-0"]
-    (rank1,) = _children(worker.popen.pid)
+    (rank1,) = child_pids(worker.popen.pid)
     subprocess.run(["kill", "-9", str(rank1)], check=True)
     body = {"model": tp_cluster.model_name, "prompt": list(range(10, 30)), "max_tokens": 8, "temperature": 0}
-    r = _complete(tp_cluster.url, body)
+    r = complete(tp_cluster.url, body)
     assert r.status_code >= 500, r.text
     assert worker.popen.wait(60) != 0
     assert "tensor-parallel rank 1 exited" in worker.log.read_text()
