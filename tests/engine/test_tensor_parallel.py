@@ -170,3 +170,24 @@ def test_after_a_failed_step_every_step_fails_at_once(tiny_llama_dir, one_torch_
             engine.step()
     finally:
         engine.close()
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) of sockets listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+def test_the_rendezvous_store_of_ranks_on_one_host_listens_on_loopback_only(tiny_llama_dir, one_torch_thread):
+    # torch's store has no credential: with every rank on this host, nothing else may reach it
+    engine = LLMEngine(tiny_llama_dir, load_tokenizer=False, tensor_parallel_size=2, **SETTINGS)
+    try:
+        assert _listening_addresses(engine.ranks._store.port) == {"0100007F"}
+    finally:
+        engine.close()

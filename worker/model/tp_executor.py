@@ -18,6 +18,7 @@ import logging
 import os
 import pickle
 import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -132,8 +133,11 @@ class RankProcesses:
         self._awaiting: set[int] = set()  # ranks whose answer rank 0 waits for
         self._closed = False
         authkey = authkey if remote else secrets.token_bytes(32)
-        store = dist.TCPStore(RENDEZVOUS_HOST, port + 1 if remote else 0, world_size, True, timeout=timeout,
-                              wait_for_workers=False)  # fmt: skip
+        # The store (unauthenticated: torch has no credential for it) listens on a socket bound
+        # here: left to itself, TCPStore listens on every interface even for ranks on this host.
+        listen = socket.create_server((LISTEN_ALL if remote else RENDEZVOUS_HOST, port + 1 if remote else 0))
+        store = dist.TCPStore(RENDEZVOUS_HOST, listen.getsockname()[1], world_size, True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=listen.detach())  # fmt: skip
         self._store = store
         self._group = GroupSpec(str(model_path), str(dtype), device.type, world_size, store.port,
                                 timeout.total_seconds())  # fmt: skip
