@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 
 from disagg.proto import kv_transfer_pb2 as pb
-from disagg.worker.kv_transfer.handle import DONE, ERROR, PENDING, TransferHandle
+from disagg.worker.kv_transfer.handle import DONE, ERROR, PENDING, TransferHandle, finished_handle
 from disagg.worker.kv_transfer.rank_service import FACTORY, SERVICE
 
 log = logging.getLogger(__name__)
@@ -97,10 +97,17 @@ class ShardedTransport:
         self._finishing[(peer_id, transfer_id)] = handle
         return handle
 
-    def abort(self, peer_id: str, transfer_id: str, reason: str):
-        self._finishing.pop((peer_id, transfer_id), None)
+    def abort(self, peer_id: str, transfer_id: str, reason: str) -> TransferHandle:
+        """Every rank sends its ABORT notice once its own sends of the transfer settled; the
+        handle settles once every rank's has (the source blocks are free to reuse from then)."""
         self.ranks.post(SERVICE, "abort", peer_id, transfer_id, reason)
-        return self.local.abort(peer_id, transfer_id, reason)
+        local = self.local.abort(peer_id, transfer_id, reason)
+        if local is None:
+            local = finished_handle(self.backend, peer_id, transfer_id)
+        # each rank's sends are bounded by its own timeout, then its notice by another
+        handle = FinishHandle(self, local, 2 * self.local.default_timeout)
+        self._finishing[(peer_id, transfer_id)] = handle
+        return handle
 
     def _poll_sends(self) -> None:
         """One question per child: how its sends of every unsettled `finish` stand."""
@@ -208,4 +215,6 @@ class FinishHandle(TransferHandle):
         self._drop()
 
     def _drop(self) -> None:
-        self._transport._finishing.pop((self.peer_id, self.request_id), None)
+        key = (self.peer_id, self.request_id)
+        if self._transport._finishing.get(key) is self:  # not the abort that replaced it
+            del self._transport._finishing[key]
