@@ -239,3 +239,84 @@ def test_client_gone_quarantines_the_transfer_not_the_request_id(engine):
     _land(t, "r:1:0")  # the late transfer completes: the quarantine ends
     assert not core.poll_receiver()
     _idle(core)
+
+
+class ChildRanks:
+    """The other ranks of a tensor-parallel worker as rank 0's transport drives them: posted
+    calls are recorded, each `poll` answers what the test queued for that rank."""
+
+    world_size = 2
+
+    def __init__(self):
+        self.posted: list[tuple] = []
+        self.replies: dict[int, list[dict]] = {1: []}
+
+    def install(self, *args) -> None:
+        pass
+
+    def ask(self, rank: int, service: str, method: str, *args):
+        if method == "handshake_payload":
+            return b""
+        queued = self.replies[rank]
+        return (
+            queued.pop(0)
+            if queued
+            else {"sends": {k: "pending" for k in args[0]}, "completed": [], "failed": []}
+        )
+
+    def post(self, service: str, method: str, *args) -> None:
+        self.posted.append((method, *args))
+
+
+def _sharded():
+    from disagg.worker.kv_transfer.sharded import ShardedTransport
+
+    local = _transport()
+    ranks = ChildRanks()
+    return local, ranks, ShardedTransport(local, ranks, "held", "held", "127.0.0.1")
+
+
+def test_tensor_parallel_receiver_reads_an_abort_only_once_every_rank_settled():
+    from disagg.worker.serving.core import settles
+
+    local, ranks, t = _sharded()
+    t.accept("t", [2, 3])
+    ranks.replies[1].append({"sends": {}, "completed": [], "failed": [("t", "aborted: cancelled")]})
+    [(tid, reason)] = t.poll_failed()
+    assert tid == "t" and not settles(reason)  # rank 0's sender may still be writing
+    local._on_notice("p", pb.KVNotice(kind=pb.KVNotice.ABORT, request_id="t", reason="cancelled"))
+    assert t.poll_failed() == [("t", "aborted: on every tensor-parallel rank")]
+    assert ("forget", "t") in ranks.posted and not t._failing
+
+
+def test_an_abort_from_one_of_several_sending_ranks_does_not_settle_the_transfer():
+    from disagg.worker.serving.core import settles
+
+    t = _transport()
+    t._on_notice("p-r1", pb.KVNotice(kind=pb.KVNotice.ABORT, request_id="t", reason="x", senders=2))
+    [(_, reason)] = t.poll_failed()
+    assert not settles(reason)
+
+
+def test_tensor_parallel_sender_abort_settles_once_every_rank_sent_its_notice():
+    local, ranks, t = _sharded()
+    send = t.send("decode-0", "t", [0], [1], layers=[0])
+    t.finish("decode-0", "t")
+    abort = t.abort("decode-0", "t", "cancelled")
+    assert ("abort", "decode-0", "t", "cancelled") in ranks.posted
+    assert abort.poll() == PENDING  # rank 1 answers "pending": its notice is not out yet
+    send.succeed()
+    assert abort.poll() == PENDING and local.kinds("t") == [pb.KVNotice.FINAL, pb.KVNotice.ABORT]
+    ranks.replies[1].append({"sends": {("decode-0", "t"): "done"}, "evicted": []})
+    assert abort.poll() == DONE
+
+
+def test_a_rank_asked_again_after_it_settled_does_not_fail_the_handle():
+    local, ranks, t = _sharded()
+    send = t.send("decode-0", "t", [0], [1], layers=[0])
+    finish = t.finish("decode-0", "t")
+    finish.settle_rank(1, "done")
+    # asked again for another pending handle's sake, the rank no longer knows the key
+    finish.settle_rank(1, ("error", "rank 1 has no sends of transfer 't'"))
+    send.succeed()
+    assert finish.poll() == DONE

@@ -180,7 +180,8 @@ class KVTransport(ABC):
         sends = [h for h in self._posted.pop(key, ()) if h.state == PENDING]
         if not self.has_peer(peer_id):
             return None
-        notice = pb.KVNotice(kind=pb.KVNotice.ABORT, request_id=transfer_id, reason=reason[:500])
+        notice = pb.KVNotice(kind=pb.KVNotice.ABORT, request_id=transfer_id, reason=reason[:500],
+                             senders=self._senders.get(peer_id, 0))  # fmt: skip
         if not sends:
             return self._track_notice(self._notify(peer_id, notice, self.default_timeout))
         handle = self._aborting[key] = AbortAfterSends(self, notice, peer_id, sends)
@@ -277,7 +278,10 @@ class KVTransport(ABC):
         elif notice.kind == pb.KVNotice.FINAL:
             self.tracker.on_final(sender, notice.request_id, notice.parts, notice.senders)
         elif notice.kind == pb.KVNotice.ABORT:
-            self.tracker.on_failure(sender, notice.request_id, f"aborted: {notice.reason}")
+            # one of several ranks writing into this cache: the others may still write, so the
+            # transfer failed but its notice does not say that nothing more will land
+            kind = "aborted" if notice.senders <= 1 else "a sending rank aborted"
+            self.tracker.on_failure(sender, notice.request_id, f"{kind}: {notice.reason}")
         else:
             log.warning("ignoring KV notice of unknown kind %s from %s", notice.kind, sender)
 

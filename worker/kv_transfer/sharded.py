@@ -12,7 +12,9 @@ offers, so the serving code is the same for any number of ranks:
   the same blocks of its own heads after its part of the step. The handle `finish` returns is
   done once every rank's sends of the transfer are done, and fails if any rank's fails.
 - receiving: `accept` / `forget` go to every rank; a transfer completes once it has landed on
-  every rank, and fails as soon as it fails on one (the others are told to forget it).
+  every rank, and fails as soon as it fails on one. That failure reads as an abort (nothing more
+  will land: `serving.core.settles`) only once every rank settled: each completed, or heard its
+  senders' ABORT notice; then a second failure, "aborted: on every tensor-parallel rank", says so.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class ShardedTransport:
         msg.rank_payloads.extend(payloads)
         self._payload = msg.SerializeToString()
         self._expected: dict[str, set[int]] = {}  # transfer id -> ranks it has not landed on yet
+        # transfer id failed on a rank -> (ranks not settled yet, every rank's outcome an abort)
+        self._failing: dict[str, tuple[set[int], bool]] = {}
         self._landed: list[str] = []
         self._failed: list[tuple[str, str]] = []
         self._finishing: dict[tuple[str, str], FinishHandle] = {}
@@ -116,7 +120,7 @@ class ShardedTransport:
             return
         self._send_polls += 1
         for r in self._children:
-            reply = self.ranks.ask(r, SERVICE, "poll", pending, bool(self._expected))
+            reply = self.ranks.ask(r, SERVICE, "poll", pending, self._receiving)
             self._take_receipts(r, reply)
             for key, state in reply["sends"].items():
                 handle = self._finishing.get(key)
@@ -133,6 +137,7 @@ class ShardedTransport:
         self.local.forget(transfer_id)
         self.ranks.post(SERVICE, "forget", transfer_id)
         self._expected.pop(transfer_id, None)
+        self._failing.pop(transfer_id, None)
 
     def poll_completed(self) -> list[str]:
         self._poll_receivers()
@@ -146,7 +151,7 @@ class ShardedTransport:
 
     def _poll_receivers(self) -> None:
         self._take_receipts(0, {"completed": self.local.poll_completed(), "failed": self.local.poll_failed()})
-        if self._expected:
+        if self._receiving:
             for r in self._children:
                 self._take_receipts(r, self.ranks.ask(r, SERVICE, "poll", [], True))
 
@@ -157,10 +162,14 @@ class ShardedTransport:
                             peer_id, rank)  # fmt: skip
                 self.remove_peer(peer_id)
         for tid, reason in reply.get("failed", ()):
-            if self._expected.pop(tid, None) is not None:
-                self._failed.append((tid, f"{reason} (tensor-parallel rank {rank})"))
-                self.forget(tid)
+            waiting = self._expected.pop(tid, None)
+            if waiting is not None:
+                # the other ranks' senders may still be writing: not an abort of the whole yet
+                self._failed.append((tid, f"tensor-parallel rank {rank}: {reason}"))
+                self._failing[tid] = (set(range(self.world_size)), True)
+            self._settle_rank(tid, rank, reason.startswith("aborted"))
         for tid in reply.get("completed", ()):
+            self._settle_rank(tid, rank, True)
             waiting = self._expected.get(tid)
             if waiting is None:
                 continue
@@ -168,6 +177,24 @@ class ShardedTransport:
             if not waiting:
                 del self._expected[tid]
                 self._landed.append(tid)
+
+    @property
+    def _receiving(self) -> bool:
+        return bool(self._expected or self._failing)
+
+    def _settle_rank(self, tid: str, rank: int, aborted: bool) -> None:
+        """A failed transfer's outcome on `rank`; once every rank's is in, it is forgotten, and
+        reported aborted when each rank completed or was aborted by its senders."""
+        failing = self._failing.get(tid)
+        if failing is None:
+            return
+        ranks, all_aborted = failing
+        ranks.discard(rank)
+        self._failing[tid] = (ranks, all_aborted and aborted)
+        if not ranks:
+            self.forget(tid)
+            if all_aborted and aborted:
+                self._failed.append((tid, "aborted: on every tensor-parallel rank"))
 
     def close(self) -> None:
         self.local.close()
@@ -188,6 +215,8 @@ class FinishHandle(TransferHandle):
         self._seen_polls = transport._send_polls
 
     def settle_rank(self, rank: int, state) -> None:
+        if rank not in self._waiting:
+            return  # settled already: asked again for another handle, it no longer knows the key
         if state == DONE:
             self._waiting.discard(rank)
         elif state != PENDING:
