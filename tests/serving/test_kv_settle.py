@@ -281,21 +281,33 @@ def test_tensor_parallel_receiver_reads_an_abort_only_once_every_rank_settled():
 
     local, ranks, t = _sharded()
     t.accept("t", [2, 3])
-    ranks.replies[1].append({"sends": {}, "completed": [], "failed": [("t", "aborted: cancelled")]})
+    t.accept("u", [4])
+    ranks.replies[1].append({"sends": {}, "completed": ["u"], "failed": [("t", "aborted: cancelled")]})
     [(tid, reason)] = t.poll_failed()
     assert tid == "t" and not settles(reason)  # rank 0's sender may still be writing
     local._on_notice("p", pb.KVNotice(kind=pb.KVNotice.ABORT, request_id="t", reason="cancelled"))
     assert t.poll_failed() == [("t", "aborted: on every tensor-parallel rank")]
     assert ("forget", "t") in ranks.posted and not t._failing
+    # landed on rank 1 (settled there), then failed on rank 0 by a stall: never an abort
+    local._on_notice("p", pb.KVNotice(kind=pb.KVNotice.PART, request_id="u", bytes=1))
+    local.tracker.fail_sender("p", "disconnect: peer removed")
+    [(_, reason)] = t.poll_failed()
+    assert not settles(reason) and t._failing == {"u": {0}}
+    t.forget("u")
+    assert not t._failing
 
 
-def test_an_abort_from_one_of_several_sending_ranks_does_not_settle_the_transfer():
+def test_an_abort_from_one_of_several_sending_ranks_settles_only_with_the_others():
     from disagg.worker.serving.core import settles
 
     t = _transport()
-    t._on_notice("p-r1", pb.KVNotice(kind=pb.KVNotice.ABORT, request_id="t", reason="x", senders=2))
+    abort = pb.KVNotice(kind=pb.KVNotice.ABORT, request_id="t", reason="x", senders=3)
+    t._on_notice("p-r0", abort)
     [(_, reason)] = t.poll_failed()
-    assert not settles(reason)
+    assert not settles(reason)  # ranks 1 and 2 may still write
+    t._on_notice("p-r1", pb.KVNotice(kind=pb.KVNotice.FINAL, request_id="t", parts=0, senders=3))
+    t._on_notice("p-r2", abort)
+    assert t.poll_failed() == [("t", "aborted: by every sending rank")] and t.poll_completed() == []
 
 
 def test_tensor_parallel_sender_abort_settles_once_every_rank_sent_its_notice():

@@ -278,10 +278,7 @@ class KVTransport(ABC):
         elif notice.kind == pb.KVNotice.FINAL:
             self.tracker.on_final(sender, notice.request_id, notice.parts, notice.senders)
         elif notice.kind == pb.KVNotice.ABORT:
-            # one of several ranks writing into this cache: the others may still write, so the
-            # transfer failed but its notice does not say that nothing more will land
-            kind = "aborted" if notice.senders <= 1 else "a sending rank aborted"
-            self.tracker.on_failure(sender, notice.request_id, f"{kind}: {notice.reason}")
+            self.tracker.on_failure(sender, notice.request_id, f"aborted: {notice.reason}", notice.senders)
         else:
             log.warning("ignoring KV notice of unknown kind %s from %s", notice.kind, sender)
 

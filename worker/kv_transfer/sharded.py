@@ -13,8 +13,8 @@ offers, so the serving code is the same for any number of ranks:
   done once every rank's sends of the transfer are done, and fails if any rank's fails.
 - receiving: `accept` / `forget` go to every rank; a transfer completes once it has landed on
   every rank, and fails as soon as it fails on one. That failure reads as an abort (nothing more
-  will land: `serving.core.settles`) only once every rank settled: each completed, or heard its
-  senders' ABORT notice; then a second failure, "aborted: on every tensor-parallel rank", says so.
+  will land: `serving.core.settles`) only once every rank settled (completed, or aborted by all
+  its senders): then a second failure, "aborted: on every tensor-parallel rank", says so.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class ShardedTransport:
         msg.rank_payloads.extend(payloads)
         self._payload = msg.SerializeToString()
         self._expected: dict[str, set[int]] = {}  # transfer id -> ranks it has not landed on yet
-        # transfer id failed on a rank -> (ranks not settled yet, every rank's outcome an abort)
-        self._failing: dict[str, tuple[set[int], bool]] = {}
+        # transfer id failed on a rank -> ranks where it has not settled yet (until forgotten)
+        self._failing: dict[str, set[int]] = {}
         self._landed: list[str] = []
         self._failed: list[tuple[str, str]] = []
         self._finishing: dict[tuple[str, str], FinishHandle] = {}
@@ -166,10 +166,11 @@ class ShardedTransport:
             if waiting is not None:
                 # the other ranks' senders may still be writing: not an abort of the whole yet
                 self._failed.append((tid, f"tensor-parallel rank {rank}: {reason}"))
-                self._failing[tid] = (set(range(self.world_size)), True)
-            self._settle_rank(tid, rank, reason.startswith("aborted"))
+                self._failing[tid] = waiting  # the ranks it landed on already are settled
+            if reason.startswith("aborted"):  # a stall or a lost sender never settles a rank
+                self._settle_rank(tid, rank)
         for tid in reply.get("completed", ()):
-            self._settle_rank(tid, rank, True)
+            self._settle_rank(tid, rank)
             waiting = self._expected.get(tid)
             if waiting is None:
                 continue
@@ -182,19 +183,16 @@ class ShardedTransport:
     def _receiving(self) -> bool:
         return bool(self._expected or self._failing)
 
-    def _settle_rank(self, tid: str, rank: int, aborted: bool) -> None:
-        """A failed transfer's outcome on `rank`; once every rank's is in, it is forgotten, and
-        reported aborted when each rank completed or was aborted by its senders."""
-        failing = self._failing.get(tid)
-        if failing is None:
+    def _settle_rank(self, tid: str, rank: int) -> None:
+        """A failed transfer completed or was aborted on `rank`: once so on every rank, nothing
+        more of it will land."""
+        ranks = self._failing.get(tid)
+        if ranks is None:
             return
-        ranks, all_aborted = failing
         ranks.discard(rank)
-        self._failing[tid] = (ranks, all_aborted and aborted)
         if not ranks:
             self.forget(tid)
-            if all_aborted and aborted:
-                self._failed.append((tid, "aborted: on every tensor-parallel rank"))
+            self._failed.append((tid, "aborted: on every tensor-parallel rank"))
 
     def close(self) -> None:
         self.local.close()
