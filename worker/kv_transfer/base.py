@@ -4,6 +4,7 @@ Sender (prefill worker P), from the thread that owns the transport:
     add_peer(peer_id, payload)                      once per peer, payload from the peer's handshake
     h = send(peer_id, transfer_id, src, dst, layers)  nonblocking; any number per transfer
     finish(peer_id, transfer_id)                    after the last send: tells the receiver how many
+    abort(peer_id, transfer_id, reason)             the transfer will not complete (see below)
     h.poll() / h.wait(timeout)                      "pending" | "done" | "error" (+ h.reason)
 Receiver (decode worker D), polled each engine step:
     poll_completed() -> [transfer_id]               every send of the transfer has landed
@@ -11,6 +12,12 @@ Receiver (decode worker D), polled each engine step:
     accept(transfer_id, block_ids)                  before asking a peer to send: the only blocks
                                                     that transfer may write (until it settles or
                                                     `forget`); the gRPC receiver refuses the rest
+
+Writes are one-sided: a send posted before an abort may still land in the receiver's blocks. So
+the ABORT notice goes out only once every send of the transfer has settled (done, failed, or
+past its own timeout), and the handle `abort` returns settles after it: an ABORT notice, like a
+FINAL's completion, means nothing more of that transfer will land, and the sender may reuse
+its source blocks once that handle settled.
 
 A send that errors evicts the peer when the cause is the connection (disconnect, timeout), so the
 next send raises UnknownPeer and the caller handshakes again. Use a fresh transfer id per attempt
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -29,7 +37,7 @@ import torch
 
 from disagg.proto import kv_transfer_pb2 as pb
 from disagg.worker.kv_transfer.errors import UnknownPeer
-from disagg.worker.kv_transfer.handle import PENDING, TransferHandle, finished_handle
+from disagg.worker.kv_transfer.handle import DONE, ERROR, PENDING, TransferHandle, finished_handle
 from disagg.worker.kv_transfer.layout import KVLayout
 from disagg.worker.kv_transfer.metrics import TRANSFER_BYTES, TRANSFER_FAILURES, TRANSFER_REFUSED
 from disagg.worker.kv_transfer.tracker import ReceiveTracker
@@ -76,6 +84,10 @@ class KVTransport(ABC):
         self._senders: dict[str, int] = {}
         # Notices still in flight: a gRPC call whose future is garbage-collected gets cancelled.
         self._notices: list[TransferHandle] = []
+        # (peer, transfer) -> its sends not known to have settled (an abort waits for them)
+        self._posted: dict[tuple[str, str], list[TransferHandle]] = {}
+        # (peer, transfer) -> its abort, until the ABORT notice went out after its sends settled
+        self._aborting: dict[tuple[str, str], AbortAfterSends] = {}
         # transfer id -> the blocks reserved for it (read by receiving server threads)
         self._accepting: dict[str, frozenset[int]] = {}
         self._accept_lock = threading.Lock()
@@ -135,7 +147,10 @@ class KVTransport(ABC):
         outgoing = self._outgoing.setdefault((peer_id, transfer_id), _Outgoing())
         outgoing.parts += 1
         timeout = self.default_timeout if timeout is None else timeout
-        return self._post(peer_id, transfer_id, layers, src, dst, src_regions, dst_regions, timeout)
+        handle = self._post(peer_id, transfer_id, layers, src, dst, src_regions, dst_regions, timeout)
+        if handle.state == PENDING:
+            self._posted.setdefault((peer_id, transfer_id), []).append(handle)
+        return handle
 
     def finish(self, peer_id: str, transfer_id: str, timeout: float | None = None) -> TransferHandle:
         """Tell the receiver how many sends this transfer had; it completes once all have landed.
@@ -155,15 +170,28 @@ class KVTransport(ABC):
         return self._track_notice(self._notify(peer_id, notice, timeout))
 
     def abort(self, peer_id: str, transfer_id: str, reason: str) -> TransferHandle | None:
-        """Best effort: tell the receiver this transfer will not complete (None: peer unknown)."""
-        self._outgoing.pop((peer_id, transfer_id), None)
+        """Tell the receiver this transfer will not complete, once its sends have settled; the
+        handle settles after the notice went out (None: peer unknown, nothing can land). Calling
+        it again for the same transfer returns the same handle."""
+        key = (peer_id, transfer_id)
+        self._outgoing.pop(key, None)
+        if key in self._aborting:
+            return self._aborting[key]
+        sends = [h for h in self._posted.pop(key, ()) if h.state == PENDING]
         if not self.has_peer(peer_id):
             return None
-        notice = pb.KVNotice(kind=pb.KVNotice.ABORT, request_id=transfer_id, reason=reason[:500])
-        return self._track_notice(self._notify(peer_id, notice, self.default_timeout))
+        notice = pb.KVNotice(kind=pb.KVNotice.ABORT, request_id=transfer_id, reason=reason[:500],
+                             senders=self._senders.get(peer_id, 0))  # fmt: skip
+        if not sends:
+            return self._track_notice(self._notify(peer_id, notice, self.default_timeout))
+        handle = self._aborting[key] = AbortAfterSends(self, notice, peer_id, sends)
+        return handle
 
     def _track_notice(self, handle: TransferHandle) -> TransferHandle:
         self._notices = [h for h in self._notices if h.poll() == PENDING]
+        # sends that settled no longer hold back an abort: keep the table to transfers in flight
+        for key in [k for k, sends in self._posted.items() if all(h.state != PENDING for h in sends)]:
+            del self._posted[key]
         if handle.state == PENDING:
             self._notices.append(handle)
         return handle
@@ -250,7 +278,7 @@ class KVTransport(ABC):
         elif notice.kind == pb.KVNotice.FINAL:
             self.tracker.on_final(sender, notice.request_id, notice.parts, notice.senders)
         elif notice.kind == pb.KVNotice.ABORT:
-            self.tracker.on_failure(sender, notice.request_id, f"aborted: {notice.reason}")
+            self.tracker.on_failure(sender, notice.request_id, f"aborted: {notice.reason}", notice.senders)
         else:
             log.warning("ignoring KV notice of unknown kind %s from %s", notice.kind, sender)
 
@@ -261,3 +289,47 @@ class KVTransport(ABC):
     def close(self) -> None:
         for peer_id in list(self._peer_layouts):
             self.remove_peer(peer_id)
+
+
+class AbortAfterSends(TransferHandle):
+    """An abort whose transfer still has sends in flight: polls them until each settled (their
+    own deadlines bound the wait), then sends the ABORT notice and settles as that notice does."""
+
+    def __init__(
+        self, transport: KVTransport, notice: pb.KVNotice, peer_id: str, sends: list[TransferHandle]
+    ):
+        timeout = max(h._deadline for h in sends) - time.monotonic() + transport.default_timeout
+        super().__init__(
+            transport.backend, peer_id, notice.request_id, 0, max(timeout, 0.0), counts_bytes=False
+        )
+        self._transport = transport
+        self._notice_msg = notice
+        self._sends = sends
+        self._notice: TransferHandle | None = None
+
+    def _check(self) -> None:
+        if self._notice is None:
+            if any(h.poll() == PENDING for h in self._sends):
+                return
+            t = self._transport
+            if not t.has_peer(self.peer_id):  # evicted meanwhile: nothing more can land there
+                self._settle(None)
+                return
+            self._notice = t._track_notice(t._notify(self.peer_id, self._notice_msg, t.default_timeout))
+        state = self._notice.poll()
+        if state == DONE:
+            self._settle(None)
+        elif state == ERROR:
+            self._settle(self._notice)
+
+    def _settle(self, failed: TransferHandle | None) -> None:
+        self._cancel()
+        if failed is None:
+            self.succeed()
+        else:
+            self.fail(failed.error_kind, failed.reason)
+
+    def _cancel(self) -> None:
+        key = (self.peer_id, self.request_id)
+        if self._transport._aborting.get(key) is self:
+            del self._transport._aborting[key]

@@ -299,9 +299,8 @@ class NixlTransport(KVTransport):
         subs = self._fanout.get(peer_id)
         if subs is None:
             return super().abort(peer_id, transfer_id, reason)
-        for sub in subs:
-            super().abort(sub, transfer_id, reason)
-        return None
+        handles = [super(NixlTransport, self).abort(sub, transfer_id, reason) for sub in subs]
+        return all_of(self.backend, peer_id, transfer_id, [h for h in handles if h is not None])
 
     def remove_peer(self, peer_id: str) -> None:
         for sub in self._fanout.pop(peer_id, ()):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from disagg.worker.kv_transfer.handle import DONE, ERROR
+from disagg.worker.kv_transfer.handle import DONE, ERROR, PENDING, finished_handle
 from disagg.worker.kv_transfer.layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class RankKV:
         self.rank = rank
         self.transport = create_transport(kind, runner.kv_cache, layout, f"{name}-r{rank}", tp_rank=rank)
         self.sending: dict[tuple[str, str], _Sending] = {}
+        self.aborting: dict[tuple[str, str], object] = {}  # (peer, transfer) -> its abort's handle
         self.peers: set[str] = set()  # added by rank 0 and not removed since
         self.closed = False
 
@@ -80,11 +81,16 @@ class RankKV:
             sending.failure = ("error", f"rank {self.rank}: {type(exc).__name__}: {exc}")
 
     def abort(self, peer_id: str, transfer_id: str, reason: str) -> None:
+        """The notice goes out once this rank's sends of the transfer settled; rank 0 hears
+        "done" from `poll` after that."""
         self.sending.pop((peer_id, transfer_id), None)
         try:
-            self.transport.abort(peer_id, transfer_id, reason)
+            handle = self.transport.abort(peer_id, transfer_id, reason)
         except Exception as exc:
             log.debug("abort notice for %s from rank %d failed: %s", transfer_id, self.rank, exc)
+            handle = None
+        # None: no notice to wait for (the peer is unknown here, or the notice failed)
+        self.aborting[(peer_id, transfer_id)] = handle or finished_handle("", peer_id, transfer_id)
 
     # ---- receiver (posted) -------------------------------------------------------------------
     def accept(self, transfer_id: str, block_ids: list[int]) -> None:
@@ -100,6 +106,14 @@ class RankKV:
         `receiving`, the transfers that landed in or failed on this rank since the last poll."""
         sends = {}
         for key in transfers:
+            aborting = self.aborting.get(key)
+            if aborting is not None:  # "done" once the notice went out after this rank's sends
+                if aborting.poll() == PENDING:
+                    sends[key] = "pending"
+                else:
+                    sends[key] = "done"
+                    del self.aborting[key]
+                continue
             sending = self.sending.get(key)
             if sending is None:
                 sends[key] = ("error", f"rank {self.rank} has no sends of transfer {key[1]!r}")

@@ -12,7 +12,9 @@ offers, so the serving code is the same for any number of ranks:
   the same blocks of its own heads after its part of the step. The handle `finish` returns is
   done once every rank's sends of the transfer are done, and fails if any rank's fails.
 - receiving: `accept` / `forget` go to every rank; a transfer completes once it has landed on
-  every rank, and fails as soon as it fails on one (the others are told to forget it).
+  every rank, and fails as soon as it fails on one. That failure reads as an abort (nothing more
+  will land: `serving.core.settles`) only once every rank settled (completed, or aborted by all
+  its senders): then a second failure, "aborted: on every tensor-parallel rank", says so.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import logging
 
 from disagg.proto import kv_transfer_pb2 as pb
-from disagg.worker.kv_transfer.handle import DONE, ERROR, PENDING, TransferHandle
+from disagg.worker.kv_transfer.handle import DONE, ERROR, PENDING, TransferHandle, finished_handle
 from disagg.worker.kv_transfer.rank_service import FACTORY, SERVICE
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,8 @@ class ShardedTransport:
         msg.rank_payloads.extend(payloads)
         self._payload = msg.SerializeToString()
         self._expected: dict[str, set[int]] = {}  # transfer id -> ranks it has not landed on yet
+        # transfer id failed on a rank -> ranks where it has not settled yet (until forgotten)
+        self._failing: dict[str, set[int]] = {}
         self._landed: list[str] = []
         self._failed: list[tuple[str, str]] = []
         self._finishing: dict[tuple[str, str], FinishHandle] = {}
@@ -98,10 +102,17 @@ class ShardedTransport:
         self._finishing[(peer_id, transfer_id)] = handle
         return handle
 
-    def abort(self, peer_id: str, transfer_id: str, reason: str):
-        self._finishing.pop((peer_id, transfer_id), None)
+    def abort(self, peer_id: str, transfer_id: str, reason: str) -> TransferHandle:
+        """Every rank sends its ABORT notice once its own sends of the transfer settled; the
+        handle settles once every rank's has (the source blocks are free to reuse from then)."""
         self.ranks.post(SERVICE, "abort", peer_id, transfer_id, reason)
-        return self.local.abort(peer_id, transfer_id, reason)
+        local = self.local.abort(peer_id, transfer_id, reason)
+        if local is None:
+            local = finished_handle(self.backend, peer_id, transfer_id)
+        # each rank's sends are bounded by its own timeout, then its notice by another
+        handle = FinishHandle(self, local, 2 * self.local.default_timeout)
+        self._finishing[(peer_id, transfer_id)] = handle
+        return handle
 
     def _poll_sends(self) -> None:
         """One question per child: how its sends of every unsettled `finish` stand."""
@@ -110,7 +121,7 @@ class ShardedTransport:
             return
         self._send_polls += 1
         for r in self._children:
-            reply = self.ranks.ask(r, SERVICE, "poll", pending, bool(self._expected))
+            reply = self.ranks.ask(r, SERVICE, "poll", pending, self._receiving)
             self._take_receipts(r, reply)
             for key, state in reply["sends"].items():
                 handle = self._finishing.get(key)
@@ -127,6 +138,7 @@ class ShardedTransport:
         self.local.forget(transfer_id)
         self.ranks.post(SERVICE, "forget", transfer_id)
         self._expected.pop(transfer_id, None)
+        self._failing.pop(transfer_id, None)
 
     def poll_completed(self) -> list[str]:
         self._poll_receivers()
@@ -140,7 +152,7 @@ class ShardedTransport:
 
     def _poll_receivers(self) -> None:
         self._take_receipts(0, {"completed": self.local.poll_completed(), "failed": self.local.poll_failed()})
-        if self._expected:
+        if self._receiving:
             for r in self._children:
                 self._take_receipts(r, self.ranks.ask(r, SERVICE, "poll", [], True))
 
@@ -151,10 +163,15 @@ class ShardedTransport:
                             peer_id, rank)  # fmt: skip
                 self.remove_peer(peer_id)
         for tid, reason in reply.get("failed", ()):
-            if self._expected.pop(tid, None) is not None:
-                self._failed.append((tid, f"{reason} (tensor-parallel rank {rank})"))
-                self.forget(tid)
+            waiting = self._expected.pop(tid, None)
+            if waiting is not None:
+                # the other ranks' senders may still be writing: not an abort of the whole yet
+                self._failed.append((tid, f"tensor-parallel rank {rank}: {reason}"))
+                self._failing[tid] = waiting  # the ranks it landed on already are settled
+            if reason.startswith("aborted"):  # a stall or a lost sender never settles a rank
+                self._settle_rank(tid, rank)
         for tid in reply.get("completed", ()):
+            self._settle_rank(tid, rank)
             waiting = self._expected.get(tid)
             if waiting is None:
                 continue
@@ -162,6 +179,21 @@ class ShardedTransport:
             if not waiting:
                 del self._expected[tid]
                 self._landed.append(tid)
+
+    @property
+    def _receiving(self) -> bool:
+        return bool(self._expected or self._failing)
+
+    def _settle_rank(self, tid: str, rank: int) -> None:
+        """A failed transfer completed or was aborted on `rank`: once so on every rank, nothing
+        more of it will land."""
+        ranks = self._failing.get(tid)
+        if ranks is None:
+            return
+        ranks.discard(rank)
+        if not ranks:
+            self.forget(tid)
+            self._failed.append((tid, "aborted: on every tensor-parallel rank"))
 
     def close(self) -> None:
         self.local.close()
@@ -182,6 +214,8 @@ class FinishHandle(TransferHandle):
         self._seen_polls = transport._send_polls
 
     def settle_rank(self, rank: int, state) -> None:
+        if rank not in self._waiting:
+            return  # settled already: asked again for another handle, it no longer knows the key
         if state == DONE:
             self._waiting.discard(rank)
         elif state != PENDING:
@@ -209,4 +243,6 @@ class FinishHandle(TransferHandle):
         self._drop()
 
     def _drop(self) -> None:
-        self._transport._finishing.pop((self.peer_id, self.request_id), None)
+        key = (self.peer_id, self.request_id)
+        if self._transport._finishing.get(key) is self:  # not the abort that replaced it
+            del self._transport._finishing[key]

@@ -40,6 +40,7 @@ class ReceiveTracker:
         self._closed: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.bytes_received = 0
         self._senders_done: dict[str, int] = {}  # request id -> sending ranks complete so far
+        self._senders_aborted: dict[str, int] = {}  # request id -> sending ranks that aborted it
 
     def _close(self, key: tuple[str, str]) -> None:
         self._entries.pop(key, None)
@@ -59,6 +60,9 @@ class ReceiveTracker:
             self._close(key)
             if entry.senders > 1:  # several ranks of one sender each write part of the request
                 done = self._senders_done[key[1]] = self._senders_done.get(key[1], 0) + 1
+                if key[1] in self._senders_aborted:
+                    self._ranks_settled(key[1], entry.senders)
+                    return
                 if done < entry.senders:
                     return
                 del self._senders_done[key[1]]
@@ -88,13 +92,30 @@ class ReceiveTracker:
             entry.senders = max(senders, 1)
             self._settle((sender, request_id), entry)
 
-    def on_failure(self, sender: str, request_id: str, reason: str) -> None:
+    def on_failure(self, sender: str, request_id: str, reason: str, senders: int = 1) -> None:
+        """`senders` > 1: one of that many ranks writing into this cache aborted the request. It
+        failed ("a sending rank aborted: ..."), but reads as aborted (nothing more will land) only
+        once every rank completed or aborted: then a second failure, "aborted: by every sending
+        rank", is reported."""
         with self._lock:
             if (sender, request_id) in self._closed:
                 return
             self._close((sender, request_id))
+            if senders <= 1:
+                self._senders_done.pop(request_id, None)
+                self._senders_aborted.pop(request_id, None)
+                self._failed.append((request_id, reason))
+                return
+            aborted = self._senders_aborted[request_id] = self._senders_aborted.get(request_id, 0) + 1
+            if aborted == 1:
+                self._failed.append((request_id, f"a sending rank {reason}"))
+            self._ranks_settled(request_id, senders)
+
+    def _ranks_settled(self, request_id: str, senders: int) -> None:
+        if self._senders_done.get(request_id, 0) + self._senders_aborted[request_id] >= senders:
             self._senders_done.pop(request_id, None)
-            self._failed.append((request_id, reason))
+            del self._senders_aborted[request_id]
+            self._failed.append((request_id, "aborted: by every sending rank"))
 
     def fail_sender(self, sender: str, reason: str) -> None:
         """The sender is gone: everything still in flight from it failed."""
@@ -102,11 +123,13 @@ class ReceiveTracker:
             for key in [k for k in self._entries if k[0] == sender]:
                 self._close(key)
                 self._senders_done.pop(key[1], None)
+                self._senders_aborted.pop(key[1], None)
                 self._failed.append((key[1], reason))
 
     def forget(self, request_id: str) -> None:
         with self._lock:
             self._senders_done.pop(request_id, None)
+            self._senders_aborted.pop(request_id, None)
             for key in [k for k in self._entries if k[1] == request_id]:
                 self._close(key)
 

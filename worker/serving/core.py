@@ -4,6 +4,12 @@ Every method whose name starts with `on_loop_` runs on the engine-loop thread (s
 `EngineLoop.call`), so the engine, the KV transport and these tables need no locks. Each
 request's blocks are released exactly once: by the engine when it finishes or is aborted, by
 `release` after a prefill's KV left, or by `abort` of a reservation.
+
+KV writes are one-sided, so blocks a transfer may still write are never reused before it settles
+(landed, or the sender's ABORT notice, which it sends only once its writes settled): P keeps an
+aborted transfer's source blocks until its abort settled; D holds a given-up transfer's blocks
+apart from the request (quarantine, keyed by the transfer id) until it settles or a deadline
+passes, so the request can retry into fresh blocks or prefill locally under the same id.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from disagg.worker.engine.block_hash import block_hashes
 from disagg.worker.engine.llm_engine import Reservation
 from disagg.worker.engine.outputs import RequestOutput, TokenLogprob
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.kv_transfer.handle import PENDING
 from disagg.worker.serving.metrics import ServingMetrics
 from disagg.worker.serving.prefill_estimate import PrefillRate
 
@@ -45,7 +52,9 @@ class PrefillJob:
     handles: list = field(default_factory=list)
     layers_sent: int = 0
     failed: str = ""
-    state: str = "prefilling"  # prefilling -> sending -> (released)
+    state: str = "prefilling"  # prefilling -> sending -> (aborting) -> released
+    abort: object = None  # the transport's abort handle while "aborting"
+    held: bool = False  # its blocks are held under `hold_key` (aborted mid-prefill)
     started: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # its first prefill step began
     prefilled_at: float | None = None  # its last prompt token was computed
@@ -60,6 +69,10 @@ class PrefillJob:
             "seconds": max(now - prefilled, 0.0),
         }
 
+    @property
+    def hold_key(self) -> str:
+        return f"abort:{self.engine_id}"
+
 
 @dataclass
 class KVWait:
@@ -67,7 +80,19 @@ class KVWait:
 
     request_id: str
     done: Callable[[str | None], None]  # None = landed, else the failure reason
-    quarantine: bool = False  # the request is gone; settling the transfer frees its blocks
+    block_ids: list[int] = field(default_factory=list)  # the blocks the transfer may write
+    quarantine: bool = False  # given up on: settling the transfer frees its held blocks
+
+
+def settles(reason: str | None) -> bool:
+    """Whether a transfer's outcome means nothing more of it will land: it completed, or the
+    sender aborted it (its ABORT notice follows its last write). A stall or a lost connection
+    says nothing about writes still in flight."""
+    return reason is None or reason.startswith("aborted")
+
+
+def quarantine_key(transfer_id: str) -> str:
+    return f"quarantine:{transfer_id}"
 
 
 class WorkerCore:
@@ -88,7 +113,8 @@ class WorkerCore:
         self.prefills: dict[str, PrefillJob] = {}  # engine id -> job
         self.kv_waits: dict[str, KVWait] = {}  # transfer id -> waiter
         self.reserved: set[str] = set()  # D request ids with reserved blocks not yet committed
-        self.quarantined: dict[str, float] = {}  # aborted D requests whose KV may still land -> deadline
+        self.quarantined: dict[str, float] = {}  # D: transfer id given up on -> deadline of its held blocks
+        self.aborting: dict[str, PrefillJob] = {}  # P: engine id -> job whose abort has not settled
         self.quarantine_seconds = 30.0
         self._published_prefill: set[str] = set()
         self._on_publish = on_publish
@@ -108,45 +134,49 @@ class WorkerCore:
         found = False
         self._published_prefill.discard(request_id)
         self.arrivals.pop(request_id, None)
-        waits = [t for t, w in self.kv_waits.items() if w.request_id == request_id and not w.quarantine]
-        if request_id in self.reserved and waits:
-            # KV may still be landing in these blocks: hold them until the transfer settles
-            # (completes, or the sender's abort notice arrives) or the lease runs out
-            self.reserved.discard(request_id)
-            self.quarantined[request_id] = time.monotonic() + self.quarantine_seconds
-            for tid in waits:
-                waiter = self.kv_waits[tid]
-                self.kv_waits[tid] = KVWait(
-                    request_id, lambda _r, rid=request_id: self._unquarantine(rid), True
-                )
-                waiter.done("aborted")
-            sink = self.sinks.pop(request_id, None)
-            if sink is not None:
-                sink(None)
-            return True
         if request_id in self.sinks or request_id in self.reserved:
             sink = self.sinks.pop(request_id, None)
+            waiting = request_id in self.reserved
             self.reserved.discard(request_id)
+            if waiting:
+                self._quarantine_waits(request_id)
             self.engine.abort(request_id)
             if sink is not None and request_id not in self.prefills:
                 sink(None)  # the stream ends with finish_reason "abort"
-            found = True
-        for tid in waits:
-            waiter = self.kv_waits.pop(tid)
-            self.transport.forget(tid)
-            waiter.done("aborted")
             found = True
         for eid in [e for e, j in self.prefills.items() if j.request_id == request_id or e == request_id]:
             self._drop_prefill(self.prefills[eid], "aborted by the decode worker")
             found = True
         return found
 
-    def _unquarantine(self, request_id: str) -> None:
-        if self.quarantined.pop(request_id, None) is not None:
-            self.engine.abort(request_id)
-            for tid in [t for t, w in self.kv_waits.items() if w.request_id == request_id]:
-                del self.kv_waits[tid]
-                self.transport.forget(tid)
+    def _quarantine_waits(self, request_id: str) -> None:
+        """KV may still be landing in the blocks of `request_id`'s transfers: hold them."""
+        for tid in [t for t, w in self.kv_waits.items() if w.request_id == request_id and not w.quarantine]:
+            waiter = self.kv_waits[tid]
+            self._quarantine(tid)
+            waiter.done("aborted")
+
+    def _quarantine(self, transfer_id: str) -> None:
+        """Hold the blocks `transfer_id` may write, apart from its request, until the transfer
+        settles (lands, or the sender's ABORT notice arrives) or the quarantine deadline."""
+        waiter = self.kv_waits[transfer_id]
+        self._hold(quarantine_key(transfer_id), waiter.block_ids)
+        self.kv_waits[transfer_id] = KVWait(waiter.request_id, lambda _r: None, waiter.block_ids, True)
+        self.quarantined[transfer_id] = time.monotonic() + self.quarantine_seconds
+        self.metrics.kv_quarantined.inc()
+
+    def _unquarantine(self, transfer_id: str) -> None:
+        if self.quarantined.pop(transfer_id, None) is not None:
+            self.kv_waits.pop(transfer_id, None)
+            self.transport.forget(transfer_id)
+            self.engine.block_manager.unpin(quarantine_key(transfer_id))
+
+    def _hold(self, key: str, block_ids: list[int]) -> None:
+        """Keep `block_ids` allocated under `key` (a reference of its own) until `unpin(key)`,
+        whatever happens to the request that holds them now."""
+        bm = self.engine.block_manager
+        bm.acquire(block_ids)
+        bm.pin(key, block_ids)
 
     def on_loop_cached_tokens(self, prompt_ids: list[int]) -> int:
         """Leading prompt tokens this worker's prefix cache holds (what a local prefill would skip)."""
@@ -190,15 +220,35 @@ class WorkerCore:
         it may write); False if the request is gone."""
         if request_id not in self.reserved:
             return False
-        self.kv_waits[transfer_id] = KVWait(request_id, done)
+        self.kv_waits[transfer_id] = KVWait(request_id, done, list(block_ids))
         self.transport.accept(transfer_id, block_ids)
         return True
 
-    def on_loop_forget_kv(self, transfer_id: str) -> None:
+    def on_loop_end_attempt(self, transfer_id: str, sender_settled: bool) -> bool:
+        """A remote prefill attempt failed. `sender_settled`: the sender said (or showed, by
+        being gone) that nothing more of it will land. Otherwise its blocks go to quarantine
+        until it settles; True then: the request's next attempt needs fresh blocks."""
         waiter = self.kv_waits.get(transfer_id)
-        if waiter is not None and not waiter.quarantine:
+        if waiter is None or waiter.quarantine:
+            return False  # settled already, or quarantined by an abort of the request
+        if sender_settled:
             del self.kv_waits[transfer_id]
             self.transport.forget(transfer_id)
+            return False
+        self._quarantine(transfer_id)
+        return True
+
+    def on_loop_rereserve(self, request_id: str, prompt_ids: list[int], params) -> Reservation | None:
+        """Fresh blocks for the request's next attempt, its last ones being quarantined (None:
+        the request is gone). Raises NoFreeBlocksError, the request then holding nothing."""
+        if request_id not in self.reserved:
+            return None
+        self.engine.abort(request_id)
+        try:
+            return self.engine.reserve(request_id, prompt_ids, params)
+        except Exception:
+            self.reserved.discard(request_id)
+            raise
 
     def on_loop_commit(
         self,
@@ -217,19 +267,23 @@ class WorkerCore:
         """Resolve KV waits from the transport's completions and failures."""
         if self.transport is None:
             return False
-        for tid in self.transport.poll_completed():
-            waiter = self.kv_waits.pop(tid, None)
-            if waiter is not None:
-                waiter.done(None)
-        for tid, reason in self.transport.poll_failed():
-            waiter = self.kv_waits.pop(tid, None)
-            if waiter is not None:
-                waiter.done(reason or "transfer failed")
+        outcomes = [(tid, None) for tid in self.transport.poll_completed()]
+        for tid, reason in outcomes + self.transport.poll_failed():
+            waiter = self.kv_waits.get(tid)
+            if waiter is None:
+                continue
+            if waiter.quarantine:
+                if settles(reason):
+                    self._unquarantine(tid)
+                continue
+            if settles(reason):  # else it stays: ending the attempt decides about its blocks
+                del self.kv_waits[tid]
+            waiter.done(None if reason is None else reason or "transfer failed")
         if self.quarantined:
             now = time.monotonic()
-            for rid in [r for r, deadline in self.quarantined.items() if deadline < now]:
-                log.warning("freeing blocks of aborted request %s: its KV transfer never settled", rid)
-                self._unquarantine(rid)
+            for tid in [t for t, deadline in self.quarantined.items() if deadline < now]:
+                log.warning("freeing the blocks of KV transfer %s: it never settled", tid)
+                self._unquarantine(tid)
         return bool(self.kv_waits) or bool(self.quarantined)
 
     def on_loop_add_peer(self, peer_id: str, payload: bytes) -> None:
@@ -304,6 +358,8 @@ class WorkerCore:
 
     def poll_sender(self) -> bool:
         """Finish prefills whose KV has left: release the pinned blocks, answer D."""
+        for job in [j for j in self.aborting.values() if j.abort.poll() != PENDING]:
+            self._aborted(job)
         for job in [j for j in self.prefills.values() if j.state == "sending"]:
             states = [h.poll() for h in job.handles]
             if "error" in states:
@@ -324,23 +380,42 @@ class WorkerCore:
                         **job.stage_seconds(time.monotonic()),
                     }
                 )
-        return any(j.state == "sending" for j in self.prefills.values())
+        return bool(self.aborting) or any(j.state == "sending" for j in self.prefills.values())
 
     def _drop_prefill(self, job: PrefillJob, reason: str) -> None:
-        """Give up on a prefill: free its blocks (running, or pinned after prefill) and answer D."""
+        """Give up on a prefill: tell D, free its blocks (running, or pinned after prefill) and
+        answer D. Sends already posted may still read the blocks and write D's: then the blocks
+        and the answer wait until the transport's abort settled (its ABORT notice went out)."""
         self.prefills.pop(job.engine_id, None)
         self.sinks.pop(job.engine_id, None)
-        if job.state == "sending":
-            self.engine.release(job.engine_id)
-        else:
-            self.engine.abort(job.engine_id)
-        # tell D not to wait for this transfer (it may hold its blocks until the transfer settles)
+        job.failed = reason
         try:
-            self.transport.abort(job.peer_id, job.engine_id, reason)
+            job.abort = self.transport.abort(job.peer_id, job.engine_id, reason)
         except Exception:
             log.debug("abort notice for %s failed", job.engine_id)
+            job.abort = None
+        settling = job.abort is not None and job.abort.poll() == PENDING
+        if job.state != "sending":
+            if settling and job.engine_id in self.engine.requests:
+                self._hold(job.hold_key, self.engine.block_ids(job.engine_id))
+                job.held = True
+            self.engine.abort(job.engine_id)
+        if settling:
+            job.state = "aborting"
+            self.aborting[job.engine_id] = job
+        else:
+            self._aborted(job)
+
+    def _aborted(self, job: PrefillJob) -> None:
+        """The dropped prefill's sends settled: its blocks go back, D gets its answer (so an
+        answer from P, like its ABORT notice, means nothing more of the transfer will land)."""
+        self.aborting.pop(job.engine_id, None)
+        if job.held:
+            self.engine.block_manager.unpin(job.hold_key)
+        elif job.state in ("sending", "aborting"):
+            self.engine.release(job.engine_id)
         job.state = "released"
-        job.done({"error": ("prefill_failed", reason)})
+        job.done({"error": ("prefill_failed", job.failed)})
 
     def on_loop_reclaim(self, transfer_or_request_id: str) -> bool:
         """The reaper says a transfer's lease expired: free whatever we still hold for it."""
@@ -353,7 +428,9 @@ class WorkerCore:
     def on_loop_fail_all(self, error: BaseException) -> None:
         """The engine is unusable: every request this worker holds ends now, with `error`."""
         reason = str(error)
-        for job in list(self.prefills.values()):
+        jobs = [*self.prefills.values(), *self.aborting.values()]
+        self.aborting.clear()
+        for job in jobs:
             self.prefills.pop(job.engine_id, None)
             self.sinks.pop(job.engine_id, None)
             job.state = "released"
@@ -444,9 +521,10 @@ class WorkerCore:
         """Snapshot the accounting (on the loop thread) for Load RPCs, heartbeats and gauges."""
         e = self.engine
         bm = e.block_manager
-        held = self.reserved | self.quarantined.keys()
-        reserved_blocks = sum(len(e.requests[r].block_ids) for r in held if r in e.requests)
-        pinned_blocks = sum(len(bm.pinned(j.engine_id) or ()) for j in self.prefills.values())
+        reserved_blocks = sum(len(e.requests[r].block_ids) for r in self.reserved if r in e.requests)
+        reserved_blocks += sum(len(bm.pinned(quarantine_key(t)) or ()) for t in self.quarantined)
+        jobs = [*self.prefills.values(), *self.aborting.values()]
+        pinned_blocks = sum(len(bm.pinned(j.hold_key if j.held else j.engine_id) or ()) for j in jobs)
         self.load = {
             "running": e.num_running,
             "waiting": e.num_waiting,
@@ -457,9 +535,11 @@ class WorkerCore:
             "pinned_blocks": pinned_blocks,
             "inflight_requests": len(self.sinks)
             + len(self.prefills)
+            + len(self.aborting)
             + len(self.kv_waits)
             + len(self.reserved),
             "kv_transfers_inflight": sum(1 for j in self.prefills.values() if j.state == "sending")
+            + len(self.aborting)
             + len(self.kv_waits),
             "queued_prefill_tokens": self.queued_prefill_tokens(),
             "prefill_tokens_per_s": self.prefill_rate.tokens_per_s or 0.0,

@@ -40,6 +40,7 @@ class _Families:
     prefix_routing_disabled: Counter
     rejected: Counter
     prefill_retries: Counter
+    kv_quarantined: Counter
     remote_prefill_stages: Histogram
     weight_bytes: Gauge
     kv_bytes: Gauge
@@ -112,6 +113,13 @@ def _families(registry: CollectorRegistry) -> _Families:
             prefill_retries=Counter(
                 "disagg_prefill_retries",
                 "Remote prefills retried on another prefill worker after the first one failed.",
+                LABELS,
+                registry=registry,
+            ),
+            kv_quarantined=Counter(
+                "disagg_kv_quarantined_transfers",
+                "KV transfers given up on before they settled (a slow prefill worker, a client gone): "
+                "their blocks were held apart until the sender's abort notice or the quarantine deadline.",
                 LABELS,
                 registry=registry,
             ),
@@ -196,6 +204,7 @@ class ServingMetrics:
             self.kv_free = f.kv_free.labels(**lab)
             self.kv_used = f.kv_used.labels(**lab)
             self.prefill_retries = f.prefill_retries.labels(**lab)
+            self.kv_quarantined = f.kv_quarantined.labels(**lab)
             self._stages = {
                 stage: f.remote_prefill_stages.labels(**lab, stage=stage)
                 for stage in ("setup", "queue", "compute", "transfer", "overhead", "commit")

@@ -78,6 +78,16 @@ class PrefillAborted(PrefillFailed):
     """The request went away during its remote prefill: nothing to prefill locally."""
 
 
+@dataclass
+class Attempt:
+    """One remote prefill attempt, as far as its cleanup must know."""
+
+    transfer_id: str
+    # a Prefill call is out and unanswered: P may still be writing into the attempt's blocks
+    # (it answers, even with an error, only once its writes settled)
+    in_flight: bool = False
+
+
 class WorkerService(pb_grpc.WorkerServicer):
     def __init__(
         self,
@@ -289,7 +299,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def _remote_prefill(self, rid, prompt, request, params, sink, targets) -> str:
         """Reserve blocks, have a prefill worker fill them (retrying once elsewhere), commit.
 
-        Returns the prefill worker's id; raises PrefillFailed after the blocks were freed.
+        Returns the prefill worker's id; raises PrefillFailed after the blocks were freed (or, for
+        a failed attempt whose KV may still land, quarantined apart from the request).
         """
         began = time.monotonic()
         dst = await self._call(self.core.on_loop_reserve, rid, prompt, params, sink)
@@ -299,18 +310,18 @@ class WorkerService(pb_grpc.WorkerServicer):
             if attempt:
                 self.metrics.prefill_retries.inc()
             gen = await self._begin_transfer(rid, target.worker_id, dst.fresh_block_ids, gen)
-            transfer_id = f"{rid}:{gen}:{attempt}"
+            current = Attempt(f"{rid}:{gen}:{attempt}")
             try:
-                await self._prefill_once(rid, prompt, request, target, dst, gen, transfer_id, began)
+                await self._prefill_once(rid, prompt, request, target, dst, gen, current, began)
                 await self.state.finish_transfer(rid, gen)
                 return target.worker_id
             except asyncio.CancelledError:
-                await self._cleanup_attempt(target, rid, transfer_id, "cancelled")
+                await self._cleanup_attempt(target, current)
                 await self.state.finish_transfer(rid, gen)
                 raise
             except RequestGone:
                 # aborted meanwhile (Abort RPC, lease reclaim): the abort owns the blocks now
-                await self._cleanup_attempt(target, rid, transfer_id, "aborted")
+                await self._cleanup_attempt(target, current)
                 await self.state.finish_transfer(rid, gen)
                 raise PrefillAborted(f"request {rid} was aborted") from None
             except (PrefillFailed, grpc.aio.AioRpcError, TimeoutError) as e:
@@ -321,25 +332,44 @@ class WorkerService(pb_grpc.WorkerServicer):
                 reasons.append(f"{target.worker_id}: {reason}")
                 if isinstance(e, grpc.aio.AioRpcError):
                     self._handshaken.discard(target.worker_id)
-                await self._cleanup_attempt(target, rid, transfer_id, reason)
+                quarantined = await self._cleanup_attempt(target, current)
+                if quarantined and attempt + 1 < len(targets[:2]):
+                    # its KV may still land in those blocks: the retry writes fresh ones
+                    try:
+                        dst = await self._call(self.core.on_loop_rereserve, rid, prompt, params)
+                    except NoFreeBlocksError:
+                        reasons.append("no free blocks to retry into")
+                        break
+                    if dst is None:
+                        await self.state.finish_transfer(rid, gen)
+                        raise PrefillAborted(f"request {rid} was aborted") from None
         await self._call(self.core.on_loop_abort, rid)
         await self.state.finish_transfer(rid, gen)
         raise PrefillFailed("; ".join(reasons) or "no prefill worker available")
 
-    async def _cleanup_attempt(self, target, rid, transfer_id, reason) -> None:
-        await self._call(self.core.on_loop_forget_kv, transfer_id)
+    async def _cleanup_attempt(self, target, attempt: Attempt) -> bool:
+        """Stop a failed attempt on P and let go of its KV wait; True when its blocks went to
+        quarantine (P, slow rather than dead, may still write into them)."""
+        settled = not attempt.in_flight
         try:  # P may still hold the prompt (slow, not dead): tell it to let go
-            await self._stub(target.address).Abort(pb.AbortRequest(request_id=transfer_id), timeout=1.0)
-        except grpc.aio.AioRpcError:
-            pass
+            await self._stub(target.address).Abort(
+                pb.AbortRequest(request_id=attempt.transfer_id), timeout=1.0
+            )
+        except grpc.aio.AioRpcError as e:
+            # nothing listens at P's address any more: the process, and its writes, are gone
+            settled = settled or e.code() == grpc.StatusCode.UNAVAILABLE
+        return await self._call(self.core.on_loop_end_attempt, attempt.transfer_id, settled)
 
-    async def _prefill_once(self, rid, prompt, request, target, dst, gen, transfer_id, began: float) -> None:
+    async def _prefill_once(
+        self, rid, prompt, request, target, dst, gen, attempt: Attempt, began: float
+    ) -> None:
         aio = asyncio.get_running_loop()
         landed: asyncio.Future = aio.create_future()
 
         def on_landed(reason):
             aio.call_soon_threadsafe(lambda: landed.done() or landed.set_result(reason))
 
+        transfer_id = attempt.transfer_id
         if not await self._call(
             self.core.on_loop_expect_kv, transfer_id, rid, on_landed, dst.fresh_block_ids
         ):
@@ -363,7 +393,9 @@ class WorkerService(pb_grpc.WorkerServicer):
                 await self._handshake(target)
                 sent = time.monotonic()
                 handshakes += sent - shaking
+                attempt.in_flight = True
                 resp = await stub.Prefill(req, timeout=self.opts.prefill_timeout)
+                attempt.in_flight = False
                 if resp.error.code != "handshake_required":
                     break
                 self._handshaken.discard(target.worker_id)

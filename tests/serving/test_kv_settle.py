@@ -1,0 +1,334 @@
+"""No block is reused while a KV transfer may still write into it: the prefill side sends its
+ABORT notice (and frees its source blocks) only once the transfer's sends settled, the decode
+side quarantines the blocks of a failed attempt that has not settled and retries into fresh ones.
+
+WorkerCore over a real engine; the transport is a `KVTransport` whose sends stay pending until
+the test settles them (the one-sided writes of a slow prefill worker)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg.proto import kv_transfer_pb2 as pb
+from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.kv_transfer.base import KVTransport
+from disagg.worker.kv_transfer.handle import DONE, PENDING, TransferHandle, finished_handle
+from disagg.worker.kv_transfer.layout import KVLayout
+
+BLOCK = 16
+
+
+class HeldTransport(KVTransport):
+    """Sends stay pending until the test settles them; notices are recorded as sent."""
+
+    backend = "held"
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout):
+        super().__init__(kv_cache, layout, "held")
+        self.posted: list[TransferHandle] = []
+        self.notices: list[pb.KVNotice] = []
+
+    def handshake_payload(self) -> bytes:
+        return b""
+
+    def add_peer(self, peer_id, payload, address=None) -> None:
+        self._peer_layouts[peer_id] = self.layout
+
+    def remove_peer(self, peer_id) -> None:
+        self._peer_layouts.pop(peer_id, None)
+
+    def _post(self, peer_id, transfer_id, layers, src, dst, src_regions, dst_regions, timeout):
+        handle = TransferHandle(self.backend, peer_id, transfer_id, len(src_regions), timeout,
+                                on_error=self._on_send_error)  # fmt: skip
+        self.posted.append(handle)
+        return handle
+
+    def _notify(self, peer_id, notice, timeout):
+        self.notices.append(notice)
+        return finished_handle(self.backend, peer_id, notice.request_id)
+
+    def kinds(self, transfer_id: str) -> list[int]:
+        return [n.kind for n in self.notices if n.request_id == transfer_id]
+
+
+def _transport(kv_cache: torch.Tensor | None = None) -> HeldTransport:
+    """Over an engine's cache, or a small one of its own."""
+    kv_cache = torch.zeros(2, 8, 2, BLOCK, 1, 4) if kv_cache is None else kv_cache
+    t = HeldTransport(kv_cache, KVLayout.from_tensor(kv_cache, "m"))
+    t.add_peer("decode-0", b"")
+    return t
+
+
+def test_abort_notice_waits_until_every_posted_send_settled():
+    t = _transport()
+    first = t.send("decode-0", "t1", [0, 1], [2, 3], layers=[0])
+    second = t.send("decode-0", "t1", [0, 1], [2, 3], layers=[1])
+    abort = t.abort("decode-0", "t1", "cancelled")
+    assert abort.poll() == PENDING and t.kinds("t1") == []  # a write may still land: no notice yet
+    assert t.abort("decode-0", "t1", "again") is abort
+    first.succeed()
+    assert abort.poll() == PENDING and t.kinds("t1") == []
+    second.fail("error", "NIXL reported the transfer failed")
+    assert abort.poll() == DONE and t.kinds("t1") == [pb.KVNotice.ABORT]
+    # nothing in flight: the notice goes out at once
+    assert t.abort("decode-0", "t2", "cancelled").poll() == DONE and t.kinds("t2") == [pb.KVNotice.ABORT]
+    assert not t._aborting and not t._posted
+
+
+def test_a_failed_send_after_final_aborts_only_once_the_others_settled():
+    t = _transport()
+    a = t.send("decode-0", "t1", [0], [2], layers=[0])
+    b = t.send("decode-0", "t1", [0], [2], layers=[1])
+    t.finish("decode-0", "t1")
+    a.fail("error", "NIXL reported the transfer failed")  # FINAL counted it: the transfer aborts
+    assert t.kinds("t1") == [pb.KVNotice.FINAL]
+    b.succeed()
+    assert t.abort("decode-0", "t1", "dropped").poll() == DONE
+    assert t.kinds("t1") == [pb.KVNotice.FINAL, pb.KVNotice.ABORT]
+
+
+@pytest.fixture
+def engine(tiny_model):
+    from disagg.worker.engine.llm_engine import LLMEngine
+
+    torch.set_num_threads(1)
+    return LLMEngine(tiny_model, num_gpu_blocks=12, block_size=BLOCK)
+
+
+def _core(engine, transport, role: str):
+    from disagg.worker.serving.core import WorkerCore
+    from disagg.worker.serving.metrics import ServingMetrics
+
+    return WorkerCore(engine, transport, BLOCK, ServingMetrics(role, "tiny"))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, 200, (n,), generator=g).tolist()
+
+
+def _idle(core) -> None:
+    core.refresh_load()
+    load = core.load
+    assert load["free_blocks"] == load["total_blocks"], load
+    assert load["reserved_blocks"] == load["pinned_blocks"] == load["inflight_requests"] == 0, load
+
+
+def test_prefill_aborted_while_sending_keeps_its_blocks_and_answers_after_the_sends(engine):
+    from disagg.worker.serving.core import PrefillJob
+
+    t = _transport(engine.kv_cache)
+    core = _core(engine, t, "prefill")
+    answers = []
+    job = PrefillJob("r:1:0", "r", "decode-0", list(range(3)), 0, answers.append)
+    core.on_loop_prefill(job, _prompt(40, 1), SamplingParams(max_tokens=1), 0.0)
+    while job.state == "prefilling":
+        core.step()
+    assert t.posted and all(h.state == PENDING for h in t.posted)
+    core.on_loop_abort("r:1:0")  # D gave up on a slow transfer
+    core.poll_sender()
+    core.refresh_load()
+    # the posted writes still read these blocks and may still land on D: no notice, no answer
+    assert core.load["pinned_blocks"] == 3 and core.load["free_blocks"] < core.load["total_blocks"]
+    assert t.kinds("r:1:0") == [pb.KVNotice.FINAL] and answers == []
+    for h in t.posted:
+        h.succeed()
+    assert not core.poll_sender()
+    assert t.kinds("r:1:0") == [pb.KVNotice.FINAL, pb.KVNotice.ABORT]
+    assert answers == [{"error": ("prefill_failed", "aborted by the decode worker")}]
+    _idle(core)
+
+
+def _decode(engine):
+    t = _transport(engine.kv_cache)
+    return t, _core(engine, t, "decode")
+
+
+def _land(t: HeldTransport, transfer_id: str) -> None:
+    t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.FINAL, request_id=transfer_id, parts=0))
+
+
+def _finish(core, engine, rid: str, outs: list) -> None:
+    assert core.on_loop_commit(rid, 7, None)
+    while engine.has_unfinished():
+        core.step()
+    assert outs[-1].finished
+
+
+def test_failed_attempt_that_has_not_settled_is_quarantined_and_the_retry_gets_fresh_blocks(engine):
+    t, core = _decode(engine)
+    prompt = _prompt(40, 2)
+    params = SamplingParams(max_tokens=3, temperature=0)
+    outs, reasons = [], []
+    dst = core.on_loop_reserve("r", prompt, params, outs.append)
+    assert core.on_loop_expect_kv("r:1:0", "r", reasons.append, dst.fresh_block_ids)
+    # the Prefill call timed out and P did not answer the Abort: it may still write into dst
+    assert core.on_loop_end_attempt("r:1:0", sender_settled=False)
+    retry = core.on_loop_rereserve("r", prompt, params)
+    assert not set(retry.fresh_block_ids) & set(dst.fresh_block_ids)
+    assert core.on_loop_expect_kv("r:2:1", "r", reasons.append, retry.fresh_block_ids)
+    _land(t, "r:2:1")
+    assert core.poll_receiver()  # the quarantine still holds the first attempt's blocks
+    assert reasons == [None]
+    _finish(core, engine, "r", outs)
+    core.refresh_load()
+    assert core.load["reserved_blocks"] == len(dst.fresh_block_ids)
+    assert core.metrics.kv_quarantined._value.get() >= 1
+    # the slow P's abort notice (sent once its writes settled) ends the quarantine
+    t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.ABORT, request_id="r:1:0", reason="cancelled"))
+    assert not core.poll_receiver()
+    _idle(core)
+
+
+def test_all_attempts_failed_the_local_prefill_reuses_the_id_while_blocks_stay_quarantined(engine):
+    t, core = _decode(engine)
+    prompt = _prompt(40, 3)
+    params = SamplingParams(max_tokens=3, temperature=0)
+    outs = []
+    dst = core.on_loop_reserve("r", prompt, params, outs.append)
+    core.on_loop_expect_kv("r:1:0", "r", lambda _r: None, dst.fresh_block_ids)
+    assert core.on_loop_end_attempt("r:1:0", sender_settled=False)
+    core.on_loop_abort("r")  # every attempt failed: the request prefills locally, same id
+    core.on_loop_add("r", prompt, params, outs.append, 0.0)
+    while engine.has_unfinished():
+        core.step()
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    held = set(engine.block_manager.pinned("quarantine:r:1:0"))
+    assert held == set(dst.fresh_block_ids)
+    # a failure that is no abort notice (a stall) does not say the writes stopped
+    t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.PART, request_id="r:1:0", bytes=1))
+    t.tracker.fail_sender("p", "disconnect: peer removed")
+    assert core.poll_receiver() and engine.block_manager.pinned("quarantine:r:1:0")
+    core.quarantined["r:1:0"] = 0.0  # the quarantine deadline passed
+    assert not core.poll_receiver()
+    _idle(core)
+
+
+def test_a_settled_attempt_retries_into_the_same_blocks(engine):
+    t, core = _decode(engine)
+    prompt = _prompt(40, 4)
+    outs, reasons = [], []
+    dst = core.on_loop_reserve("r", prompt, SamplingParams(max_tokens=2), outs.append)
+    core.on_loop_expect_kv("r:1:0", "r", reasons.append, dst.fresh_block_ids)
+    t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.ABORT, request_id="r:1:0", reason="KV send failed"))
+    core.poll_receiver()
+    assert reasons == ["aborted: KV send failed"]
+    assert not core.on_loop_end_attempt("r:1:0", sender_settled=False)  # its notice settled it
+    core.on_loop_expect_kv("r:2:1", "r", reasons.append, dst.fresh_block_ids)
+    assert not core.on_loop_end_attempt("r:2:1", sender_settled=True)  # P answered: settled
+    assert not core.quarantined
+    core.on_loop_abort("r")
+    _idle(core)
+
+
+def test_client_gone_quarantines_the_transfer_not_the_request_id(engine):
+    t, core = _decode(engine)
+    prompt = _prompt(40, 5)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    outs, reasons = [], []
+    dst = core.on_loop_reserve("r", prompt, params, outs.append)
+    core.on_loop_expect_kv("r:1:0", "r", reasons.append, dst.fresh_block_ids)
+    assert core.on_loop_abort("r")
+    assert reasons == ["aborted"] and outs == [None]
+    assert not core.on_loop_end_attempt("r:1:0", sender_settled=False)  # already quarantined
+    # the same id may come back (a replayed request) while the blocks are held
+    again = core.on_loop_reserve("r", prompt, params, outs.append)
+    assert not set(again.fresh_block_ids) & set(dst.fresh_block_ids)
+    core.on_loop_abort("r")
+    _land(t, "r:1:0")  # the late transfer completes: the quarantine ends
+    assert not core.poll_receiver()
+    _idle(core)
+
+
+class ChildRanks:
+    """The other ranks of a tensor-parallel worker as rank 0's transport drives them: posted
+    calls are recorded, each `poll` answers what the test queued for that rank."""
+
+    world_size = 2
+
+    def __init__(self):
+        self.posted: list[tuple] = []
+        self.replies: dict[int, list[dict]] = {1: []}
+
+    def install(self, *args) -> None:
+        pass
+
+    def ask(self, rank: int, service: str, method: str, *args):
+        if method == "handshake_payload":
+            return b""
+        queued = self.replies[rank]
+        return (
+            queued.pop(0)
+            if queued
+            else {"sends": {k: "pending" for k in args[0]}, "completed": [], "failed": []}
+        )
+
+    def post(self, service: str, method: str, *args) -> None:
+        self.posted.append((method, *args))
+
+
+def _sharded():
+    from disagg.worker.kv_transfer.sharded import ShardedTransport
+
+    local = _transport()
+    ranks = ChildRanks()
+    return local, ranks, ShardedTransport(local, ranks, "held", "held", "127.0.0.1")
+
+
+def test_tensor_parallel_receiver_reads_an_abort_only_once_every_rank_settled():
+    from disagg.worker.serving.core import settles
+
+    local, ranks, t = _sharded()
+    t.accept("t", [2, 3])
+    t.accept("u", [4])
+    ranks.replies[1].append({"sends": {}, "completed": ["u"], "failed": [("t", "aborted: cancelled")]})
+    [(tid, reason)] = t.poll_failed()
+    assert tid == "t" and not settles(reason)  # rank 0's sender may still be writing
+    local._on_notice("p", pb.KVNotice(kind=pb.KVNotice.ABORT, request_id="t", reason="cancelled"))
+    assert t.poll_failed() == [("t", "aborted: on every tensor-parallel rank")]
+    assert ("forget", "t") in ranks.posted and not t._failing
+    # landed on rank 1 (settled there), then failed on rank 0 by a stall: never an abort
+    local._on_notice("p", pb.KVNotice(kind=pb.KVNotice.PART, request_id="u", bytes=1))
+    local.tracker.fail_sender("p", "disconnect: peer removed")
+    [(_, reason)] = t.poll_failed()
+    assert not settles(reason) and t._failing == {"u": {0}}
+    t.forget("u")
+    assert not t._failing
+
+
+def test_an_abort_from_one_of_several_sending_ranks_settles_only_with_the_others():
+    from disagg.worker.serving.core import settles
+
+    t = _transport()
+    abort = pb.KVNotice(kind=pb.KVNotice.ABORT, request_id="t", reason="x", senders=3)
+    t._on_notice("p-r0", abort)
+    [(_, reason)] = t.poll_failed()
+    assert not settles(reason)  # ranks 1 and 2 may still write
+    t._on_notice("p-r1", pb.KVNotice(kind=pb.KVNotice.FINAL, request_id="t", parts=0, senders=3))
+    t._on_notice("p-r2", abort)
+    assert t.poll_failed() == [("t", "aborted: by every sending rank")] and t.poll_completed() == []
+
+
+def test_tensor_parallel_sender_abort_settles_once_every_rank_sent_its_notice():
+    local, ranks, t = _sharded()
+    send = t.send("decode-0", "t", [0], [1], layers=[0])
+    t.finish("decode-0", "t")
+    abort = t.abort("decode-0", "t", "cancelled")
+    assert ("abort", "decode-0", "t", "cancelled") in ranks.posted
+    assert abort.poll() == PENDING  # rank 1 answers "pending": its notice is not out yet
+    send.succeed()
+    assert abort.poll() == PENDING and local.kinds("t") == [pb.KVNotice.FINAL, pb.KVNotice.ABORT]
+    ranks.replies[1].append({"sends": {("decode-0", "t"): "done"}, "evicted": []})
+    assert abort.poll() == DONE
+
+
+def test_a_rank_asked_again_after_it_settled_does_not_fail_the_handle():
+    local, ranks, t = _sharded()
+    send = t.send("decode-0", "t", [0], [1], layers=[0])
+    finish = t.finish("decode-0", "t")
+    finish.settle_rank(1, "done")
+    # asked again for another pending handle's sake, the rank no longer knows the key
+    finish.settle_rank(1, ("error", "rank 1 has no sends of transfer 't'"))
+    send.succeed()
+    assert finish.poll() == DONE
