@@ -251,8 +251,11 @@ class ChildRanks:
         self.posted: list[tuple] = []
         self.replies: dict[int, list[dict]] = {1: []}
 
-    def install(self, *args) -> None:
+    def install_on(self, rank: int, *args) -> None:
         pass
+
+    def host_of(self, rank: int) -> None:
+        return None  # every rank on this host
 
     def ask(self, rank: int, service: str, method: str, *args):
         if method == "handshake_payload":
