@@ -1,0 +1,137 @@
+/* Matrix products of a few dozen rows (decode steps of many sequences): y[m][n] = x[m] . W[n]
+ * (+ bias[n]), W [N][K] row-major as torch's Linear stores it, x [M][K].
+ *
+ * At tens of rows each weight float meets many inputs, so the loop is shaped for arithmetic, not
+ * for reading W (that is cpu_gemv.c): a tile of NR weight rows by up to MR input rows keeps
+ * NR * MR 16-lane accumulators in registers and, per 16 floats of K, loads NR + MR vectors for
+ * NR * MR fused multiply-adds. The tile's weight rows (NR * K floats) stay in L1 while every
+ * group of inputs passes over them; the inputs (M * K floats) stay in L2. Both operands run
+ * along K (dot-product form), so each accumulator is summed across its lanes once, at the end.
+ * Threads take GEMM_CHUNK weight rows at a time, as the GEMV does.
+ */
+#include "cpu_kernels.h"
+
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4))); /* unaligned loads */
+
+/* Weight rows and input rows of one register tile: 4 x 6 = 24 accumulators, plus the 4 weight
+ * vectors and one input vector in flight: 29 of the 32 AVX-512 registers. */
+#define NR 4
+#define MR 6
+/* Weight rows a thread takes at a time (a multiple of NR). */
+#define GEMM_CHUNK 64
+/* The next tile's weight rows are prefetched into L2 (locality 2; into L1 measured slower). */
+#define PREFETCH_LOCALITY 2
+
+static inline v16 load16(const float *p) { return *(const v16u *)p; }
+
+/* The last `n` (< 16) floats at p, zero-padded to a vector. */
+static inline v16 load_tail(const float *p, int64_t n) {
+    v16 v = {0};
+    memcpy(&v, p, (size_t)n * sizeof(float));
+    return v;
+}
+
+static inline float hsum16(v16 v) {
+    float s = 0.0f;
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+
+/* y[m * ys + r] = w[r] . x[m] for nr weight rows (k floats each, consecutive) and mr inputs (xs
+ * apart); nr <= NR and mr <= MR, constant at each call site. With `prefetch`, the next nr rows
+ * (the floats after these) are fetched into L2 meanwhile, one cache line per row and step. */
+static inline __attribute__((always_inline)) void gemm_tile(const float *w, int64_t k, const float *x,
+                                                            int64_t xs, float *y, int64_t ys, const int nr,
+                                                            const int mr, int prefetch) {
+    v16 acc[NR][MR];
+#pragma GCC unroll 4
+    for (int r = 0; r < nr; r++)
+#pragma GCC unroll 6
+        for (int m = 0; m < mr; m++) acc[r][m] = (v16){0};
+    int64_t j = 0;
+    for (; j + 16 <= k; j += 16) {
+        v16 wv[NR];
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++) wv[r] = load16(w + r * k + j);
+        if (prefetch)
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; r++) __builtin_prefetch(w + (nr + r) * k + j, 0, PREFETCH_LOCALITY);
+#pragma GCC unroll 6
+        for (int m = 0; m < mr; m++) {
+            const v16 xv = load16(x + m * xs + j);
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; r++) acc[r][m] += wv[r] * xv;
+        }
+    }
+    if (j < k) {
+        v16 wv[NR];
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++) wv[r] = load_tail(w + r * k + j, k - j);
+#pragma GCC unroll 6
+        for (int m = 0; m < mr; m++) {
+            const v16 xv = load_tail(x + m * xs + j, k - j);
+#pragma GCC unroll 4
+            for (int r = 0; r < nr; r++) acc[r][m] += wv[r] * xv;
+        }
+    }
+#pragma GCC unroll 6
+    for (int m = 0; m < mr; m++)
+#pragma GCC unroll 4
+        for (int r = 0; r < nr; r++) y[m * ys + r] = hsum16(acc[r][m]);
+}
+
+/* gemm_tile for a run-time mr in [1, MR]: each case its own specialised loop. */
+#define GEMM_TILE_MR(w, k, x, xs, y, ys, nr, mr, pf)                \
+    switch (mr) {                                                   \
+        case 1: gemm_tile(w, k, x, xs, y, ys, nr, 1, pf); break;    \
+        case 2: gemm_tile(w, k, x, xs, y, ys, nr, 2, pf); break;    \
+        case 3: gemm_tile(w, k, x, xs, y, ys, nr, 3, pf); break;    \
+        case 4: gemm_tile(w, k, x, xs, y, ys, nr, 4, pf); break;    \
+        case 5: gemm_tile(w, k, x, xs, y, ys, nr, 5, pf); break;    \
+        default: gemm_tile(w, k, x, xs, y, ys, nr, 6, pf); break;   \
+    }
+
+static void gemm_tile_rows(const float *w, int64_t k, const float *x, int64_t xs, float *y, int64_t ys,
+                           int nr, int mr, int prefetch) {
+    switch (nr) {
+        case 1: GEMM_TILE_MR(w, k, x, xs, y, ys, 1, mr, prefetch) break;
+        case 2: GEMM_TILE_MR(w, k, x, xs, y, ys, 2, mr, prefetch) break;
+        case 3: GEMM_TILE_MR(w, k, x, xs, y, ys, 3, mr, prefetch) break;
+        default: GEMM_TILE_MR(w, k, x, xs, y, ys, 4, mr, prefetch) break;
+    }
+}
+
+/* Weight rows [r0, r1) against all m inputs. The inputs are cut into tiles of nearly equal size
+ * (32 rows: 6 6 5 5 5 5, not 6 6 6 6 6 2, whose last tile would be bound by its loads). */
+static void gemm_rows_f32(const float *w, const float *bias, int64_t k, const float *x, float *y, int64_t n,
+                          int64_t m, int64_t r0, int64_t r1) {
+    const int64_t tiles = (m + MR - 1) / MR;
+    for (int64_t r = r0; r < r1; r += NR) {
+        const int nr = r1 - r < NR ? (int)(r1 - r) : NR;
+        int64_t m0 = 0;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int mr = (int)((m - m0) / (tiles - t)) + ((m - m0) % (tiles - t) ? 1 : 0);
+            gemm_tile_rows(w + r * k, k, x + m0 * k, k, y + m0 * n + r, n, nr, mr, t == 0);
+            m0 += mr;
+        }
+    }
+    if (bias)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t r = r0; r < r1; r++) y[i * n + r] += bias[r];
+}
+
+/* y [m][n] = x [m][k] W^T (+ bias) over num_threads threads, weight rows GEMM_CHUNK at a time. */
+void gemm_f32(const float *w, const float *bias, const float *x, float *y, int64_t m, int64_t n, int64_t k,
+              int64_t num_threads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t r = 0; r < n; r += GEMM_CHUNK)
+        gemm_rows_f32(w, bias, k, x, y, n, m, r, r + GEMM_CHUNK < n ? r + GEMM_CHUNK : n);
+}
