@@ -31,6 +31,16 @@ typedef float v16u __attribute__((vector_size(64), aligned(4))); /* unaligned lo
 
 static inline v16 load16(const float *p) { return *(const v16u *)p; }
 
+/* Keeps a loaded vector in a register: without it GCC folds the load into each of the NR
+ * multiply-adds that use it (NR loads instead of one, and the loop bound by its loads). */
+#if defined(__x86_64__)
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#elif defined(__aarch64__)
+#define IN_REGISTER(v) __asm__("" : "+w"(v))
+#else
+#define IN_REGISTER(v) (void)(v)
+#endif
+
 /* The last `n` (< 16) floats at p, zero-padded to a vector. */
 static inline v16 load_tail(const float *p, int64_t n) {
     v16 v = {0};
@@ -66,7 +76,8 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *w, int6
             for (int r = 0; r < nr; r++) __builtin_prefetch(w + (nr + r) * k + j, 0, PREFETCH_LOCALITY);
 #pragma GCC unroll 6
         for (int m = 0; m < mr; m++) {
-            const v16 xv = load16(x + m * xs + j);
+            v16 xv = load16(x + m * xs + j);
+            IN_REGISTER(xv);
 #pragma GCC unroll 4
             for (int r = 0; r < nr; r++) acc[r][m] += wv[r] * xv;
         }

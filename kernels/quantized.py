@@ -32,10 +32,10 @@ NATIVE_MAX_ROWS = 256
 # beyond, the weight is widened once per call (natively) for torch's GEMM.
 FP8_NATIVE_MAX_ROWS = 16
 # Up to this many rows the native float32 GEMM (register tiles of 4 weight rows by up to 6 inputs)
-# beats torch's on this CPU (measured here with bench/small_gemm.py, 2 threads, on the small
-# preset's five matmul shapes: 1.3-5x at 5-32 rows, 1.1-1.5x at 64-128, par at 192, torch ahead
-# from 256 where its own blocking reaches the arithmetic peak).
-GEMM_NATIVE_MAX_ROWS = 128
+# beats torch's on this CPU (measured with bench/small_gemm.py, 2 threads, on the small preset's
+# five matmul shapes: 1.4-3x at 8-32 rows, 1.1-1.8x at 64-128, 1-1.2x at 256); from 384 rows on
+# (prefill chunks) both run near the arithmetic peak, within a few percent of each other.
+GEMM_NATIVE_MAX_ROWS = 256
 
 
 def _native_gemm_fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
