@@ -1,10 +1,13 @@
 """The native small-M GEMM (`cpu_native.gemm`) against torch's `F.linear`, float32, on this CPU.
 
-    python bench/small_gemm.py [--threads 2] [--rows 1,4,5,8,16,32,64] [--repeats 7]
+    python bench/small_gemm.py [--threads 2] [--rows 1,4,5,8,16,32,64] [--repeats 7] [--hot]
 
 For each matmul of the `small` preset (qkv, o, gate/up, down, LM head: y = x W^T, W [N, K]) and
-each row count M, prints GFLOP/s of both and their ratio; each figure is the best of `--repeats`
-timed loops, the two interleaved so that a burst of load from elsewhere hits both alike. The
+each row count M, prints GFLOP/s of both (and of the native GEMV, `cpu_native.gemv`, for a few
+rows) and their ratio; each figure is the best of `--repeats` timed loops, the two interleaved
+so that a burst of load from elsewhere hits both alike. As in a decode step, where each weight is
+read once from memory (the model is far larger than the L3 cache), the calls cycle through
+copies of the weight that together exceed the L3; `--hot` times one copy, cache-resident. The
 1-min load average is printed before and after: on a shared machine read the ratios, not the
 absolute figures.
 """
@@ -12,7 +15,6 @@ absolute figures.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import time
@@ -30,13 +32,19 @@ SHAPES = [
 ]
 
 
-def loop_seconds(fn, flops: float) -> float:
-    """Seconds per call of a loop sized to about 20 ms."""
-    fn()
-    iters = max(1, min(200, int(20e-3 * 100e9 / flops)))
+# Bytes of weight copies cycled through per matmul: beyond any L3 here, so each call reads from memory.
+COLD_BYTES = 256 << 20
+# Up to this many rows the GEMV is timed too (beyond, it only reads the inputs more times).
+GEMV_MAX_ROWS = 16
+
+
+def loop_seconds(fn, weights: list[torch.Tensor], x: torch.Tensor, flops: float) -> float:
+    """Seconds per call of a loop of about 20 ms, each call on the next weight copy."""
+    fn(x, weights[0])
+    iters = max(len(weights), min(200, int(20e-3 * 100e9 / flops)))
     start = time.perf_counter()
-    for _ in range(iters):
-        fn()
+    for i in range(iters):
+        fn(x, weights[i % len(weights)])
     return (time.perf_counter() - start) / iters
 
 
@@ -46,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,2,4,5,8,12,16,24,32,48,64")
     ap.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES))
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--hot", action="store_true", help="one weight copy, resident in the caches")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -58,24 +67,31 @@ def main(argv: list[str] | None = None) -> int:
     wanted = set(args.shapes.split(","))
     gen = torch.Generator().manual_seed(0)
     print(
-        f"float32 y = x W^T, {torch.get_num_threads()} threads; 1-min load average {os.getloadavg()[0]:.2f}"
+        f"float32 y = x W^T, {torch.get_num_threads()} threads, weights {'hot' if args.hot else 'cold'}; "
+        f"1-min load average {os.getloadavg()[0]:.2f}"
     )
-    print(f"  {'matmul':<8} {'N x K':>11} {'M':>3} {'native GF/s':>12} {'torch GF/s':>11} {'ratio':>6}")
+    print(
+        f"  {'matmul':<8} {'N x K':>11} {'M':>4} {'native GF/s':>12} {'torch GF/s':>11} {'ratio':>6} "
+        f"{'GEMV GF/s':>10}"
+    )
     for name, n, k in SHAPES:
         if name not in wanted:
             continue
-        w = torch.randn(n, k, generator=gen)
+        copies = 1 if args.hot else -(-COLD_BYTES // (n * k * 4))
+        weights = [torch.randn(n, k, generator=gen) for _ in range(copies)]
         for m in rows:
             x = torch.randn(m, k, generator=gen)
             flops = 2.0 * m * n * k
-            ours, theirs = functools.partial(cpu_native.gemm, x, w), functools.partial(F.linear, x, w)
-            native = torch_ = float("inf")
+            native = torch_ = gemv = float("inf")
             for _ in range(args.repeats):
-                native = min(native, loop_seconds(ours, flops))
-                torch_ = min(torch_, loop_seconds(theirs, flops))
+                native = min(native, loop_seconds(cpu_native.gemm, weights, x, flops))
+                torch_ = min(torch_, loop_seconds(F.linear, weights, x, flops))
+                if m <= GEMV_MAX_ROWS:
+                    gemv = min(gemv, loop_seconds(cpu_native.gemv, weights, x, flops))
             print(
-                f"  {name:<8} {f'{n}x{k}':>11} {m:>3} {flops / native / 1e9:>12.1f} "
-                f"{flops / torch_ / 1e9:>11.1f} {torch_ / native:>6.2f}"
+                f"  {name:<8} {f'{n}x{k}':>11} {m:>4} {flops / native / 1e9:>12.1f} "
+                f"{flops / torch_ / 1e9:>11.1f} {torch_ / native:>6.2f} "
+                + (f"{flops / gemv / 1e9:>10.1f}" if m <= GEMV_MAX_ROWS else f"{'-':>10}")
             )
     print(f"1-min load average after: {os.getloadavg()[0]:.2f}")
     return 0
