@@ -1,5 +1,6 @@
-/* Matrix products of a few dozen rows (decode steps of many sequences): y[m][n] = x[m] . W[n]
- * (+ bias[n]), W [N][K] row-major as torch's Linear stores it, x [M][K].
+/* Matrix products of a few to a few hundred rows (decode steps of many sequences, short prefill
+ * chunks): y[m][n] = x[m] . W[n] (+ bias[n]), W [N][K] row-major as torch's Linear stores it,
+ * x [M][K].
  *
  * At tens of rows each weight float meets many inputs, so the loop is shaped for arithmetic, not
  * for reading W (that is cpu_gemv.c): a tile of NR weight rows by up to MR input rows keeps
@@ -9,8 +10,6 @@
  * along K (dot-product form), so each accumulator is summed across its lanes once, at the end.
  * Threads take GEMM_CHUNK weight rows at a time, as the GEMV does.
  */
-#include "cpu_kernels.h"
-
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -33,10 +32,8 @@ static inline v16 load16(const float *p) { return *(const v16u *)p; }
 
 /* Keeps a loaded vector in a register: without it GCC folds the load into each of the NR
  * multiply-adds that use it (NR loads instead of one, and the loop bound by its loads). */
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__AVX512F__) /* a vector is one register only with AVX-512 */
 #define IN_REGISTER(v) __asm__("" : "+v"(v))
-#elif defined(__aarch64__)
-#define IN_REGISTER(v) __asm__("" : "+w"(v))
 #else
 #define IN_REGISTER(v) (void)(v)
 #endif
