@@ -45,11 +45,26 @@ static inline v16 load_tail(const float *p, int64_t n) {
     return v;
 }
 
-static inline float hsum16(v16 v) {
-    float s = 0.0f;
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
+/* Lane sums of 16 vectors, out[i] = sum of a[i], in 15 steps of two shuffles and one add (summing
+ * each vector on its own takes about ten operations per vector). Each step halves the lanes a
+ * vector keeps per input and doubles the inputs a vector holds: 16 -> 8 -> 4 -> 2 -> 1 lanes. */
+#define HALVES(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
+static inline void sum_lanes16(const v16 *a, float *out) {
+    v16 h8[8], h4[4], h2[2];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) /* [a(2i): 8 partial sums, a(2i+1): 8] */
+        h8[i] = HALVES(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                HALVES(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) /* [a(4i): 4, a(4i+1): 4, a(4i+2): 4, a(4i+3): 4] */
+        h4[i] = HALVES(h8[2 * i], h8[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                HALVES(h8[2 * i], h8[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++) /* [a(8i): 2, ..., a(8i+7): 2] */
+        h2[i] = HALVES(h4[2 * i], h4[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                HALVES(h4[2 * i], h4[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    *(v16u *)out = HALVES(h2[0], h2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+                   HALVES(h2[0], h2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 /* y[m * ys + r] = w[r] . x[m] for nr weight rows (k floats each, consecutive) and mr inputs (xs
@@ -90,10 +105,17 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *w, int6
             for (int r = 0; r < nr; r++) acc[r][m] += wv[r] * xv;
         }
     }
+    /* the nr * mr accumulators in groups of 16 (zeros after the last) summed across their lanes */
+    v16 flat[2 * 16];
+    float sums[2 * 16];
+#pragma GCC unroll 32
+    for (int i = 0; i < 2 * 16; i++) flat[i] = i < nr * mr ? acc[i % nr][i / nr] : (v16){0};
+    sum_lanes16(flat, sums);
+    if (nr * mr > 16) sum_lanes16(flat + 16, sums + 16);
 #pragma GCC unroll 6
     for (int m = 0; m < mr; m++)
 #pragma GCC unroll 4
-        for (int r = 0; r < nr; r++) y[m * ys + r] = hsum16(acc[r][m]);
+        for (int r = 0; r < nr; r++) y[m * ys + r] = sums[m * nr + r];
 }
 
 /* gemm_tile for a run-time mr in [1, MR]: each case its own specialised loop. */
