@@ -1,5 +1,4 @@
-/* Matrix products of a few to a few hundred rows (decode steps of many sequences, short prefill
- * chunks): y[m][n] = x[m] . W[n] (+ bias[n]), W [N][K] row-major as torch's Linear stores it,
+/* Matrix products of a few to a thousand rows (decode steps of many sequences, prefill chunks): y[m][n] = x[m] . W[n] (+ bias[n]), W [N][K] row-major as torch's Linear stores it,
  * x [M][K].
  *
  * At tens of rows each weight float meets many inputs, so the loop is shaped for arithmetic, not
@@ -25,6 +24,9 @@ typedef float v16u __attribute__((vector_size(64), aligned(4))); /* unaligned lo
 #define MR 6
 /* Weight rows a thread takes at a time (a multiple of NR). */
 #define GEMM_CHUNK 64
+/* Inputs passed over a thread's weight rows at a time: 256 x 768 floats (768 KiB) at a width of
+ * 768, in the L2 beside the thread's GEMM_CHUNK weight rows. */
+#define GEMM_M_BLOCK 256
 /* The next tile's weight rows are prefetched into L2 (locality 2; into L1 measured slower). */
 #define PREFETCH_LOCALITY 2
 
@@ -139,10 +141,10 @@ static void gemm_tile_rows(const float *w, int64_t k, const float *x, int64_t xs
     }
 }
 
-/* Weight rows [r0, r1) against all m inputs. The inputs are cut into tiles of nearly equal size
- * (32 rows: 6 6 5 5 5 5, not 6 6 6 6 6 2, whose last tile would be bound by its loads). */
-static void gemm_rows_f32(const float *w, const float *bias, int64_t k, const float *x, float *y, int64_t n,
-                          int64_t m, int64_t r0, int64_t r1) {
+/* Weight rows [r0, r1) against inputs [0, m): tiles of nearly equal size (32 rows: 6 6 5 5 5 5,
+ * not 6 6 6 6 6 2, whose last tile would be bound by its loads). */
+static void gemm_block_f32(const float *w, int64_t k, const float *x, float *y, int64_t n, int64_t m,
+                           int64_t r0, int64_t r1) {
     const int64_t tiles = (m + MR - 1) / MR;
     for (int64_t r = r0; r < r1; r += NR) {
         const int nr = r1 - r < NR ? (int)(r1 - r) : NR;
@@ -152,6 +154,18 @@ static void gemm_rows_f32(const float *w, const float *bias, int64_t k, const fl
             gemm_tile_rows(w + r * k, k, x + m0 * k, k, y + m0 * n + r, n, nr, mr, t == 0);
             m0 += mr;
         }
+    }
+}
+
+/* Weight rows [r0, r1) against all m inputs, GEMM_M_BLOCK inputs at a time: a block of inputs
+ * stays in L2 while it passes over the rows, which stay there too for the next block. */
+static void gemm_rows_f32(const float *w, const float *bias, int64_t k, const float *x, float *y, int64_t n,
+                          int64_t m, int64_t r0, int64_t r1) {
+    const int64_t blocks = (m + GEMM_M_BLOCK - 1) / GEMM_M_BLOCK;
+    for (int64_t b = 0, m0 = 0; b < blocks; b++) {
+        const int64_t mb = (m - m0) / (blocks - b) + ((m - m0) % (blocks - b) ? 1 : 0);
+        gemm_block_f32(w, k, x + m0 * k, y + m0 * n, n, mb, r0, r1);
+        m0 += mb;
     }
     if (bias)
         for (int64_t i = 0; i < m; i++)

@@ -33,9 +33,10 @@ NATIVE_MAX_ROWS = 256
 FP8_NATIVE_MAX_ROWS = 16
 # Up to this many rows the native float32 GEMM (register tiles of 4 weight rows by up to 6 inputs)
 # beats torch's on this CPU (measured with bench/small_gemm.py, 2 threads, on the small preset's
-# five matmul shapes: 1.4-3x at 8-32 rows, 1.1-1.8x at 64-128, 1-1.2x at 256); from 384 rows on
-# (prefill chunks) both run near the arithmetic peak, within a few percent of each other.
-GEMM_NATIVE_MAX_ROWS = 256
+# five matmul shapes: 1.5-3x at 8-32 rows (weights read from memory, as in decode), 1.3-1.7x at
+# 64, 1.1-1.3x at 256, 1.0-1.2x at 512-1024 (prefill chunks; the LM head 0.96x, but prefill
+# projects only the sampled rows), par or behind from 2048.
+GEMM_NATIVE_MAX_ROWS = 1024
 
 
 def _native_gemm_fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -25,7 +25,7 @@ def _operands(m: int, n: int, k: int, seed: int):
 @pytest.mark.parametrize("k", [5, 16, 17, 781], ids=case_id)
 @pytest.mark.parametrize("n", [1, 3, 67, 130], ids=case_id)
 def test_matches_f_linear_on_ragged_shapes(n, k):
-    for m in (1, 2, 5, 6, 7, 13, 32, 64):  # tiles of 6 inputs and their remainders
+    for m in (1, 2, 5, 6, 7, 13, 32, 64, 300):  # tiles of 6 inputs, their remainders, two blocks of inputs
         x, w, bias = _operands(m, n, k, seed=m * 1000 + n * 10 + k)
         torch.testing.assert_close(cpu_native.gemm(x, w), F.linear(x, w), **TOLERANCE[torch.float32])
         torch.testing.assert_close(
