@@ -1,13 +1,13 @@
-/* Matrix products of a few to a thousand rows (decode steps of many sequences, prefill chunks): y[m][n] = x[m] . W[n] (+ bias[n]), W [N][K] row-major as torch's Linear stores it,
- * x [M][K].
+/* Matrix products of a few to a thousand rows (decode steps of many sequences, prefill chunks):
+ * y[m][n] = x[m] . W[n] (+ bias[n]), W [N][K] row-major as torch's Linear stores it, x [M][K].
  *
  * At tens of rows each weight float meets many inputs, so the loop is shaped for arithmetic, not
  * for reading W (that is cpu_gemv.c): a tile of NR weight rows by up to MR input rows keeps
  * NR * MR 16-lane accumulators in registers and, per 16 floats of K, loads NR + MR vectors for
  * NR * MR fused multiply-adds. The tile's weight rows (NR * K floats) stay in L1 while every
- * group of inputs passes over them; the inputs (M * K floats) stay in L2. Both operands run
- * along K (dot-product form), so each accumulator is summed across its lanes once, at the end.
- * Threads take GEMM_CHUNK weight rows at a time, as the GEMV does.
+ * group of inputs passes over them; the inputs stay in L2 (GEMM_M_BLOCK rows at a time). Both
+ * operands run along K (dot-product form), so each accumulator is summed across its lanes once,
+ * at the end. Threads take GEMM_CHUNK weight rows at a time, as the GEMV does.
  */
 #include <stdint.h>
 #include <string.h>
