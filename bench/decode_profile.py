@@ -41,6 +41,13 @@ def instrument(engine) -> None:
 
     for name in ("add_rms_norm", "silu_and_mul", "rotary_write_kv", "check_step_bounds"):
         setattr(cpu_native, name, _ranged(f"native::{name}", getattr(cpu_native, name)))
+    gemm = cpu_native.gemm
+
+    def gemm_by_shape(x, weight, bias=None):  # one row per weight shape, as aten::mm's
+        with record_function(f"native::gemm {'x'.join(map(str, weight.shape))}"):
+            return gemm(x, weight, bias)
+
+    cpu_native.gemm = gemm_by_shape
     for cls in (cpu_native.PagedDecodeAttention, cpu_decode_step.NativeDecodeStep):
         cls.__call__ = _ranged(f"native::{cls.__name__}", cls.__call__)
     llm_engine.build_batch = _ranged("engine::build_batch", llm_engine.build_batch)

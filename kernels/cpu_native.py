@@ -32,7 +32,14 @@ log = logging.getLogger(__name__)
 # Built together into one shared object; the header is shared by all of them.
 _SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_kernels.c", "cpu_gemv.c", "cpu_gemv_int8.c", "cpu_gemv_fp8.c", "cpu_decode_step.c")
+    for name in (
+        "cpu_kernels.c",
+        "cpu_gemv.c",
+        "cpu_gemm.c",
+        "cpu_gemv_int8.c",
+        "cpu_gemv_fp8.c",
+        "cpu_decode_step.c",
+    )
 )
 _HEADER = Path(__file__).with_name("cpu_kernels.h")
 _BASE_FLAGS = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared"]
@@ -164,6 +171,7 @@ def _load() -> ctypes.CDLL:
         "rotary_write_kv_f32": ([p, i64, p, p, p, p, i64, i64, i64, i64, i64], None),
         "gemv_f32": ([p, p, p, p, i64, i64, i64, i64], None),
         "gemv_silu_f32": ([p, p, p, p, i64, i64, i64, i64], None),
+        "gemm_f32": ([p, p, p, p, i64, i64, i64, i64], None),
         "gemv_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_silu_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_fp8": ([p, p, p, p, p, i64, i64, i64, i64], None),
@@ -248,6 +256,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(b, n, dtype=torch.float32)
     _require().gemv_f32(
         weight.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr(), b, n, k,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for x [M, K] of a few dozen rows (decode steps of many
+    sequences): register-blocked products, rows of the weight split over torch's threads."""
+    _check_f32(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
+    (m, k), n = x.shape, weight.shape[0]
+    if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: shapes do not match")
+    y = torch.empty(m, n, dtype=torch.float32)
+    _require().gemm_f32(
+        weight.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k,
         torch.get_num_threads(),
     )  # fmt: skip
     return y

@@ -5,11 +5,12 @@ output row (W ~= data * scale[:, None]); activations stay in the model's dtype. 
 scale is constant along a row it factors out of every dot product: y = (x . data_r) * scale_r,
 which is what every implementation below computes.
 
-`linear(x, w, bias)` takes a plain tensor (then it is `F.linear`) or a `QuantizedWeight` and
-picks: the native int8 GEMV on CPU for a few float32 rows (decode: reading a quarter of the
-bytes is the point; with AVX-512 VNNI it rounds the inputs to int16 per row, a relative 3e-5,
-below bfloat16's own rounding) and the native fp8 GEMV (e4m3 widened in registers), the Triton scaled matmul on CUDA (fp8 and int8), else the torch
-twin (`scaled_linear_torch`: widen the weight on the fly, matmul, scale).
+`linear(x, w, bias)` takes a plain tensor (then it is `F.linear`, through the native float32 GEMM
+on CPU up to `GEMM_NATIVE_MAX_ROWS` rows) or a `QuantizedWeight` and picks: the native int8 GEMV
+on CPU for a few float32 rows (decode: reading a quarter of the bytes is the point; with AVX-512
+VNNI it rounds the inputs to int16 per row, a relative 3e-5, below bfloat16's own rounding) and the
+native fp8 GEMV (e4m3 widened in registers), the Triton scaled matmul on CUDA (fp8 and int8), else
+the torch twin (`scaled_linear_torch`: widen the weight on the fly, matmul, scale).
 """
 
 from __future__ import annotations
@@ -30,6 +31,26 @@ NATIVE_MAX_ROWS = 256
 # fp8 widens every weight in float (no integer dot product): par with the float32 GEMM at 16 rows;
 # beyond, the weight is widened once per call (natively) for torch's GEMM.
 FP8_NATIVE_MAX_ROWS = 16
+# Up to this many rows the native float32 GEMM (register tiles of 4 weight rows by up to 6 inputs)
+# beats torch's on this CPU (measured with bench/small_gemm.py, 2 threads, on the small preset's
+# five matmul shapes: 1.5-3x at 8-32 rows (weights read from memory, as in decode), 1.3-1.7x at
+# 64, 1.1-1.3x at 256, 1.0-1.2x at 512-1024 (prefill chunks; the LM head 0.96x, but prefill
+# projects only the sampled rows), par or behind from 2048.
+GEMM_NATIVE_MAX_ROWS = 1024
+
+
+def _native_gemm_fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and w.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[0] <= GEMM_NATIVE_MAX_ROWS
+        and w.is_contiguous()
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        and cpu_native.available()
+    )
 
 
 @dataclass(frozen=True)
@@ -91,6 +112,8 @@ def linear(
 ) -> torch.Tensor:
     """`F.linear(x, w, bias)` for a plain or a quantized weight (see the module text)."""
     if not isinstance(w, QuantizedWeight):
+        if _native_gemm_fits(x, w, bias):
+            return cpu_native.gemm(x.contiguous(), w, bias)
         return F.linear(x, w, bias)
     if x.device.type == "cpu":
         if (

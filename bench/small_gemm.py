@@ -1,0 +1,101 @@
+"""The native small-M GEMM (`cpu_native.gemm`) against torch's `F.linear`, float32, on this CPU.
+
+    python bench/small_gemm.py [--threads 2] [--rows 1,4,5,8,16,32,64] [--repeats 7] [--hot]
+
+For each matmul of the `small` preset (qkv, o, gate/up, down, LM head: y = x W^T, W [N, K]) and
+each row count M, prints GFLOP/s of both (and of the native GEMV, `cpu_native.gemv`, for a few
+rows) and their ratio; each figure is the best of `--repeats` timed loops, the two interleaved
+so that a burst of load from elsewhere hits both alike. As in a decode step, where each weight is
+read once from memory (the model is far larger than the L3 cache), the calls cycle through
+copies of the weight that together exceed the L3; `--hot` times one copy, cache-resident. The
+1-min load average is printed before and after: on a shared machine read the ratios, not the
+absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+# (name, N, K) of the small preset: hidden 768, 12 q / 4 kv heads of 64, intermediate 2048, vocab 32000
+SHAPES = [
+    ("qkv", 1280, 768),
+    ("o", 768, 768),
+    ("gate_up", 4096, 768),
+    ("down", 768, 2048),
+    ("lm_head", 32000, 768),
+]
+
+
+# Bytes of weight copies cycled through per matmul: beyond any L3 here, so each call reads from memory.
+COLD_BYTES = 256 << 20
+# Up to this many rows the GEMV is timed too (beyond, it only reads the inputs more times).
+GEMV_MAX_ROWS = 16
+
+
+def loop_seconds(fn, weights: list[torch.Tensor], x: torch.Tensor, flops: float) -> float:
+    """Seconds per call of a loop of about 20 ms, each call on the next weight copy."""
+    fn(x, weights[0])
+    iters = max(len(weights), min(200, int(20e-3 * 100e9 / flops)))
+    start = time.perf_counter()
+    for i in range(iters):
+        fn(x, weights[i % len(weights)])
+    return (time.perf_counter() - start) / iters
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rows", default="1,2,4,5,8,12,16,24,32,48,64")
+    ap.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES))
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--hot", action="store_true", help="one weight copy, resident in the caches")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from disagg.kernels import cpu_native
+
+    if not cpu_native.available():
+        print("native CPU kernels unavailable here (no C compiler?)")
+        return 1
+    rows = [int(r) for r in args.rows.split(",")]
+    wanted = set(args.shapes.split(","))
+    gen = torch.Generator().manual_seed(0)
+    print(
+        f"float32 y = x W^T, {torch.get_num_threads()} threads, weights {'hot' if args.hot else 'cold'}; "
+        f"1-min load average {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"  {'matmul':<8} {'N x K':>11} {'M':>4} {'native GF/s':>12} {'torch GF/s':>11} {'ratio':>6} "
+        f"{'GEMV GF/s':>10}"
+    )
+    for name, n, k in SHAPES:
+        if name not in wanted:
+            continue
+        copies = 1 if args.hot else -(-COLD_BYTES // (n * k * 4))
+        weights = [torch.randn(n, k, generator=gen) for _ in range(copies)]
+        for m in rows:
+            x = torch.randn(m, k, generator=gen)
+            flops = 2.0 * m * n * k
+            native = torch_ = gemv = float("inf")
+            for _ in range(args.repeats):
+                native = min(native, loop_seconds(cpu_native.gemm, weights, x, flops))
+                torch_ = min(torch_, loop_seconds(F.linear, weights, x, flops))
+                if m <= GEMV_MAX_ROWS:
+                    gemv = min(gemv, loop_seconds(cpu_native.gemv, weights, x, flops))
+            print(
+                f"  {name:<8} {f'{n}x{k}':>11} {m:>4} {flops / native / 1e9:>12.1f} "
+                f"{flops / torch_ / 1e9:>11.1f} {torch_ / native:>6.2f} "
+                + (f"{flops / gemv / 1e9:>10.1f}" if m <= GEMV_MAX_ROWS else f"{'-':>10}")
+            )
+    print(f"1-min load average after: {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""The native small-M float32 GEMM against `F.linear`, and `linear` choosing it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_cases import TOLERANCE, case_id
+
+from disagg.kernels import cpu_native, quantized
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
+
+
+def _operands(m: int, n: int, k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) * k**-0.5  # outputs of order 1, as in a model
+    bias = torch.randn(n, generator=gen)
+    return x, w, bias
+
+
+# K: below one vector, one vector and one float past, and a model's width plus a ragged tail;
+# N: a single row, fewer than a tile (4), ragged past a thread's chunk (64), several chunks.
+@pytest.mark.parametrize("k", [5, 16, 17, 781], ids=case_id)
+@pytest.mark.parametrize("n", [1, 3, 67, 130], ids=case_id)
+def test_matches_f_linear_on_ragged_shapes(n, k):
+    for m in (1, 2, 5, 6, 7, 13, 32, 64, 300):  # tiles of 6 inputs, their remainders, two blocks of inputs
+        x, w, bias = _operands(m, n, k, seed=m * 1000 + n * 10 + k)
+        torch.testing.assert_close(cpu_native.gemm(x, w), F.linear(x, w), **TOLERANCE[torch.float32])
+        torch.testing.assert_close(
+            cpu_native.gemm(x, w, bias), F.linear(x, w, bias), **TOLERANCE[torch.float32]
+        )
+
+
+def test_split_over_threads_equals_one_thread(monkeypatch):
+    x, w, bias = _operands(29, 300, 96, seed=1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    one = cpu_native.gemm(x, w, bias)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert torch.equal(cpu_native.gemm(x, w, bias), one)
+
+
+def test_bad_inputs_are_refused():
+    x, w, bias = _operands(4, 8, 16, seed=2)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        cpu_native.gemm(x, w[:, :15].contiguous())
+    with pytest.raises(ValueError, match="shapes do not match"):
+        cpu_native.gemm(x, w, bias[:7])
+    with pytest.raises(ValueError, match="weight"):
+        cpu_native.gemm(x, w.double())
+    with pytest.raises(ValueError, match="x"):
+        cpu_native.gemm(x.t(), w)
+
+
+def test_linear_takes_the_native_gemm_up_to_its_row_limit():
+    limit = quantized.GEMM_NATIVE_MAX_ROWS
+    x, w, bias = _operands(limit + 1, 40, 48, seed=3)
+    assert torch.equal(quantized.linear(x[:limit], w, bias), cpu_native.gemm(x[:limit], w, bias))
+    assert torch.equal(quantized.linear(x, w, bias), F.linear(x, w, bias))
+    # other dtypes keep torch's path
+    xd, wd = x[:8].double(), w.double()
+    assert torch.equal(quantized.linear(xd, wd), F.linear(xd, wd))
