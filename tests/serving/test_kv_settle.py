@@ -140,6 +140,31 @@ def test_prefill_aborted_while_sending_keeps_its_blocks_and_answers_after_the_se
     _idle(core)
 
 
+def test_an_abort_before_its_prefill_arrives_refuses_the_prefill_so_not_found_means_settled(engine):
+    from disagg.worker.serving.core import PrefillJob
+
+    t = _transport(engine.kv_cache)
+    core = _core(engine, t, "prefill")
+    # D gave up while its Prefill RPC was still on the way: P has nothing of it yet
+    assert core.on_loop_abort("r:1:0") is False
+    answers = []
+    job = PrefillJob("r:1:0", "r", "decode-0", list(range(3)), 0, answers.append)
+    core.on_loop_prefill(job, _prompt(40, 2), SamplingParams(max_tokens=1), 0.0)
+    assert answers == [{"error": ("prefill_failed", "aborted by the decode worker before it started")}]
+    assert not engine.has_unfinished() and t.posted == []
+    # a dropped prefill whose sends have not settled is still "found": its ABORT notice follows
+    job = PrefillJob("s:1:0", "s", "decode-0", list(range(3)), 0, answers.append)
+    core.on_loop_prefill(job, _prompt(40, 3), SamplingParams(max_tokens=1), 0.0)
+    while job.state == "prefilling":
+        core.step()
+    assert core.on_loop_abort("s:1:0") is True and core.on_loop_abort("s:1:0") is True
+    for h in t.posted:
+        h.succeed()
+    core.poll_sender()
+    assert core.on_loop_abort("s:1:0") is False  # settled and released: nothing more will land
+    _idle(core)
+
+
 def _decode(engine):
     t = _transport(engine.kv_cache)
     return t, _core(engine, t, "decode")
@@ -237,6 +262,19 @@ def test_client_gone_quarantines_the_transfer_not_the_request_id(engine):
     assert not set(again.fresh_block_ids) & set(dst.fresh_block_ids)
     core.on_loop_abort("r")
     _land(t, "r:1:0")  # the late transfer completes: the quarantine ends
+    assert not core.poll_receiver()
+    _idle(core)
+
+
+def test_client_gone_then_the_sender_says_nothing_will_land_ends_the_quarantine(engine):
+    t, core = _decode(engine)
+    outs, reasons = [], []
+    dst = core.on_loop_reserve("r", _prompt(40, 6), SamplingParams(max_tokens=2), outs.append)
+    core.on_loop_expect_kv("r:1:0", "r", reasons.append, dst.fresh_block_ids)
+    assert core.on_loop_abort("r")  # the client went away first: the blocks are held
+    assert engine.block_manager.pinned("quarantine:r:1:0")
+    # then P answered the attempt's Abort with "not found": it never started, and refuses it now
+    assert not core.on_loop_end_attempt("r:1:0", sender_settled=True)
     assert not core.poll_receiver()
     _idle(core)
 

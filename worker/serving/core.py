@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ from disagg.worker.serving.metrics import ServingMetrics
 from disagg.worker.serving.prefill_estimate import PrefillRate
 
 log = logging.getLogger("disagg.worker.core")
+
+REFUSED_TRANSFERS_KEPT = 4096  # aborted-before-arrival transfer ids remembered (a Prefill trails by ms)
 
 Sink = Callable[[RequestOutput], None]
 
@@ -115,6 +118,9 @@ class WorkerCore:
         self.reserved: set[str] = set()  # D request ids with reserved blocks not yet committed
         self.quarantined: dict[str, float] = {}  # D: transfer id given up on -> deadline of its held blocks
         self.aborting: dict[str, PrefillJob] = {}  # P: engine id -> job whose abort has not settled
+        # P: transfer ids aborted before their prefill arrived (a Prefill RPC may trail its Abort):
+        # refused if it comes, so "not found" is a promise that nothing of it will be written
+        self.refused_transfers: OrderedDict[str, None] = OrderedDict()
         self.quarantine_seconds = 30.0
         self._published_prefill: set[str] = set()
         self._on_publish = on_publish
@@ -147,6 +153,12 @@ class WorkerCore:
         for eid in [e for e, j in self.prefills.items() if j.request_id == request_id or e == request_id]:
             self._drop_prefill(self.prefills[eid], "aborted by the decode worker")
             found = True
+        if any(e == request_id or j.request_id == request_id for e, j in self.aborting.items()):
+            found = True  # dropped already, its sends not settled yet: its ABORT notice follows
+        if not found:
+            self.refused_transfers[request_id] = None
+            if len(self.refused_transfers) > REFUSED_TRANSFERS_KEPT:
+                self.refused_transfers.popitem(last=False)
         return found
 
     def _quarantine_waits(self, request_id: str) -> None:
@@ -229,12 +241,17 @@ class WorkerCore:
         being gone) that nothing more of it will land. Otherwise its blocks go to quarantine
         until it settles; True then: the request's next attempt needs fresh blocks."""
         waiter = self.kv_waits.get(transfer_id)
-        if waiter is None or waiter.quarantine:
-            return False  # settled already, or quarantined by an abort of the request
+        if waiter is None:
+            return False  # settled already
         if sender_settled:
-            del self.kv_waits[transfer_id]
-            self.transport.forget(transfer_id)
+            if waiter.quarantine:  # quarantined by an abort of the request: nothing can land now
+                self._unquarantine(transfer_id)
+            else:
+                del self.kv_waits[transfer_id]
+                self.transport.forget(transfer_id)
             return False
+        if waiter.quarantine:
+            return False  # quarantined by an abort of the request, until the transfer settles
         self._quarantine(transfer_id)
         return True
 
@@ -296,6 +313,9 @@ class WorkerCore:
 
     # ---- P: prefill-only requests whose KV is written into D's blocks ------------------------------
     def on_loop_prefill(self, job: PrefillJob, prompt_ids: list[int], params, arrival: float) -> None:
+        if job.engine_id in self.refused_transfers:
+            job.done({"error": ("prefill_failed", "aborted by the decode worker before it started")})
+            return
         if not self.transport.has_peer(job.peer_id):
             job.done({"error": ("handshake_required", f"no KV handshake with {job.peer_id}")})
             return

@@ -352,9 +352,12 @@ class WorkerService(pb_grpc.WorkerServicer):
         quarantine (P, slow rather than dead, may still write into them)."""
         settled = not attempt.in_flight
         try:  # P may still hold the prompt (slow, not dead): tell it to let go
-            await self._stub(target.address).Abort(
+            resp = await self._stub(target.address).Abort(
                 pb.AbortRequest(request_id=attempt.transfer_id), timeout=1.0
             )
+            # not found: P holds nothing of the attempt (never started, or its sends all done)
+            # and refuses it if its Prefill arrives later; found: its ABORT notice settles it
+            settled = settled or not resp.found
         except grpc.aio.AioRpcError as e:
             # nothing listens at P's address any more: the process, and its writes, are gone
             settled = settled or e.code() == grpc.StatusCode.UNAVAILABLE
