@@ -36,7 +36,7 @@ import aiohttp
 import numpy as np
 
 from disagg.worker.cli.ports import free_port
-from disagg.worker.cli.up import Deployment
+from disagg.worker.cli.up import Deployment, add_arguments
 from disagg.worker.engine.args import EngineArgs
 from disagg.worker.planner.advisor import Settings, goodput_disaggregated
 from disagg.worker.planner.goodput import BASE_SCALE, SLO, SLO_SCALES, TARGET, attainment
@@ -172,13 +172,17 @@ def summarize(results: list[Result], wall: float, args) -> dict[str, float]:
 
 
 def deploy(args, name: str, prefill: int, decode: int, both: int) -> Deployment:
-    ns = argparse.Namespace(
-        model=args.model, prefill=prefill, decode=decode, both=both, port=free_port(),
-        kv_transfer=args.kv_transfer, disagg_threshold=args.disagg_threshold, threads=1,
-        prefill_placement=args.prefill_placement,
-        run_dir=str(Path(args.run_dir) / name), demo=False, timeout=600.0, worker_arg=[],
-        max_num_batched_tokens=args.max_num_batched_tokens,  # engine settings absent here take EngineArgs' defaults
-    )  # fmt: skip
+    # through `disagg up`'s own parser: every setting not named here takes its default there
+    up_parser = argparse.ArgumentParser()
+    add_arguments(up_parser)
+    ns = up_parser.parse_args([
+        "--model", str(args.model), "--prefill", str(prefill), "--decode", str(decode), "--both", str(both),
+        "--port", str(free_port()), "--kv-transfer", args.kv_transfer,
+        "--disagg-threshold", str(args.disagg_threshold), "--threads", "1",
+        "--run-dir", str(Path(args.run_dir) / name), "--timeout", "600",
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        *(["--prefill-placement", args.prefill_placement] if args.prefill_placement else []),
+    ])  # fmt: skip
     dep = Deployment(ns)
     dep.plan()
     cores = os.cpu_count() or 1
