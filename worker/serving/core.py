@@ -225,6 +225,15 @@ class WorkerCore:
         self.sinks[request_id] = sink
         return blocks
 
+    def on_loop_reserve_expecting(
+        self, request_id: str, prompt_ids: list[int], params, sink: Sink, transfer_id: str, done
+    ) -> Reservation:
+        """`on_loop_reserve` and `on_loop_expect_kv` for its fresh blocks in one visit to the engine
+        loop: each visit may wait for a running step, and this is on the first token's path."""
+        blocks = self.on_loop_reserve(request_id, prompt_ids, params, sink)
+        self.on_loop_expect_kv(transfer_id, request_id, done, blocks.fresh_block_ids)
+        return blocks
+
     def on_loop_expect_kv(
         self, transfer_id: str, request_id: str, done: Callable[[str | None], None], block_ids: list[int]
     ) -> bool:

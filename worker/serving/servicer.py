@@ -80,12 +80,26 @@ class PrefillAborted(PrefillFailed):
 
 @dataclass
 class Attempt:
-    """One remote prefill attempt, as far as its cleanup must know."""
+    """One remote prefill attempt: its transfer id, the wait for its KV, what its cleanup must know."""
 
     transfer_id: str
+    number: int  # 0: the first attempt (its Prefill call is not fenced by a generation)
+    landed: asyncio.Future  # resolves with None once its KV landed, else the failure reason
     # a Prefill call is out and unanswered: P may still be writing into the attempt's blocks
     # (it answers, even with an error, only once its writes settled)
     in_flight: bool = False
+    expecting: bool = False  # the engine loop already waits for its KV (registered with the reservation)
+
+    @classmethod
+    def new(cls, request_id: str, number: int) -> Attempt:
+        # unique even when a request id comes back: P remembers the transfer ids it refused
+        transfer_id = f"{request_id}:{number}:{uuid.uuid4().hex[:8]}"
+        return cls(transfer_id, number, asyncio.get_running_loop().create_future())
+
+    def on_landed(self, reason: str | None) -> None:
+        """Called from the engine-loop thread."""
+        landed = self.landed
+        landed.get_loop().call_soon_threadsafe(lambda: landed.done() or landed.set_result(reason))
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -112,6 +126,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self._stubs = WorkerStubs(auth)
         self._handshaken: set[str] = set()  # prefill workers whose KV handshake we hold
         self._handshake_locks: dict[str, asyncio.Lock] = {}
+        self._settling: set[asyncio.Task] = set()  # transfer records finished after the first token
 
     # ---- plumbing ------------------------------------------------------------------------------
     async def _call(self, fn, *args):
@@ -121,7 +136,19 @@ class WorkerService(pb_grpc.WorkerServicer):
         return self._stubs.stub(address)
 
     async def close(self) -> None:
+        if self._settling:
+            await asyncio.wait(self._settling, timeout=5.0)
         await self._stubs.close()
+
+    def _finish_record_later(self, rid: str, record: asyncio.Future) -> None:
+        """Finish a transfer record without holding the first token back for Redis."""
+
+        async def finish():
+            await self.state.finish_transfer(rid, await record)
+
+        task = asyncio.create_task(finish())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
 
     def _refuse(self) -> pb.Error | None:
         if self.draining:
@@ -303,26 +330,37 @@ class WorkerService(pb_grpc.WorkerServicer):
         a failed attempt whose KV may still land, quarantined apart from the request).
         """
         began = time.monotonic()
-        dst = await self._call(self.core.on_loop_reserve, rid, prompt, params, sink)
+        current = Attempt.new(rid, 0)
+        reserve = self.core.on_loop_reserve_expecting
+        dst = await self._call(reserve, rid, prompt, params, sink, current.transfer_id, current.on_landed)
+        current.expecting = True
+        # The first attempt's transfer record is written while its Prefill call is out, not before:
+        # Redis stays off the first token's path. Nothing precedes that attempt to fence it against,
+        # so P gets generation 0 (unchecked); a retry starts only after the failed attempt's Abort,
+        # which P honours by transfer id, and carries its record's generation.
+        blocks = dst.fresh_block_ids
+        record = asyncio.ensure_future(self._begin_transfer(rid, targets[0].worker_id, blocks, 0))
         reasons = []
-        gen = 0
         for attempt, target in enumerate(targets[:2]):
             if attempt:
                 self.metrics.prefill_retries.inc()
-            gen = await self._begin_transfer(rid, target.worker_id, dst.fresh_block_ids, gen)
-            current = Attempt(f"{rid}:{gen}:{attempt}")
+                previous = await record
+                record = asyncio.ensure_future(
+                    self._begin_transfer(rid, target.worker_id, dst.fresh_block_ids, previous)
+                )
+                current = Attempt.new(rid, attempt)
             try:
-                await self._prefill_once(rid, prompt, request, target, dst, gen, current, began)
-                await self.state.finish_transfer(rid, gen)
+                await self._prefill_once(rid, prompt, request, target, dst, record, current, began)
+                self._finish_record_later(rid, record)
                 return target.worker_id
             except asyncio.CancelledError:
                 await self._cleanup_attempt(target, current)
-                await self.state.finish_transfer(rid, gen)
+                await self.state.finish_transfer(rid, await record)
                 raise
             except RequestGone:
                 # aborted meanwhile (Abort RPC, lease reclaim): the abort owns the blocks now
                 await self._cleanup_attempt(target, current)
-                await self.state.finish_transfer(rid, gen)
+                await self.state.finish_transfer(rid, await record)
                 raise PrefillAborted(f"request {rid} was aborted") from None
             except (PrefillFailed, grpc.aio.AioRpcError, TimeoutError) as e:
                 reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
@@ -341,10 +379,10 @@ class WorkerService(pb_grpc.WorkerServicer):
                         reasons.append("no free blocks to retry into")
                         break
                     if dst is None:
-                        await self.state.finish_transfer(rid, gen)
+                        await self.state.finish_transfer(rid, await record)
                         raise PrefillAborted(f"request {rid} was aborted") from None
         await self._call(self.core.on_loop_abort, rid)
-        await self.state.finish_transfer(rid, gen)
+        await self.state.finish_transfer(rid, await record)
         raise PrefillFailed("; ".join(reasons) or "no prefill worker available")
 
     async def _cleanup_attempt(self, target, attempt: Attempt) -> bool:
@@ -364,19 +402,18 @@ class WorkerService(pb_grpc.WorkerServicer):
         return await self._call(self.core.on_loop_end_attempt, attempt.transfer_id, settled)
 
     async def _prefill_once(
-        self, rid, prompt, request, target, dst, gen, attempt: Attempt, began: float
+        self, rid, prompt, request, target, dst, record: asyncio.Future, attempt: Attempt, began: float
     ) -> None:
-        aio = asyncio.get_running_loop()
-        landed: asyncio.Future = aio.create_future()
-
-        def on_landed(reason):
-            aio.call_soon_threadsafe(lambda: landed.done() or landed.set_result(reason))
-
+        """One attempt; `record` resolves to its transfer record's generation (the first attempt
+        sends P generation 0 and does not wait for it)."""
         transfer_id = attempt.transfer_id
-        if not await self._call(
-            self.core.on_loop_expect_kv, transfer_id, rid, on_landed, dst.fresh_block_ids
-        ):
-            raise RequestGone(rid)
+        if not attempt.expecting:
+            if not await self._call(
+                self.core.on_loop_expect_kv, transfer_id, rid, attempt.on_landed, dst.fresh_block_ids
+            ):
+                raise RequestGone(rid)
+            attempt.expecting = True
+        gen = await record if attempt.number else 0
         stub = self._stub(target.address)
         req = pb.PrefillRequest(
             request_id=rid,
@@ -388,7 +425,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             transfer_id=transfer_id,
             skip_leading_blocks=dst.num_cached_blocks,
         )
-        renew = asyncio.create_task(self._renew_lease(rid, gen))
+        renew = asyncio.create_task(self._renew_lease(rid, record))
         try:
             handshakes = 0.0  # once per peer, not a cost of each prompt: left out of the stages
             for _ in range(2):  # a second time only after a fresh handshake
@@ -404,7 +441,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self._handshaken.discard(target.worker_id)
             if resp.error.code:
                 raise PrefillFailed(f"{resp.error.code}: {resp.error.message}")
-            reason = await asyncio.wait_for(landed, timeout=self.opts.kv_wait_timeout)
+            reason = await asyncio.wait_for(attempt.landed, timeout=self.opts.kv_wait_timeout)
             if reason is not None:
                 raise PrefillFailed(f"KV transfer failed: {reason}")
         finally:
@@ -423,7 +460,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         if not committed:
             raise RequestGone(rid)  # aborted while the KV was moving
         self.metrics.remote_prefill_stages(
-            setup=max(sent - began - handshakes, 0.0),  # decision, block reservation, Redis record
+            setup=max(sent - began - handshakes, 0.0),  # decision, block reservation (a retry: + Redis)
             queue=resp.queue_seconds,
             compute=resp.compute_seconds,
             transfer=resp.transfer_seconds,
@@ -431,7 +468,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             commit=time.monotonic() - landed_at,
         )
 
-    async def _renew_lease(self, rid: str, gen: int) -> None:
+    async def _renew_lease(self, rid: str, record: asyncio.Future) -> None:
+        gen = await record
         while True:
             await asyncio.sleep(self.opts.lease_seconds / 3)
             await self.state.renew_transfer(rid, gen, self.opts.lease_seconds)
