@@ -276,8 +276,10 @@ def sweep(args, name: str, wl: Workload, slo: SLO, start: float, vocab: int, fie
             tried[rate] = outcome(results)
             ok = attainment(tried[rate], slo.scaled(BASE_SCALE)) >= TARGET
             failed = sum(not r.ok for r in results)
+            base = slo.scaled(BASE_SCALE)
             print(f"[{wl.name}/{name}]   attainment at scale {BASE_SCALE:g}: "
-                  f"{attainment(tried[rate], slo.scaled(BASE_SCALE)):.0%}" + (f", {failed} failed" if failed else ""),
+                  f"{attainment(tried[rate], base):.0%} (TTFT alone {attainment(tried[rate], SLO(base.ttft, math.inf)):.0%}, "
+                  f"TPOT alone {attainment(tried[rate], SLO(math.inf, base.tpot)):.0%})" + (f", {failed} failed" if failed else ""),
                   flush=True)  # fmt: skip
             if args.aiperf:
                 out = Path(args.run_dir) / f"aiperf-{wl.name}-{name}-{len(tried)}"
