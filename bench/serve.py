@@ -178,7 +178,8 @@ def deploy(args, name: str, prefill: int, decode: int, both: int) -> Deployment:
     ns = up_parser.parse_args([
         "--model", str(args.model), "--prefill", str(prefill), "--decode", str(decode), "--both", str(both),
         "--port", str(free_port()), "--kv-transfer", args.kv_transfer,
-        "--disagg-threshold", str(args.disagg_threshold), "--threads", "1",
+        *(["--disagg-threshold", str(args.disagg_threshold)] if args.disagg_threshold is not None else []),
+        "--threads", "1",
         "--run-dir", str(Path(args.run_dir) / name), "--timeout", "600",
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         *(["--prefill-placement", args.prefill_placement] if args.prefill_placement else []),
@@ -446,7 +447,10 @@ def main(argv=None) -> int:
     p.add_argument("--ttft-slo", type=float, default=1.0, help="goodput: TTFT target (s)")
     p.add_argument("--itl-slo", type=float, default=0.05, help="goodput: mean ITL target (s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--disagg-threshold", type=int, default=256)
+    p.add_argument("--disagg-threshold", type=int, default=None,
+                   help="uncached prompt tokens below which the decode worker prefills locally (default: "
+                        "`disagg up`'s for the goodput sweep; 256 for --interference, so its short "
+                        "prompts stay local)")  # fmt: skip
     p.add_argument("--prefill-placement", choices=("load", "threshold"), default="load",
                    help="where the decode worker prefills (threshold: every long prompt remotely)")  # fmt: skip
     p.add_argument("--kv-transfer", choices=("nixl", "grpc"), default="nixl")
@@ -474,6 +478,8 @@ def main(argv=None) -> int:
         args.model = str(ensure_model(Path(".models") / args.preset, args.preset))
     if not args.interference:
         return goodput_main(args)
+    if args.disagg_threshold is None:
+        args.disagg_threshold = 256
     plan = workload(args)
     print(f"model {args.model} ({args.preset if args.model.endswith(args.preset) else 'custom'}); "
           f"{len(plan)} requests: {sum(k == 'long-prompt' for _t, k, _p, _n in plan)} long-prompt "
