@@ -172,7 +172,9 @@ class EngineArgs:
                 "quantization: 8-bit weights are not supported with tensor_parallel_size > 1 yet"
             )
         if self.tensor_parallel_size > 1 and self.kv_cache_dtype in KV_CACHE_DTYPES:
-            raise ValueError("kv_cache_dtype: a quantized KV cache is not supported with tensor_parallel_size > 1 yet")
+            raise ValueError(
+                "kv_cache_dtype: a quantized KV cache is not supported with tensor_parallel_size > 1 yet"
+            )
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ValueError(
                 f"speculative_ngram_min must be <= speculative_ngram_max ({self.speculative_ngram_max}), "

@@ -7,6 +7,7 @@ same model runs the torch twins on CPU and Triton kernels on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from disagg.kernels import cpu_decode_step, cpu_native, get_ops, torch_ops
+from disagg.kernels.kv_quant import KVQuantFormat, QuantizedKVStep
 from disagg.kernels.quantized import QuantizedWeight, linear
 from disagg.worker.model.config import ModelConfig, RopeConfig
 from disagg.worker.model.forward_batch import ForwardBatch
@@ -184,16 +186,37 @@ class LlamaForCausalLM:
         # the native whole-step decode takes float32 and 8-bit (int8 / fp8) matmul weights
         mats = [getattr(layer, name) for layer in weights.layers for name in cpu_decode_step.MATMULS]
         self._whole_step_native = all(cpu_decode_step.supports(t) for t in (*mats, weights.lm_head))
+        self.kv_cache_dtype = "auto"  # the model's dtype; int8 / fp8: `use_kv_cache_dtype`
+        self.kv_format: KVQuantFormat | None = None  # set when a quantized cache is allocated
+
+    def use_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """Store K/V as `kv_cache_dtype` (auto | int8 | fp8) in caches allocated from now on."""
+        if kv_cache_dtype != "auto":
+            KVQuantFormat(kv_cache_dtype, 1, self.num_kv_heads, self.head_dim)  # validates
+        self.kv_cache_dtype = kv_cache_dtype
+
+    def kv_cache_format(self, block_size: int) -> KVQuantFormat | None:
+        """The quantized cache's format at `block_size`; None for a cache in the model's dtype."""
+        if self.kv_cache_dtype == "auto":
+            return None
+        return KVQuantFormat(self.kv_cache_dtype, block_size, self.num_kv_heads, self.head_dim)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of the whole model's KV cache: [layers, blocks, 2 (K, V), block_size, Hkv, D]."""
+        """Shape of the whole model's KV cache: [layers, blocks, 2 (K, V), block_size, Hkv, D];
+        a quantized cache is bytes [layers, blocks, region_bytes] (`KVQuantFormat`)."""
+        if (fmt := self.kv_cache_format(block_size)) is not None:
+            return fmt.cache_shape(self.num_layers, num_blocks)
         return (self.num_layers, num_blocks, 2, block_size, self.num_kv_heads, self.head_dim)
 
     def kv_cache_block_bytes(self, block_size: int) -> int:
         """Bytes one block takes across all layers (for sizing the cache from a memory budget)."""
-        return math.prod(self.kv_cache_shape(1, block_size)) * self.dtype.itemsize
+        itemsize = 1 if self.kv_cache_dtype != "auto" else self.dtype.itemsize
+        return math.prod(self.kv_cache_shape(1, block_size)) * itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        self.kv_format = self.kv_cache_format(block_size)
+        if self.kv_format is not None:
+            return self.kv_format.allocate(self.num_layers, num_blocks, self.device)
         return torch.zeros(self.kv_cache_shape(num_blocks, block_size), dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
@@ -214,13 +237,19 @@ class LlamaForCausalLM:
         if self._native_ok(kv_caches):
             return self._forward_native(batch, kv_caches, layer_hook)
         ops, w, eps = self.ops, self.weights, self.config.rms_norm_eps
+        quantized = None  # a quantized cache: 8-bit writes, attention over the step's blocks dequantized
+        if kv_caches.dtype == torch.uint8:
+            if self.kv_format is None:
+                raise ValueError("kv_caches: a byte (quantized) cache needs the model's kv_cache_dtype set")
+            quantized = QuantizedKVStep(self.kv_format, batch.block_tables, batch.seq_lens, self.dtype)
+            attn_batch = dataclasses.replace(batch, block_tables=quantized.tables)
         num_tokens = batch.input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = self._q_size, self._q_size + self._kv_size
 
         # The plain-torch path does once per step what every layer would otherwise redo: the
         # cos/sin rows of the positions, the cache rows of the K/V writes, the decode gather plan.
-        planned = self.ops.backend == "torch" and kv_caches.is_contiguous()
+        planned = quantized is None and self.ops.backend == "torch" and kv_caches.is_contiguous()
         if planned:
             block_size = kv_caches.shape[3]
             cos, sin = torch_ops.rotary_cos_sin(batch.positions, self.cos_sin_cache)
@@ -263,10 +292,19 @@ class LlamaForCausalLM:
                 torch_ops.write_kv_rows(k, v, kv_cache, keep, k_rows)
             else:
                 ops.rotary_embedding(batch.positions, q, k, self.cos_sin_cache)
-                ops.write_kv_cache(k, v, kv_cache, batch.slot_mapping)
+                if quantized is None:
+                    ops.write_kv_cache(k, v, kv_cache, batch.slot_mapping)
+                else:  # this chunk attends to its own K/V as the cache holds them, like later steps
+                    k, v = self.kv_format.write(k, v, kv_cache, batch.slot_mapping)
             if layer_hook is not None:
                 layer_hook(i)
-            if batch.is_prefill:
+            if quantized is not None:
+                kv = quantized.layer_cache(kv_cache)
+                if batch.is_prefill:
+                    attn = prefill_step_attention(ops, q, k, v, kv, attn_batch, self.scale)
+                else:
+                    attn = ops.decode_attention(q, kv, attn_batch.block_tables, batch.seq_lens, self.scale)
+            elif batch.is_prefill:
                 attn = prefill_step_attention(ops, q, k, v, kv_cache, batch, self.scale)
             elif fast and single is not None:
                 attn = decode_attention_one_group(q, kv_cache, single, self.scale)
@@ -308,9 +346,11 @@ class LlamaForCausalLM:
         return self.tp.lm_head(x, self.weights.lm_head).float()
 
     def _native_ok(self, kv_caches: torch.Tensor) -> bool:
-        """float32 on CPU with the plain-torch op table: the native kernels can take the step."""
+        """float32 on CPU with the plain-torch op table: the native kernels can take the step.
+        Not for a quantized cache: no native kernel reads or writes 8-bit K/V yet."""
         return (
-            self.ops.backend == "torch"
+            self.kv_format is None
+            and self.ops.backend == "torch"
             and self.dtype == torch.float32
             and kv_caches.dtype == torch.float32
             and kv_caches.device.type == "cpu"
