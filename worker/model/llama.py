@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from disagg.kernels import cpu_decode_step, cpu_native, get_ops, torch_ops
+from disagg.kernels import cpu_decode_step, cpu_kv_quant, cpu_native, get_ops, torch_ops
 from disagg.kernels.kv_quant import KVQuantFormat, QuantizedKVStep
 from disagg.kernels.quantized import QuantizedWeight, linear
 from disagg.worker.model.config import ModelConfig, RopeConfig
@@ -234,7 +234,7 @@ class LlamaForCausalLM:
         """
         if batch.is_prefill and batch.cu_seqlens_q is None:
             raise ValueError("a prefill ForwardBatch needs cu_seqlens_q")
-        if self._native_ok(kv_caches):
+        if self._native_ok(kv_caches) and (self.kv_format is None or not batch.is_prefill):
             return self._forward_native(batch, kv_caches, layer_hook)
         ops, w, eps = self.ops, self.weights, self.config.rms_norm_eps
         quantized = None  # a quantized cache: 8-bit writes, attention over the step's blocks dequantized
@@ -347,12 +347,12 @@ class LlamaForCausalLM:
 
     def _native_ok(self, kv_caches: torch.Tensor) -> bool:
         """float32 on CPU with the plain-torch op table: the native kernels can take the step.
-        Not for a quantized cache: no native kernel reads or writes 8-bit K/V yet."""
+        A quantized cache: decode steps only (`forward`; no native prefill attention reads 8-bit
+        K/V yet), and never the whole-step decode."""
         return (
-            self.kv_format is None
-            and self.ops.backend == "torch"
+            self.ops.backend == "torch"
             and self.dtype == torch.float32
-            and kv_caches.dtype == torch.float32
+            and kv_caches.dtype == (torch.float32 if self.kv_format is None else torch.uint8)
             and kv_caches.device.type == "cpu"
             and kv_caches.is_contiguous()
             and cpu_native.available()
@@ -377,8 +377,9 @@ class LlamaForCausalLM:
         Decode steps of a few sequences run whole in one native call (`native_decode_step`)."""
         w, eps = self.weights, self.config.rms_norm_eps
         num_tokens = batch.input_ids.shape[0]
+        quantized = self.kv_format  # None: a float32 cache
         whole_step = (
-            self.tp is None and layer_hook is None and self._whole_step_native
+            self.tp is None and layer_hook is None and self._whole_step_native and quantized is None
         )  # no collectives there
         if not batch.is_prefill and whole_step and num_tokens <= cpu_decode_step.MAX_BATCH:
             logits = self.native_decode_step()(
@@ -389,16 +390,19 @@ class LlamaForCausalLM:
             return logits if idx.shape[0] == num_tokens else logits.index_select(0, idx)
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = self._q_size, self._q_size + self._kv_size
-        num_blocks, block_size = kv_caches.shape[1], kv_caches.shape[3]
+        num_blocks = kv_caches.shape[1]
+        block_size = kv_caches.shape[3] if quantized is None else quantized.block_size
         cpu_native.check_step_bounds(
             batch.positions, batch.slot_mapping, self.cos_sin_cache.shape[0], num_blocks * block_size
         )
         decode_attention = None
         nd = num_tokens if not batch.is_prefill else batch.num_decodes  # rows of one decode token each
         if nd:  # lengths and tables are the same in every layer of the step
-            decode_attention = cpu_native.PagedDecodeAttention(
-                batch.block_tables[:nd], batch.seq_lens[:nd], hq, hkv, num_blocks
-            )
+            plan = (batch.block_tables[:nd], batch.seq_lens[:nd], hq, hkv, num_blocks)
+            if quantized is None:
+                decode_attention = cpu_native.PagedDecodeAttention(*plan)
+            else:
+                decode_attention = cpu_kv_quant.QuantizedPagedDecodeAttention(quantized, *plan)
         residual = self._embed(batch.input_ids)  # a fresh tensor: the sum accumulates in it
         hidden = cpu_native.add_rms_norm(residual, w.layers[0].input_norm, eps)
         for i, layer in enumerate(w.layers):
@@ -406,9 +410,14 @@ class LlamaForCausalLM:
                 hidden = cpu_native.add_rms_norm(hidden, layer.input_norm, eps, residual)
             qkv = linear(hidden, layer.qkv, layer.qkv_bias)
             kv_cache = kv_caches[i]
-            cpu_native.rotary_write_kv(
-                qkv, self.cos_sin_cache, batch.positions, kv_cache, batch.slot_mapping, hq, hkv
-            )
+            if quantized is None:
+                cpu_native.rotary_write_kv(
+                    qkv, self.cos_sin_cache, batch.positions, kv_cache, batch.slot_mapping, hq, hkv
+                )
+            else:
+                cpu_kv_quant.rotary_write_kv(
+                    qkv, self.cos_sin_cache, batch.positions, kv_cache, batch.slot_mapping, hq, hkv, quantized
+                )
             if layer_hook is not None:
                 layer_hook(i)
             q = qkv[:, :q_end].view(num_tokens, hq, d)
