@@ -141,6 +141,16 @@ class KVQuantFormat:
         scales[blocks, 1, offsets] = wsv
         return self.dequantize(qk, sk, key.dtype), self.dequantize(qv, sv, value.dtype)
 
+    def read_rows(self, layer_cache: torch.Tensor, slot_mapping: torch.Tensor, dtype: torch.dtype):
+        """K and V [T, Hkv, D] of the slots, as one layer's cache holds them (negative slots read
+        slot 0: rows that were not written)."""
+        slots = slot_mapping.long().clamp_min(0)
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        held = self.dequantize(
+            self.values(layer_cache)[blocks, :, offsets], self.scales(layer_cache)[blocks, :, offsets], dtype
+        )
+        return held[:, 0], held[:, 1]
+
     def dequantize_blocks(self, layer_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype):
         """Blocks `block_ids` of one layer's cache as an ordinary cache [n, 2, block_size, Hkv, D]."""
         regions = layer_cache.index_select(0, block_ids)

@@ -79,11 +79,12 @@ def test_quantized_kv_logits_against_float32_small(tmp_path, one_torch_thread):
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_native_decode_steps_agree_with_the_torch_path(tiny_dir, kv_dtype, monkeypatch, one_torch_thread):
-    """Decode steps over a quantized cache take the native kernels (rotary + quantizing write,
-    attention over 8-bit K/V); prefill steps stay on the torch path. The logits agree within the
-    rounding of a different summation order, which here can move a K/V value that lies near the
-    middle between two grid points to the other one: a few logits move by ~1e-3 (one step of one
-    value), the mean by ~1e-5, far below the quantization's own error (tiny: mean 5e-3, int8)."""
+    """Every K/V write into a quantized cache takes the native kernel (rotary + quantizing write),
+    decode attention the native kernel over 8-bit K/V; prefill chunks attend in torch. Against the
+    torch path the logits differ by the rounding of a different summation order, which can move a
+    K/V value lying near the middle between two grid points to the other one: a few logits move
+    by ~1e-3 (fp8, one step of one value), the mean by ~1e-4 at most, far below the quantization's
+    own error (tiny: mean 5e-3 int8, 2e-2 fp8)."""
     from disagg.kernels import cpu_native
 
     if not cpu_native.available():
@@ -99,7 +100,7 @@ def test_native_decode_steps_agree_with_the_torch_path(tiny_dir, kv_dtype, monke
     print(
         f"kv {kv_dtype} native vs torch path: max |diff| {float(diff.max()):.2e} mean {float(diff.mean()):.2e}"
     )
-    assert float(diff.max()) < 5e-3 and float(diff.mean()) < 1e-4
+    assert float(diff.max()) < 1e-2 and float(diff.mean()) < 5e-4
     assert torch.equal(native.argmax(-1), plain.argmax(-1))
 
 

@@ -234,7 +234,7 @@ class LlamaForCausalLM:
         """
         if batch.is_prefill and batch.cu_seqlens_q is None:
             raise ValueError("a prefill ForwardBatch needs cu_seqlens_q")
-        if self._native_ok(kv_caches) and (self.kv_format is None or not batch.is_prefill):
+        if self._native_ok(kv_caches):
             return self._forward_native(batch, kv_caches, layer_hook)
         ops, w, eps = self.ops, self.weights, self.config.rms_norm_eps
         quantized = None  # a quantized cache: 8-bit writes, attention over the step's blocks dequantized
@@ -347,8 +347,8 @@ class LlamaForCausalLM:
 
     def _native_ok(self, kv_caches: torch.Tensor) -> bool:
         """float32 on CPU with the plain-torch op table: the native kernels can take the step.
-        A quantized cache: decode steps only (`forward`; no native prefill attention reads 8-bit
-        K/V yet), and never the whole-step decode."""
+        A quantized cache: not the whole-step decode, and prefill chunks' attention reads the
+        step's blocks dequantized in torch (no native prefill attention reads 8-bit K/V yet)."""
         return (
             self.ops.backend == "torch"
             and self.dtype == torch.float32
@@ -403,6 +403,9 @@ class LlamaForCausalLM:
                 decode_attention = cpu_native.PagedDecodeAttention(*plan)
             else:
                 decode_attention = cpu_kv_quant.QuantizedPagedDecodeAttention(quantized, *plan)
+        if quantized is not None and batch.is_prefill:
+            dequantized = QuantizedKVStep(quantized, batch.block_tables, batch.seq_lens, torch.float32)
+            attn_batch = dataclasses.replace(batch, block_tables=dequantized.tables)
         residual = self._embed(batch.input_ids)  # a fresh tensor: the sum accumulates in it
         hidden = cpu_native.add_rms_norm(residual, w.layers[0].input_norm, eps)
         for i, layer in enumerate(w.layers):
@@ -423,6 +426,12 @@ class LlamaForCausalLM:
             q = qkv[:, :q_end].view(num_tokens, hq, d)
             if not batch.is_prefill:
                 attn = decode_attention(q, kv_cache, self.scale)
+            elif quantized is not None:  # every K/V written natively, the chunks attend in torch
+                k, v = quantized.read_rows(kv_cache, batch.slot_mapping, torch.float32)  # as stored
+                attn = prefill_step_attention(
+                    self.ops, q, k, v, dequantized.layer_cache(kv_cache), attn_batch, self.scale,
+                    decode_attention and functools.partial(decode_attention, kv_cache=kv_cache, scale=self.scale),
+                )  # fmt: skip
             else:
                 k = qkv[:, q_end:k_end].view(num_tokens, hkv, d)
                 v = qkv[:, k_end:].view(num_tokens, hkv, d)
