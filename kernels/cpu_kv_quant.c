@@ -42,7 +42,7 @@ static uint8_t e4m3_from(float y) {
 }
 
 /* Quantize one head's D values into dst with one scale (amax / qmax), as kv_quant.quantize. */
-static void quantize_head(const float *x, int64_t D, int fp8, uint8_t *dst, float *scale_out) {
+void kv_q8_quantize_head(const float *x, int64_t D, int fp8, uint8_t *dst, float *scale_out) {
     float amax = 0.0f;
     for (int64_t d = 0; d < D; d++) amax = fmaxf(amax, fabsf(x[d]));
     const float scale = fmaxf(amax, 1e-30f) / (fp8 ? 448.0f : 127.0f);
@@ -86,7 +86,7 @@ void rotary_write_kv_q8(float *qkv, int64_t row_stride, const float *cos_sin, co
         for (int64_t kv = 0; kv < 2; kv++)  /* K, then V */
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 const int64_t at = (kv * block_size + slot % block_size) * num_kv_heads + h;
-                quantize_head(x + (num_q_heads + kv * num_kv_heads + h) * head_dim, head_dim, fp8,
+                kv_q8_quantize_head(x + (num_q_heads + kv * num_kv_heads + h) * head_dim, head_dim, fp8,
                               region + at * head_dim, scales + at);
             }
     }
@@ -105,7 +105,7 @@ static inline void widen(const uint8_t *v, int64_t D, int fp8, float *out) {
 
 /* Decode attention of one sequence and one KV head for its `group` query heads, over 8-bit K/V:
  * scores = scale * k_scale * (q . k), then softmax, then out = sum p * v_scale * v. */
-static void head_attention_q8(const float *q, const uint8_t *cache, const int32_t *table, int64_t len,
+void decode_attention_head_q8(const float *q, const uint8_t *cache, const int32_t *table, int64_t len,
                               int64_t group, int64_t D, int64_t kv_head, int64_t num_kv_heads,
                               int64_t block_size, int64_t region_bytes, int fp8, float scale, float *scores,
                               float *out) {
@@ -184,7 +184,7 @@ int paged_decode_attention_q8(const float *q, int64_t q_row_stride, const uint8_
         const int32_t *table = block_tables + b * table_stride;
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const float *qh = q + b * q_row_stride + h * group * head_dim;
-            head_attention_q8(qh, cache, table, len, group, head_dim, h, num_kv_heads, block_size, region_bytes,
+            decode_attention_head_q8(qh, cache, table, len, group, head_dim, h, num_kv_heads, block_size, region_bytes,
                               fp8, scale, scores, out + (b * num_q_heads + h * group) * head_dim);
         }
     }

@@ -104,6 +104,37 @@ def test_native_decode_steps_agree_with_the_torch_path(tiny_dir, kv_dtype, monke
     assert torch.equal(native.argmax(-1), plain.argmax(-1))
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_whole_step_native_decode_over_a_quantized_cache(tiny_dir, kv_dtype, monkeypatch, one_torch_thread):
+    """Decode steps of a few sequences run whole in one native call over the quantized cache too
+    (rotary + quantizing write and attention over 8-bit K/V inside it); against the per-op native
+    kernels the logits differ as in the test above (other matmul kernels, same K/V kernels)."""
+    from disagg.kernels import cpu_decode_step, cpu_native
+
+    if not cpu_native.available():
+        pytest.skip("needs a C compiler (cc)")
+    model, config = load_model(tiny_dir)
+    model.use_kv_cache_dtype(kv_dtype)
+    step = model.native_decode_step()
+    calls = []
+    monkeypatch.setattr(model, "native_decode_step", lambda: calls.append(1) or step)
+    whole, _ = ragged_logits(model, config.vocab_size)
+    assert len(calls) == 4  # every decode step of the three sequences
+    one = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="kv_caches: expected contiguous uint8"):
+        step(torch.zeros(1, step.hidden), one, one, torch.zeros(2, 3, dtype=torch.uint8), one.view(1, 1), one + 1,
+             model.kv_format)  # fmt: skip
+    monkeypatch.setattr(cpu_decode_step, "MAX_BATCH", 0)  # the per-op kernels take every step
+    per_op, _ = ragged_logits(model, config.vocab_size)
+    assert len(calls) == 4
+    diff = (whole - per_op).abs()
+    print(
+        f"kv {kv_dtype} whole-step vs per-op: max |diff| {float(diff.max()):.2e} mean {float(diff.mean()):.2e}"
+    )
+    assert float(diff.max()) < 1e-2 and float(diff.mean()) < 5e-4
+    assert torch.equal(whole.argmax(-1), per_op.argmax(-1))
+
+
 def test_region_holds_values_then_scales_on_cache_lines():
     fmt = KVQuantFormat("int8", block_size=4, num_kv_heads=3, head_dim=6)
     assert fmt.region_bytes == region_bytes(4, 3, 6) == 256  # 144 value bytes + 96 scale bytes, padded

@@ -347,8 +347,8 @@ class LlamaForCausalLM:
 
     def _native_ok(self, kv_caches: torch.Tensor) -> bool:
         """float32 on CPU with the plain-torch op table: the native kernels can take the step.
-        A quantized cache: not the whole-step decode, and prefill chunks' attention reads the
-        step's blocks dequantized in torch (no native prefill attention reads 8-bit K/V yet)."""
+        A quantized cache: prefill chunks' attention reads the step's blocks dequantized in
+        torch (no native prefill attention reads 8-bit K/V yet); everything else is native."""
         return (
             self.ops.backend == "torch"
             and self.dtype == torch.float32
@@ -379,12 +379,12 @@ class LlamaForCausalLM:
         num_tokens = batch.input_ids.shape[0]
         quantized = self.kv_format  # None: a float32 cache
         whole_step = (
-            self.tp is None and layer_hook is None and self._whole_step_native and quantized is None
+            self.tp is None and layer_hook is None and self._whole_step_native
         )  # no collectives there
         if not batch.is_prefill and whole_step and num_tokens <= cpu_decode_step.MAX_BATCH:
             logits = self.native_decode_step()(
                 F.embedding(batch.input_ids, w.embed), batch.positions, batch.slot_mapping, kv_caches,
-                batch.block_tables, batch.seq_lens,
+                batch.block_tables, batch.seq_lens, quantized,
             )  # fmt: skip
             idx = batch.logits_indices
             return logits if idx.shape[0] == num_tokens else logits.index_select(0, idx)
