@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from disagg.kernels import torch_ops
+
 KV_CACHE_DTYPES = ("int8", "fp8")
 REGION_ALIGN = 64  # bytes: regions start on cache lines
 _VALUE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -177,3 +179,28 @@ class QuantizedKVStep:
     def layer_cache(self, layer_cache: torch.Tensor) -> torch.Tensor:
         """The step's blocks of one layer as a cache [n, 2, block_size, Hkv, D] for `self.tables`."""
         return self.fmt.dequantize_blocks(layer_cache, self.block_ids, self.dtype)
+
+
+# ---- the op-table entries (`disagg.kernels.get_ops`); Triton: `triton_kv_quant` --------------
+def write_kv_quantized(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    fmt: KVQuantFormat,
+) -> None:
+    """key/value [T, Hkv, D] quantized into their slots of one layer's cache (negative: skipped)."""
+    fmt.write(key, value, layer_cache, slot_mapping)
+
+
+def decode_attention_quantized(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    fmt: KVQuantFormat,
+) -> torch.Tensor:
+    """`torch_ops.decode_attention` over one layer of a quantized cache [blocks, region_bytes]."""
+    step = QuantizedKVStep(fmt, block_tables, seq_lens, q.dtype)
+    return torch_ops.decode_attention(q, step.layer_cache(layer_cache), step.tables, seq_lens, scale)

@@ -237,12 +237,17 @@ class LlamaForCausalLM:
         if self._native_ok(kv_caches):
             return self._forward_native(batch, kv_caches, layer_hook)
         ops, w, eps = self.ops, self.weights, self.config.rms_norm_eps
-        quantized = None  # a quantized cache: 8-bit writes, attention over the step's blocks dequantized
+        quantized = None  # a quantized cache: the op table's 8-bit writes and decode attention
         if kv_caches.dtype == torch.uint8:
             if self.kv_format is None:
                 raise ValueError("kv_caches: a byte (quantized) cache needs the model's kv_cache_dtype set")
-            quantized = QuantizedKVStep(self.kv_format, batch.block_tables, batch.seq_lens, self.dtype)
-            attn_batch = dataclasses.replace(batch, block_tables=quantized.tables)
+            quantized = self.kv_format
+            # prompt chunks attend over the step's blocks dequantized (no 8-bit prefill kernel yet)
+            prefill = (
+                QuantizedKVStep(quantized, batch.block_tables, batch.seq_lens, self.dtype)
+                if batch.is_prefill
+                else None
+            )
         num_tokens = batch.input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = self._q_size, self._q_size + self._kv_size
@@ -294,16 +299,12 @@ class LlamaForCausalLM:
                 ops.rotary_embedding(batch.positions, q, k, self.cos_sin_cache)
                 if quantized is None:
                     ops.write_kv_cache(k, v, kv_cache, batch.slot_mapping)
-                else:  # this chunk attends to its own K/V as the cache holds them, like later steps
-                    k, v = self.kv_format.write(k, v, kv_cache, batch.slot_mapping)
+                else:
+                    ops.write_kv_quantized(k, v, kv_cache, batch.slot_mapping, quantized)
             if layer_hook is not None:
                 layer_hook(i)
             if quantized is not None:
-                kv = quantized.layer_cache(kv_cache)
-                if batch.is_prefill:
-                    attn = prefill_step_attention(ops, q, k, v, kv, attn_batch, self.scale)
-                else:
-                    attn = ops.decode_attention(q, kv, attn_batch.block_tables, batch.seq_lens, self.scale)
+                attn = self._attention_quantized(q, kv_cache, batch, prefill)
             elif batch.is_prefill:
                 attn = prefill_step_attention(ops, q, k, v, kv_cache, batch, self.scale)
             elif fast and single is not None:
@@ -330,6 +331,25 @@ class LlamaForCausalLM:
         return self._lm_head(last)
 
     __call__ = forward
+
+    def _attention_quantized(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, prefill: QuantizedKVStep | None
+    ) -> torch.Tensor:
+        """Attention of one layer over a quantized cache (already holding this step's K/V). Prompt
+        chunks attend to their own K/V as the cache holds them, as later steps will: a token's
+        output does not depend on how its prompt was chunked, cached or where it was prefilled."""
+        ops, fmt, nd = self.ops, self.kv_format, batch.num_decodes if batch.is_prefill else q.shape[0]
+        decode = functools.partial(
+            ops.decode_attention_quantized, layer_cache=kv_cache, block_tables=batch.block_tables[:nd],
+            seq_lens=batch.seq_lens[:nd], scale=self.scale, fmt=fmt,
+        )  # fmt: skip
+        if not batch.is_prefill:
+            return decode(q)
+        k, v = fmt.read_rows(kv_cache, batch.slot_mapping, q.dtype)
+        chunks = dataclasses.replace(batch, block_tables=prefill.tables)
+        return prefill_step_attention(
+            ops, q, k, v, prefill.layer_cache(kv_cache), chunks, self.scale, decode if nd else None
+        )
 
     # The three places tensor parallelism changes the math; plain torch calls without it.
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
