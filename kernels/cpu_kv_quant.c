@@ -15,17 +15,6 @@
 #include <omp.h>
 #endif
 
-static float e4m3_value[256];
-
-__attribute__((constructor)) static void init_e4m3_table(void) {
-    for (int b = 0; b < 256; b++) {
-        const int exp = (b >> 3) & 15, mant = b & 7;
-        float v = exp ? ldexpf(1.0f + mant / 8.0f, exp - 7) : ldexpf((float)mant, -9);
-        if ((b & 127) == 127) v = NAN;  /* the only NaN of e4m3fn; never written here */
-        e4m3_value[b] = (b & 128) ? -v : v;
-    }
-}
-
 /* e4m3fn byte nearest to y (|y| <= 448), ties to even: the grid step is 2^(E-3) at exponent E
  * (E >= -6; below, the subnormal step 2^-9). Dividing by a power of two is exact. */
 static uint8_t e4m3_from(float y) {
@@ -92,10 +81,21 @@ void rotary_write_kv_q8(float *qkv, int64_t row_stride, const float *cos_sin, co
     }
 }
 
+/* e4m3 byte -> float with integer ops only (vectorizes, unlike a table lookup): a normal value's
+ * exponent is rebiased from 7 to 127 and its 3 mantissa bits moved to the top of float's 23;
+ * a subnormal (exponent field 0) is mantissa * 2^-9. */
+static inline float e4m3_to_float(uint8_t b) {
+    const uint32_t e = (b >> 3) & 15, m = b & 7, sign = (uint32_t)(b & 0x80) << 24;
+    union { uint32_t u; float f; } normal = {.u = sign | ((e + 120) << 23) | (m << 20)};
+    const float sub = (float)m * 0.001953125f;
+    return e ? normal.f : (sign ? -sub : sub);
+}
+
 /* 8-bit row of D values as floats (int8 or e4m3), into a small buffer the loops below vectorize over. */
 static inline void widen(const uint8_t *v, int64_t D, int fp8, float *out) {
     if (fp8) {
-        for (int64_t d = 0; d < D; d++) out[d] = e4m3_value[v[d]];
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) out[d] = e4m3_to_float(v[d]);
     } else {
         const int8_t *s = (const int8_t *)v;
 #pragma omp simd
@@ -104,58 +104,78 @@ static inline void widen(const uint8_t *v, int64_t D, int fp8, float *out) {
 }
 
 /* Decode attention of one sequence and one KV head for its `group` query heads, over 8-bit K/V:
- * scores = scale * k_scale * (q . k), then softmax, then out = sum p * v_scale * v. */
+ * scores = scale * k_scale * (q . k), then softmax, then out = sum p * v_scale * v. Head dim D is a
+ * macro argument so that the common sizes get fully unrolled loops (as decode_attention_head_f32). */
+#define DEFINE_Q8_ATTENTION(NAME, D_EXPR)                                                            \
+    static void NAME(const float *q, const uint8_t *cache, const int32_t *table, int64_t len,        \
+                     int64_t group, int64_t head_dim, int64_t kv_head, int64_t num_kv_heads,         \
+                     int64_t block_size, int64_t region_bytes, int fp8, float scale, float *scores,  \
+                     float *out) {                                                                   \
+        const int64_t D = (D_EXPR);                                                                 \
+        const int64_t values_bytes = 2 * block_size * num_kv_heads * D;                             \
+        float row[512]; /* one widened K or V row; D <= 512 is checked by the caller */             \
+        (void)head_dim;                                                                             \
+        for (int64_t j0 = 0, blk = 0; j0 < len; j0 += block_size, blk++) {                         \
+            const uint8_t *region = cache + (int64_t)table[blk] * region_bytes;                     \
+            const float *ks = (const float *)(region + values_bytes);                               \
+            const int64_t n = len - j0 < block_size ? len - j0 : block_size;                        \
+            for (int64_t t = 0; t < n; t++) {                                                       \
+                const int64_t at = t * num_kv_heads + kv_head;                                      \
+                widen(region + at * D, D, fp8, row);                                                \
+                const float s = scale * ks[at];                                                     \
+                for (int64_t g = 0; g < group; g++) {                                               \
+                    const float *qg = q + g * D;                                                    \
+                    float dot = 0.0f;                                                               \
+                    _Pragma("omp simd reduction(+ : dot)") for (int64_t d = 0; d < D; d++)          \
+                        dot += qg[d] * row[d];                                                      \
+                    scores[g * len + j0 + t] = dot * s;                                             \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int64_t g = 0; g < group; g++) {                                                       \
+            float *s = scores + g * len, m = s[0], sum = 0.0f;                                      \
+            for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;                              \
+            _Pragma("omp simd reduction(+ : sum)") for (int64_t j = 0; j < len; j++) {              \
+                s[j] = exp_approx(s[j] - m);                                                        \
+                sum += s[j];                                                                        \
+            }                                                                                       \
+            const float inv = 1.0f / sum;                                                           \
+            _Pragma("omp simd") for (int64_t j = 0; j < len; j++) s[j] *= inv;                      \
+            memset(out + g * D, 0, D * sizeof(float));                                              \
+        }                                                                                           \
+        for (int64_t j0 = 0, blk = 0; j0 < len; j0 += block_size, blk++) {                         \
+            const uint8_t *region = cache + (int64_t)table[blk] * region_bytes;                     \
+            const float *vs = (const float *)(region + values_bytes) + block_size * num_kv_heads;   \
+            const int64_t n = len - j0 < block_size ? len - j0 : block_size;                        \
+            for (int64_t t = 0; t < n; t++) {                                                       \
+                const int64_t at = t * num_kv_heads + kv_head;                                      \
+                widen(region + (block_size * num_kv_heads + at) * D, D, fp8, row);                  \
+                for (int64_t g = 0; g < group; g++) {                                               \
+                    const float p = scores[g * len + j0 + t] * vs[at];                              \
+                    float *o = out + g * D;                                                         \
+                    _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] += p * row[d];         \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+DEFINE_Q8_ATTENTION(head_attention_q8_d64, 64)
+DEFINE_Q8_ATTENTION(head_attention_q8_d128, 128)
+DEFINE_Q8_ATTENTION(head_attention_q8_any, head_dim)
+
 void decode_attention_head_q8(const float *q, const uint8_t *cache, const int32_t *table, int64_t len,
-                              int64_t group, int64_t D, int64_t kv_head, int64_t num_kv_heads,
+                              int64_t group, int64_t head_dim, int64_t kv_head, int64_t num_kv_heads,
                               int64_t block_size, int64_t region_bytes, int fp8, float scale, float *scores,
                               float *out) {
-    const int64_t values_bytes = 2 * block_size * num_kv_heads * D;
-    float row[512];  /* one widened K or V row; D <= 512 is checked by the caller */
-    for (int64_t j0 = 0, blk = 0; j0 < len; j0 += block_size, blk++) {
-        const uint8_t *region = cache + (int64_t)table[blk] * region_bytes;
-        const float *ks = (const float *)(region + values_bytes);
-        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t at = t * num_kv_heads + kv_head;
-            widen(region + at * D, D, fp8, row);
-            const float s = scale * ks[at];
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = q + g * D;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; d++) dot += qg[d] * row[d];
-                scores[g * len + j0 + t] = dot * s;
-            }
-        }
-    }
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * len, m = s[0], sum = 0.0f;
-        for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < len; j++) {
-            s[j] = exp_approx(s[j] - m);
-            sum += s[j];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < len; j++) s[j] *= inv;
-        memset(out + g * D, 0, D * sizeof(float));
-    }
-    for (int64_t j0 = 0, blk = 0; j0 < len; j0 += block_size, blk++) {
-        const uint8_t *region = cache + (int64_t)table[blk] * region_bytes;
-        const float *vs = (const float *)(region + values_bytes) + block_size * num_kv_heads;
-        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t at = t * num_kv_heads + kv_head;
-            widen(region + (block_size * num_kv_heads + at) * D, D, fp8, row);
-            for (int64_t g = 0; g < group; g++) {
-                const float p = scores[g * len + j0 + t] * vs[at];
-                float *o = out + g * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] += p * row[d];
-            }
-        }
-    }
+    if (head_dim == 64)
+        head_attention_q8_d64(q, cache, table, len, group, head_dim, kv_head, num_kv_heads, block_size,
+                              region_bytes, fp8, scale, scores, out);
+    else if (head_dim == 128)
+        head_attention_q8_d128(q, cache, table, len, group, head_dim, kv_head, num_kv_heads, block_size,
+                               region_bytes, fp8, scale, scores, out);
+    else
+        head_attention_q8_any(q, cache, table, len, group, head_dim, kv_head, num_kv_heads, block_size,
+                              region_bytes, fp8, scale, scores, out);
 }
 
 /* Paged decode attention of B sequences over a quantized cache; arguments as

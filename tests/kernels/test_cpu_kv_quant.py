@@ -99,6 +99,25 @@ def test_decode_attention_matches_the_twin(name, q_heads, kv_heads, head_dim):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_attention_over_one_token_reads_every_8_bit_value_exactly(name):
+    """Over a single cached token the output is that token's V row: every byte value (but e4m3's
+    NaNs), read back by the native kernel, equals torch's own conversion of it."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    if name == "fp8":
+        codes = codes[(codes & 127) != 127]
+    d = 256
+    codes = torch.cat([codes, codes.new_zeros(d - codes.numel())])
+    fmt = KVQuantFormat(name, block_size=1, num_kv_heads=1, head_dim=d)
+    cache = fmt.allocate(1, 1, "cpu")[0]
+    fmt.values(cache, torch.uint8)[0, 1, 0, 0] = codes
+    fmt.scales(cache).fill_(1.0)
+    attn = cpu_kv_quant.QuantizedPagedDecodeAttention(fmt, torch.zeros(1, 1, dtype=torch.int32),
+                                                      torch.ones(1, dtype=torch.int32), 1, 1)  # fmt: skip
+    got = attn(torch.randn(1, 1, d), cache, 1.0)[0, 0]
+    assert torch.equal(got, codes.view(fmt.value_dtype).float())
+
+
 def test_bad_caches_are_refused():
     fmt = KVQuantFormat("int8", 4, 1, 8)
     attn = cpu_kv_quant.QuantizedPagedDecodeAttention(fmt, torch.zeros(1, 1, dtype=torch.int32),
