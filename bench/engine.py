@@ -4,8 +4,10 @@
     python bench/engine.py --num-prompts 16 --max-prompt 256 --max-output 64   # a quicker run
     python bench/engine.py --tensor-parallel-size 2   # TP=2 against TP=1 on the same cores only
     python bench/engine.py --quantization int8 --skip-transformers   # int8 weights against float32
+    python bench/engine.py --kv-cache-dtype int8 --skip-transformers  # an int8 KV cache against float32
 
-With `--dtype` or `--quantization` other than float32 / none, the float32 engine runs the same
+With `--dtype`, `--quantization` or `--kv-cache-dtype` other than float32 / none / auto, the
+float32 engine (float32 KV cache) runs the same
 workload and decode steps in the same command, and the ratios to it are printed (the machine is
 shared: only figures of one run compare).
 
@@ -57,7 +59,12 @@ def weight_bytes_per_decode_step(model) -> int:
 
 
 def run_engine(
-    args, model_dir: Path, work, dtype: str = "float32", quantization: str = "none"
+    args,
+    model_dir: Path,
+    work,
+    dtype: str = "float32",
+    quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> tuple[float, int, object]:
     from disagg.worker import LLM, SamplingParams
 
@@ -65,6 +72,7 @@ def run_engine(
         model=str(model_dir),
         dtype=dtype,
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
@@ -170,9 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--quantization", default="none", choices=("none", "int8", "fp8"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"))
     ap.add_argument("--decode-batch", type=int, default=32, help="the larger decode batch measured")
     args = ap.parse_args(argv)
-    baseline = (args.dtype, args.quantization) != ("float32", "none")
+    baseline = (args.dtype, args.quantization, args.kv_cache_dtype) != ("float32", "none", "auto")
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
@@ -203,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         log("float32 engine (the baseline), before")
         before_s, base_tok, base_llm = run_engine(args, model_dir, work)
         del base_llm
-    eng_s, eng_tok, llm = run_engine(args, model_dir, work, args.dtype, args.quantization)
+    eng_s, eng_tok, llm = run_engine(
+        args, model_dir, work, args.dtype, args.quantization, args.kv_cache_dtype
+    )
     log(f"engine: {eng_tok} tokens in {eng_s:.1f}s")
     if baseline:
         log("float32 engine (the baseline), after")
@@ -251,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     dt = str(model.dtype).removeprefix("torch.")
     if args.quantization != "none":
         dt += f" + {args.quantization} weights"
+    if args.kv_cache_dtype != "auto":
+        dt += f" + {args.kv_cache_dtype} KV"
     if baseline:
         rows += [
             ("float32 engine output tokens/s", f"{base_tok / base_s:.1f}",

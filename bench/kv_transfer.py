@@ -2,6 +2,8 @@
 
     python bench/kv_transfer.py [--sizes 64,256] [--reps 5] [--block-size 16]
         [--patterns contiguous,churned,scattered] [--backends nixl,grpc]
+    python bench/kv_transfer.py --kv-dtypes float32,bfloat16,int8 [--prompt-tokens 512,2048]
+        [--patterns churned] [--backends nixl]
 
 The KV cache has the "small" preset's shape (12 layers, 4 KV heads, head dim 64, bfloat16), so
 one (layer, block) region is 16 KiB at block size 16. A prefill worker process writes N blocks
@@ -19,6 +21,10 @@ A backend "nixl:prepped" or "nixl:merged" forces how NIXL descriptors are built 
 needs at best); "desc/send" is how many descriptors NIXL was given (prepared per-region lists
 when runs do not pay, which NIXL merges itself). "copy_ 1 thread" is shown for reference: a
 transport's copy runs on one thread (CMA: the sender's process_vm_writev).
+With --kv-dtypes, the figures are per request instead: a prompt of --prompt-tokens tokens moved
+from prefill to decode with its KV stored as each dtype (int8 / fp8: the quantized cache's regions,
+8-bit values and their float32 scales, as `disagg.kernels.kv_quant` lays them out), bytes and time
+per request and per token, and both against float32 in the same command.
 The baseline is `dst.copy_(src)` of the same number of bytes inside the sending process, timed
 right before every transfer: "vs copy_" is the median of these paired ratios, so it holds up on a
 machine whose load drifts. Figures are medians over --reps (plus the best run); the receiver
@@ -40,23 +46,44 @@ import time
 
 import torch
 
-LAYERS, KV_HEADS, HEAD_DIM, DTYPE, MODEL = 12, 4, 64, torch.bfloat16, "small"
+LAYERS, KV_HEADS, HEAD_DIM, DTYPE, MODEL = 12, 4, 64, "bfloat16", "small"
+QUANTIZED = ("int8", "fp8")
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
-def _cache(num_blocks: int, block_size: int, seed: int) -> torch.Tensor:
+def _cache(num_blocks: int, block_size: int, seed: int, kv_dtype: str = DTYPE) -> torch.Tensor:
+    """Random bytes in a cache of `kv_dtype` (a quantized one: byte regions of values and scales)."""
+    from disagg.kernels.kv_quant import region_bytes
+
     g = torch.Generator().manual_seed(seed)
+    if kv_dtype in QUANTIZED:
+        shape = (LAYERS, num_blocks, region_bytes(block_size, KV_HEADS, HEAD_DIM))
+        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    dtype = getattr(torch, kv_dtype)
     shape = (LAYERS, num_blocks, 2, block_size, KV_HEADS, HEAD_DIM)
-    return torch.randint(-(2**15), 2**15, shape, generator=g, dtype=torch.int16).view(DTYPE)
+    bits = _BITS[dtype.itemsize]
+    return torch.randint(torch.iinfo(bits).min, torch.iinfo(bits).max, shape, generator=g, dtype=bits).view(
+        dtype
+    )
+
+
+def _layout(cache: torch.Tensor, block_size: int, kv_dtype: str):
+    from disagg.worker.kv_transfer import KVLayout
+
+    if kv_dtype in QUANTIZED:  # values computed by the bfloat16 model
+        geometry = (DTYPE, block_size, KV_HEADS, HEAD_DIM)
+        return KVLayout.from_tensor(cache, MODEL, kv_cache_dtype=kv_dtype, quantized_geometry=geometry)
+    return KVLayout.from_tensor(cache, MODEL)
 
 
 def _digest(cache: torch.Tensor, blocks: list[int]) -> str:
     return hashlib.sha256(cache[:, blocks].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _receiver(kind: str, num_blocks: int, block_size: int, commands, replies) -> None:
-    from disagg.worker.kv_transfer import KVLayout, create_transport
+def _receiver(kind: str, num_blocks: int, block_size: int, kv_dtype: str, commands, replies) -> None:
+    from disagg.worker.kv_transfer import create_transport
 
-    cache = _cache(num_blocks, block_size, seed=1)
+    cache = _cache(num_blocks, block_size, seed=1, kv_dtype=kv_dtype)
     options, server = {}, None
     if kind == "grpc":
         from concurrent.futures import ThreadPoolExecutor
@@ -68,7 +95,7 @@ def _receiver(kind: str, num_blocks: int, block_size: int, commands, replies) ->
         server = grpc.server(ThreadPoolExecutor(2), options=[("grpc.max_receive_message_length", 64 << 20)])
         options["advertise_address"] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         options["reserved_only"] = False  # measures the wire, with no worker reserving blocks
-    transport = create_transport(kind, cache, KVLayout.from_tensor(cache, MODEL), "bench-decode", **options)
+    transport = create_transport(kind, cache, _layout(cache, block_size, kv_dtype), "bench-decode", **options)
     if server is not None:
         pb_grpc.add_KVTransferServicer_to_server(transport.servicer(), server)
         server.start()
@@ -191,9 +218,10 @@ def _block_ids(pattern: str, blocks: int, block_size: int) -> tuple[list[int], l
     raise ValueError(f"patterns: unknown block id pattern {pattern!r}")
 
 
-def _run_backend(kind: str, blocks: int, block_size: int, reps: int, patterns: list[str], copier, log):
+def _run_backend(kind: str, blocks: int, block_size: int, reps: int, patterns: list[str], copier, log,
+                 kv_dtype: str = DTYPE):  # fmt: skip
     """Per (pattern, "one send" | "per layer"): (median s, best s, median of copy_ s / transfer s)."""
-    from disagg.worker.kv_transfer import KVLayout, create_transport
+    from disagg.worker.kv_transfer import create_transport
     from disagg.worker.kv_transfer.region_runs import find_runs
 
     kind, _, descriptors = kind.partition(":")
@@ -201,10 +229,12 @@ def _run_backend(kind: str, blocks: int, block_size: int, reps: int, patterns: l
     pool = _pool(blocks)
     ctx = mp.get_context("spawn")
     commands, replies = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_receiver, args=(kind, pool, block_size, commands, replies), daemon=True)
+    proc = ctx.Process(
+        target=_receiver, args=(kind, pool, block_size, kv_dtype, commands, replies), daemon=True
+    )
     proc.start()
-    cache = _cache(pool, block_size, seed=2)
-    sender = create_transport(kind, cache, KVLayout.from_tensor(cache, MODEL), "bench-prefill", **options)
+    cache = _cache(pool, block_size, seed=2, kv_dtype=kv_dtype)
+    sender = create_transport(kind, cache, _layout(cache, block_size, kv_dtype), "bench-prefill", **options)
     sender.add_peer("decode", replies.get(timeout=120))
     results = {}
     modes = [
@@ -261,12 +291,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--patterns", default="contiguous,churned,scattered", help="block id patterns, see the module doc"
     )
+    parser.add_argument("--kv-dtypes", default=None, help="per-request figures for these KV dtypes, e.g. "
+                        "float32,bfloat16,int8 (fp8 too); see the module doc")  # fmt: skip
+    parser.add_argument("--prompt-tokens", default="512,2048", help="with --kv-dtypes: prompt lengths")
     args = parser.parse_args(argv)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    block_bytes = 2 * args.block_size * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    if args.kv_dtypes:
+        return per_request(args, log)
+    block_bytes = _layout(_cache(1, args.block_size, 0), args.block_size, DTYPE).block_bytes
     rows = []
     for mib in (int(x) for x in args.sizes.split(",")):
         blocks = max(1, (mib << 20) // (LAYERS * block_bytes))
@@ -307,6 +342,42 @@ def main(argv: list[str] | None = None) -> int:
     for nbytes, kind, pattern, mode, (median, best, ratio, descs, runs) in rows:
         print(f"{nbytes / 2**20:6.0f}Mi {kind:>17} {pattern:>11} {mode:>10} {runs:>9} {descs:>9} {median * 1e3:8.1f} "
               f"{nbytes / median / 2**30:7.2f} {nbytes / best / 2**30:6.2f} {ratio:8.0%}")  # fmt: skip
+    return 0
+
+
+def per_request(args, log) -> int:
+    """Bytes and time to move one prompt's KV, per KV dtype, against float32 in the same command."""
+    kv_dtypes = args.kv_dtypes.split(",")
+    if "float32" not in kv_dtypes:
+        kv_dtypes.insert(0, "float32")  # the reference of the ratios
+    rows = []
+    for tokens in (int(x) for x in args.prompt_tokens.split(",")):
+        blocks = -(-tokens // args.block_size)
+        for kv_dtype in kv_dtypes:
+            block_bytes = _layout(
+                _cache(1, args.block_size, 0, kv_dtype), args.block_size, kv_dtype
+            ).block_bytes
+            nbytes = blocks * LAYERS * block_bytes
+            log(
+                f"{tokens} tokens, KV {kv_dtype}: {blocks} blocks x {LAYERS} layers of {block_bytes} B regions"
+            )
+            copier = _Copier(nbytes)
+            for kind in args.backends.split(","):
+                results = _run_backend(kind, blocks, args.block_size, args.reps, args.patterns.split(","), copier,
+                                       log, kv_dtype)  # fmt: skip
+                for (pattern, mode), (median, best, *_rest) in results.items():
+                    rows.append((tokens, kind, pattern, mode, kv_dtype, nbytes, median, best))
+            del copier
+    reference = {(r[0], r[1], r[2], r[3]): r for r in rows if r[4] == "float32"}
+    print(f"\nKV per request, median of {args.reps} (torch threads: {torch.get_num_threads()}, load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {LAYERS} layers, {KV_HEADS} KV heads, head dim "
+          f"{HEAD_DIM}, block size {args.block_size})")  # fmt: skip
+    print(f"{'tokens':>6} {'transport':>9} {'block ids':>10} {'sends':>9} {'KV':>8} {'bytes':>10} {'B/token':>8} "
+          f"{'ms':>8} {'best':>7} {'bytes vs f32':>12} {'time vs f32':>11}")  # fmt: skip
+    for tokens, kind, pattern, mode, kv_dtype, nbytes, median, best in rows:
+        ref = reference[(tokens, kind, pattern, mode)]
+        print(f"{tokens:6d} {kind:>9} {pattern:>10} {mode:>9} {kv_dtype:>8} {nbytes:10d} {nbytes / tokens:8.0f} "
+              f"{median * 1e3:8.2f} {best * 1e3:7.2f} {nbytes / ref[5]:12.3f} {median / ref[6]:11.3f}")  # fmt: skip
     return 0
 
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
-from disagg.kernels import torch_ops
+from disagg.kernels import kv_quant, torch_ops
 
 OP_NAMES = (
     "rms_norm",
@@ -23,24 +23,28 @@ OP_NAMES = (
     "prefill_attention",
     "decode_attention",
 )
+# over a quantized KV cache (`kv_quant`): the torch twins there, the Triton kernels in triton_kv_quant
+KV_QUANT_OP_NAMES = ("write_kv_quantized", "decode_attention_quantized")
 
 
-def _namespace(module, backend: str) -> SimpleNamespace:
-    return SimpleNamespace(backend=backend, **{name: getattr(module, name) for name in OP_NAMES})
+def _namespace(module, kv_module, backend: str) -> SimpleNamespace:
+    ops = {name: getattr(module, name) for name in OP_NAMES}
+    ops.update({name: getattr(kv_module, name) for name in KV_QUANT_OP_NAMES})
+    return SimpleNamespace(backend=backend, **ops)
 
 
 def get_ops(device: str | torch.device) -> SimpleNamespace:
-    """The op table for `device`: attributes named as in OP_NAMES plus `backend`."""
+    """The op table for `device`: attributes named as in OP_NAMES and KV_QUANT_OP_NAMES, plus `backend`."""
     choice = os.environ.get("DISAGG_KERNELS", "auto").lower()
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"DISAGG_KERNELS must be auto, torch or triton, got {choice!r}")
     on_cuda = torch.device(device).type == "cuda"
     if choice == "triton" or (choice == "auto" and on_cuda):
         try:
-            from disagg.kernels import triton_ops
+            from disagg.kernels import triton_kv_quant, triton_ops
         except ImportError:
             if choice == "triton":
                 raise
         else:
-            return _namespace(triton_ops, "triton")
-    return _namespace(torch_ops, "torch")
+            return _namespace(triton_ops, triton_kv_quant, "triton")
+    return _namespace(torch_ops, kv_quant, "torch")

@@ -100,9 +100,9 @@ static void residual_norm(const float *res, const float *add, float *res_out, co
 /* Rotary embedding of one token's KV head kvh and its group of query heads, in place in the
  * fused qkv row, then that head's K and V written to the cache at slot (negative: not written).
  * Work items of distinct heads touch disjoint memory, so they need no barrier between them. */
-static void rotary_write_kv_head(float *qkv_row, const float *cos_sin, int64_t position, float *kv,
+static void rotary_write_kv_head(float *qkv_row, const float *cos_sin, int64_t position, void *kv,
                                  int64_t slot, int64_t hq, int64_t hkv, int64_t d, int64_t kvh,
-                                 int64_t block_size) {
+                                 int64_t block_size, int64_t region_bytes, int fp8) {
     const int64_t half = d / 2, group = hq / hkv;
     const float *c = cos_sin + position * d, *s = c + half;
     for (int64_t i = 0; i <= group; i++) {
@@ -116,24 +116,34 @@ static void rotary_write_kv_head(float *qkv_row, const float *cos_sin, int64_t p
         }
     }
     if (slot < 0) return;
+    if (region_bytes) { /* a quantized cache: K then V of this head, each with its scale */
+        uint8_t *region = (uint8_t *)kv + (slot / block_size) * region_bytes;
+        float *scales = (float *)(region + 2 * block_size * hkv * d);
+        for (int64_t i = 0; i < 2; i++) {
+            const int64_t at = (i * block_size + slot % block_size) * hkv + kvh;
+            kv_q8_quantize_head(qkv_row + (hq + i * hkv + kvh) * d, d, fp8, region + at * d, scales + at);
+        }
+        return;
+    }
     const int64_t row = hkv * d;
-    float *k_dst = kv + (slot / block_size) * 2 * block_size * row + (slot % block_size) * row + kvh * d;
+    float *k_dst = (float *)kv + (slot / block_size) * 2 * block_size * row + (slot % block_size) * row + kvh * d;
     memcpy(k_dst, qkv_row + (hq + kvh) * d, d * sizeof(float));
     memcpy(k_dst + block_size * row, qkv_row + (hq + hkv + kvh) * d, d * sizeof(float));
 }
 
 /* residual [batch][hidden]: the tokens' embeddings in, the last layer's residual stream out.
  * kv: the whole cache [layers][blocks][2][block_size][Hkv][D]; layer_stride floats per layer.
+ * (decode_step_kvq8: a quantized cache, byte regions of region_bytes; layer_stride bytes per layer.)
  * work: scratch of decode_step_work_floats(...) floats. logits: [batch][vocab].
  * Positions, slots and block ids are trusted (checked once per step by the caller); a sequence
  * length outside [1, max_len] returns -1 before anything is written.
  *
  * Barriers: one closing each GEMV, the K/V write and the attention, none for the small ops (see above). */
-int decode_step_f32(const decode_model_f32 *m, float *residual, int64_t batch, const int64_t *positions,
-                    const int64_t *slot_mapping, float *kv, int64_t layer_stride, int64_t block_size,
-                    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-                    int64_t max_len, float *logits, float *work, int64_t num_threads,
-                    double *phase_seconds) {
+static int decode_step(const decode_model_f32 *m, float *residual, int64_t batch, const int64_t *positions,
+                       const int64_t *slot_mapping, void *kv, int64_t layer_stride, int64_t block_size,
+                       int64_t region_bytes, int fp8, const int32_t *block_tables, int64_t table_stride,
+                       const int32_t *seq_lens, int64_t max_len, float *logits, float *work,
+                       int64_t num_threads, double *phase_seconds) {
     for (int64_t b = 0; b < batch; b++)
         if (seq_lens[b] < 1 || seq_lens[b] > max_len) return -1;
     const int64_t h = m->hidden, inter = m->inter, d = m->head_dim, hq = m->num_q_heads, hkv = m->num_kv_heads;
@@ -164,7 +174,8 @@ int decode_step_f32(const decode_model_f32 *m, float *residual, int64_t batch, c
     }
         for (int64_t l = 0; l < m->num_layers; l++) {
             const decode_layer_f32 *w = &m->layers[l];
-            float *layer_kv = kv + l * layer_stride;
+            void *layer_kv = region_bytes ? (void *)((uint8_t *)kv + l * layer_stride)
+                                          : (void *)((float *)kv + l * layer_stride);
             if (l == 0)
                 residual_norm(res, 0, 0, w->input_norm, normed, batch, h, m->eps);
             else
@@ -180,15 +191,20 @@ int decode_step_f32(const decode_model_f32 *m, float *residual, int64_t batch, c
             for (int64_t item = 0; item < batch * hkv; item++) {
                 const int64_t b = item / hkv, kvh = item % hkv;
                 rotary_write_kv_head(qkv + b * qkv_width, m->cos_sin, positions[b], layer_kv, slot_mapping[b], hq,
-                                     hkv, d, kvh, block_size);
+                                     hkv, d, kvh, block_size, region_bytes, fp8);
             }
 #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < batch * hkv; item++) {
                 const int64_t b = item / hkv, kvh = item % hkv;
                 float *row = qkv + b * qkv_width;
-                decode_attention_head_f32(row + kvh * group * d, layer_kv, block_tables + b * table_stride,
-                                          seq_lens[b], group, d, kvh, hkv, block_size, m->scale, scores,
-                                          attn + b * q_width + kvh * group * d);
+                if (region_bytes)
+                    decode_attention_head_q8(row + kvh * group * d, layer_kv, block_tables + b * table_stride,
+                                             seq_lens[b], group, d, kvh, hkv, block_size, region_bytes, fp8,
+                                             m->scale, scores, attn + b * q_width + kvh * group * d);
+                else
+                    decode_attention_head_f32(row + kvh * group * d, layer_kv, block_tables + b * table_stride,
+                                              seq_lens[b], group, d, kvh, hkv, block_size, m->scale, scores,
+                                              attn + b * q_width + kvh * group * d);
             }
             MARK(PH_ATTENTION)
 #pragma omp for schedule(dynamic, 1)
@@ -217,6 +233,26 @@ int decode_step_f32(const decode_model_f32 *m, float *residual, int64_t batch, c
         if (thread == 0 && res != residual) memcpy(residual, res, batch * h * sizeof(float));
     }
     return 0;
+}
+
+int decode_step_f32(const decode_model_f32 *m, float *residual, int64_t batch, const int64_t *positions,
+                    const int64_t *slot_mapping, float *kv, int64_t layer_stride, int64_t block_size,
+                    const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                    int64_t max_len, float *logits, float *work, int64_t num_threads,
+                    double *phase_seconds) {
+    return decode_step(m, residual, batch, positions, slot_mapping, kv, layer_stride, block_size, 0, 0,
+                       block_tables, table_stride, seq_lens, max_len, logits, work, num_threads, phase_seconds);
+}
+
+/* decode_step_f32 over a quantized cache (head_dim <= 512, checked by the caller). */
+int decode_step_kvq8(const decode_model_f32 *m, float *residual, int64_t batch, const int64_t *positions,
+                     const int64_t *slot_mapping, uint8_t *kv, int64_t layer_stride, int64_t block_size,
+                     int64_t region_bytes, int fp8, const int32_t *block_tables, int64_t table_stride,
+                     const int32_t *seq_lens, int64_t max_len, float *logits, float *work, int64_t num_threads,
+                     double *phase_seconds) {
+    return decode_step(m, residual, batch, positions, slot_mapping, kv, layer_stride, block_size, region_bytes,
+                       fp8, block_tables, table_stride, seq_lens, max_len, logits, work, num_threads,
+                       phase_seconds);
 }
 
 /* Floats of scratch decode_step_f32 needs. */

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from disagg.kernels import cpu_native
+from disagg.kernels.kv_quant import KVQuantFormat
 from disagg.kernels.quantized import QuantizedWeight
 
 # Up to here the kernel, one weight row against up to four inputs, beats torch's GEMM clearly
@@ -179,18 +180,37 @@ class NativeDecodeStep:
         kv_caches: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
+        kv_format: KVQuantFormat | None = None,
     ) -> torch.Tensor:
         """hidden [B, H]: the tokens' embeddings (overwritten: the residual stream). kv_caches:
-        the whole model's cache [layers, blocks, 2, block_size, Hkv, D], contiguous float32.
+        the whole model's cache [layers, blocks, 2, block_size, Hkv, D], contiguous float32, or
+        with `kv_format` a quantized cache [layers, blocks, region_bytes] of that format.
         block_tables [B, W] and seq_lens [B] as for decode attention (any int dtype)."""
-        cpu_native._check_f32(hidden=hidden, kv_caches=kv_caches)
+        cpu_native._check_f32(hidden=hidden)
         b = hidden.shape[0]
         if hidden.shape[1] != self.hidden or not 0 < b <= MAX_BATCH:
             raise ValueError(f"hidden {tuple(hidden.shape)}: need [1..{MAX_BATCH}, {self.hidden}]")
         m = self._model
-        if kv_caches.shape[0] != m.num_layers or kv_caches.shape[4:] != (m.num_kv_heads, m.head_dim):
-            raise ValueError(f"kv_caches {tuple(kv_caches.shape)} do not match the model")
-        num_blocks, block_size = kv_caches.shape[1], kv_caches.shape[3]
+        if kv_format is None:
+            cpu_native._check_f32(kv_caches=kv_caches)
+            if kv_caches.shape[0] != m.num_layers or kv_caches.shape[4:] != (m.num_kv_heads, m.head_dim):
+                raise ValueError(f"kv_caches {tuple(kv_caches.shape)} do not match the model")
+            num_blocks, block_size = kv_caches.shape[1], kv_caches.shape[3]
+        else:
+            shape = kv_format.cache_shape(m.num_layers, kv_caches.shape[1])
+            if (kv_format.num_kv_heads, kv_format.head_dim) != (
+                m.num_kv_heads,
+                m.head_dim,
+            ) or m.head_dim > 512:
+                raise ValueError(f"kv_format {kv_format} does not match the model (or head_dim > 512)")
+            if (
+                kv_caches.dtype != torch.uint8
+                or tuple(kv_caches.shape) != shape
+                or not kv_caches.is_contiguous()
+            ):
+                raise ValueError(f"kv_caches: expected contiguous uint8 {shape}, got {kv_caches.dtype} "
+                                 f"{tuple(kv_caches.shape)}")  # fmt: skip
+            num_blocks, block_size = kv_caches.shape[1], kv_format.block_size
         cpu_native.check_step_bounds(positions, slot_mapping, self.max_positions, num_blocks * block_size)
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
@@ -206,12 +226,19 @@ class NativeDecodeStep:
         logits = torch.empty(b, self.vocab_size, dtype=torch.float32)
         if self.phase_seconds is not None and self.phase_seconds.dtype != torch.float64:
             raise TypeError("phase_seconds must be float64")
-        code = self._lib.decode_step_f32(
-            ctypes.byref(m), hidden.data_ptr(), b, positions.data_ptr(), slot_mapping.data_ptr(),
-            kv_caches.data_ptr(), kv_caches.stride(0), block_size, tables.data_ptr(), tables.stride(0),
-            lens.data_ptr(), max_len, logits.data_ptr(), self._work.data_ptr(), threads,
-            None if self.phase_seconds is None else self.phase_seconds.data_ptr(),
-        )  # fmt: skip
+        phases = None if self.phase_seconds is None else self.phase_seconds.data_ptr()
+        head = (ctypes.byref(m), hidden.data_ptr(), b, positions.data_ptr(), slot_mapping.data_ptr())
+        tail = (tables.data_ptr(), tables.stride(0), lens.data_ptr(), max_len, logits.data_ptr(),
+                self._work.data_ptr(), threads, phases)  # fmt: skip
+        if kv_format is None:
+            code = self._lib.decode_step_f32(
+                *head, kv_caches.data_ptr(), kv_caches.stride(0), block_size, *tail
+            )
+        else:
+            code = self._lib.decode_step_kvq8(
+                *head, kv_caches.data_ptr(), kv_caches.stride(0), block_size, kv_format.region_bytes,
+                int(kv_format.name == "fp8"), *tail,
+            )  # fmt: skip
         if code:
             raise ValueError(f"seq_lens: every length must be in [1, {max_len}]")
         return logits

@@ -35,6 +35,15 @@ void decode_attention_head_f32(const float *q, const float *kv, const int32_t *t
                                int64_t group, int64_t head_dim, int64_t kv_head, int64_t num_kv_heads,
                                int64_t block_size, float scale, float *scores, float *out);
 
+/* The same over one layer of a quantized cache (cpu_kv_quant.c: byte regions of 8-bit values, then
+ * float32 scales; fp8 selects e4m3 values, else int8). D <= 512. */
+void decode_attention_head_q8(const float *q, const uint8_t *cache, const int32_t *table, int64_t len,
+                              int64_t group, int64_t head_dim, int64_t kv_head, int64_t num_kv_heads,
+                              int64_t block_size, int64_t region_bytes, int fp8, float scale, float *scores,
+                              float *out);
+/* One head's D values quantized into dst (8-bit) with their scale, as the quantized cache stores them. */
+void kv_q8_quantize_head(const float *x, int64_t head_dim, int fp8, uint8_t *dst, float *scale_out);
+
 /* Weight rows handed out to a thread at a time: small enough that a late thread catches up on a
  * shared machine, large enough that taking one (an atomic increment) costs nothing next to
  * reading the rows. */

@@ -39,6 +39,7 @@ _SOURCES = tuple(
         "cpu_gemv_int8.c",
         "cpu_gemv_fp8.c",
         "cpu_decode_step.c",
+        "cpu_kv_quant.c",
     )
 )
 _HEADER = Path(__file__).with_name("cpu_kernels.h")
@@ -177,8 +178,17 @@ def _load() -> ctypes.CDLL:
         "gemv_fp8": ([p, p, p, p, p, i64, i64, i64, i64], None),
         "fp8_to_f32": ([p, p, i64, i64], None),
         "decode_step_f32": ([p, p, i64, p, p, p, i64, i64, p, i64, p, i64, p, p, i64, p], ctypes.c_int),
+        "decode_step_kvq8": (
+            [p, p, i64, p, p, p, i64, i64, i64, ctypes.c_int, p, i64, p, i64, p, p, i64, p],
+            ctypes.c_int,
+        ),
         "decode_step_work_floats": ([p, i64, i64, i64], i64),
         "decode_step_phases": ([], i64),
+        "rotary_write_kv_q8": ([p, i64, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_int], None),
+        "paged_decode_attention_q8": (
+            [p, i64, p, p, i64, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_int, f32, p, i64, i64],
+            ctypes.c_int,
+        ),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)

@@ -132,6 +132,7 @@ class Model:
     source: ModelSource
     dtype: str = "auto"
     quantization: str = "auto"
+    kv_cache_dtype: str = "auto"
     max_model_length: int | None = None
 
 
@@ -356,6 +357,7 @@ def parse_spec(spec: dict) -> Spec:
             quantization=_choice(
                 model, "quantization", "spec.model", ("auto", "none", "int8", "fp8"), "auto"
             ),
+            kv_cache_dtype=_choice(model, "kvCacheDtype", "spec.model", ("auto", "int8", "fp8"), "auto"),
             max_model_length=_int(model, "maxModelLength", "spec.model", None, 1),
         ),
         image=Image(

@@ -141,6 +141,8 @@ def _args(idep: InferenceDeployment, role: Role) -> list[str]:
         spec.model.dtype,
         cli_flag("quantization"),
         spec.model.quantization,
+        cli_flag("kv_cache_dtype"),
+        spec.model.kv_cache_dtype,
         "--drain-timeout",
         f"{drain_timeout(role.termination_grace_seconds):g}",
     ]

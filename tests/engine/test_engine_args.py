@@ -63,6 +63,9 @@ def test_crd_defaults_agree():
         quantization = spec["model"]["properties"]["quantization"]
         assert quantization["default"] == FIELDS["quantization"], path
         assert set(quantization["enum"]) == {"auto", "none", *engine_args.QUANTIZATIONS}, path
+        kv_dtype = spec["model"]["properties"]["kvCacheDtype"]
+        assert kv_dtype["default"] == FIELDS["kv_cache_dtype"], path
+        assert set(kv_dtype["enum"]) == {"auto", *engine_args.KV_CACHE_DTYPES}, path
         speculative = spec["speculativeDecoding"]["properties"]
         assert speculative["numTokens"]["default"] == FIELDS["num_speculative_tokens"], path
         assert set(speculative["method"]["enum"]) == set(engine_args.SPECULATIVE_METHODS), path

@@ -123,6 +123,7 @@ def test_cpu_example_generates_the_tiny_model():
     assert args[args.index("--model") + 1] == "/models/model"
     assert args[args.index("--dtype") + 1] == "float32"
     assert args[args.index("--quantization") + 1] == "auto"  # the CRD default, passed through
+    assert args[args.index("--kv-cache-dtype") + 1] == "auto"
     assert args[args.index("--redis-url") + 1] == "redis://tiny-redis.default.svc:6379/0"
 
 
@@ -135,6 +136,18 @@ def test_quantization_is_passed_to_the_workers():
         assert args[args.index("--quantization") + 1] == "int8"
     body["spec"]["model"]["quantization"] = "int4"
     with pytest.raises(specs.SpecError, match="spec.model.quantization"):
+        children(body)
+
+
+def test_kv_cache_dtype_is_passed_to_the_workers():
+    body = load_example("cpu-tiny.yaml")
+    body["spec"]["model"]["kvCacheDtype"] = "int8"
+    kids = children(body)
+    for role in ("prefill", "decode"):
+        args = kids["StatefulSet", f"tiny-{role}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--kv-cache-dtype") + 1] == "int8"
+    body["spec"]["model"]["kvCacheDtype"] = "int4"
+    with pytest.raises(specs.SpecError, match="spec.model.kvCacheDtype"):
         children(body)
 
 

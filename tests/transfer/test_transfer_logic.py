@@ -140,3 +140,33 @@ def test_handshake_between_workers_split_differently():
     with pytest.raises(IncompatiblePeer, match="head_dim"):
         decode_handshake(encode_handshake(_layout(num_kv_heads=4, head_dim=32), "nixl", "d"), local, "nixl",
                          cross_tp=True)  # fmt: skip
+
+
+def test_quantized_layout_covers_values_and_scales_and_refuses_mismatches():
+    from disagg.kernels.kv_quant import KVQuantFormat
+
+    fmt = KVQuantFormat("int8", block_size=4, num_kv_heads=2, head_dim=8)
+    cache = fmt.allocate(3, 7, "cpu")
+    geometry = ("bfloat16", 4, 2, 8)
+    layout = KVLayout.from_tensor(cache, "m", kv_cache_dtype="int8", quantized_geometry=geometry)
+    assert (layout.num_layers, layout.num_blocks, layout.dtype, layout.itemsize) == (3, 7, "bfloat16", 1)
+    # a region is the 8-bit values and their scales: what a transfer moves per (layer, block)
+    assert layout.block_bytes == fmt.region_bytes == cache[0, 0].numel()
+    assert fmt.scales(cache[1, 5]).data_ptr() < cache.data_ptr() + (1 * 7 + 5 + 1) * layout.block_bytes
+    assert cache[1, 5].data_ptr() - cache.data_ptr() == (1 * 7 + 5) * layout.block_bytes
+    layout.check_tensor(cache)
+    with pytest.raises(ValueError, match="quantized_geometry"):
+        KVLayout.from_tensor(cache, "m", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache: a int8 KV cache is uint8"):
+        KVLayout.from_tensor(cache, "m", kv_cache_dtype="int8", quantized_geometry=("bfloat16", 8, 2, 8))
+    # the handshake refuses a peer that stores its KV otherwise, naming the field
+    local = encode_handshake(layout, "nixl", "d")
+    fp8 = KVLayout.from_tensor(cache, "m", kv_cache_dtype="fp8", quantized_geometry=geometry)
+    assert fp8.block_bytes == layout.block_bytes and fp8.compat_hash() != layout.compat_hash()
+    with pytest.raises(IncompatiblePeer, match="kv_cache_dtype: local 'fp8', peer 'int8'"):
+        decode_handshake(local, fp8, "nixl")
+    full = KVLayout.from_tensor(torch.zeros(3, 7, 2, 4, 2, 8, dtype=torch.bfloat16), "m")
+    with pytest.raises(IncompatiblePeer, match="kv_cache_dtype: local 'auto', peer 'int8'"):
+        decode_handshake(local, full, "nixl")
+    _, remote = decode_handshake(local, layout, "nixl")
+    assert remote.block_bytes == layout.block_bytes

@@ -18,6 +18,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "fp8")
+KV_CACHE_DTYPES = ("int8", "fp8")
 SPECULATIVE_METHODS = ("ngram", "draft")
 ENV_PREFIX = "DISAGG_"
 
@@ -49,6 +50,12 @@ class EngineArgs:
         "weights of the layers' matmuls: int8 (per-channel scales, activations stay in dtype) or fp8 "
         "(e4m3, per-channel scales); auto: the checkpoint's own (compressed-tensors), else none",
         choices=("auto", "none", *QUANTIZATIONS),
+    )
+    kv_cache_dtype: str = _setting(
+        "auto",
+        "how the KV cache stores K and V: int8 or fp8 (e4m3), one float32 scale per token and KV head "
+        "kept inside each block; auto: the model's dtype",
+        choices=("auto", *KV_CACHE_DTYPES),
     )
     device: str = _setting("auto", "cpu, cuda or cuda:N; auto: cuda when a GPU is visible, else cpu")
     block_size: int = _setting(16, "tokens per KV-cache block", minimum=1)
@@ -163,6 +170,10 @@ class EngineArgs:
         if self.tensor_parallel_size > 1 and self.quantization in QUANTIZATIONS:
             raise ValueError(
                 "quantization: 8-bit weights are not supported with tensor_parallel_size > 1 yet"
+            )
+        if self.tensor_parallel_size > 1 and self.kv_cache_dtype in KV_CACHE_DTYPES:
+            raise ValueError(
+                "kv_cache_dtype: a quantized KV cache is not supported with tensor_parallel_size > 1 yet"
             )
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ValueError(

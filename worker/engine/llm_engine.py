@@ -111,6 +111,7 @@ class LLMEngine:
                 model, dtype=dtype, device=device, tp=None if self.ranks is None else self.ranks.tp,
                 quantization_setting=args.quantization,
             )  # fmt: skip
+            self.model.use_kv_cache_dtype(args.kv_cache_dtype)
             self._build(args, block_size, max_num_seqs, load_tokenizer)
         except BaseException:
             self.close()

@@ -2,6 +2,8 @@
 
 The cache is one tensor [num_layers, num_blocks, 2, block_size, kv_heads, head_dim], so region
 (layer, block) is the contiguous byte range starting at (layer * num_blocks + block) * block_bytes.
+A quantized cache is bytes [num_layers, num_blocks, block_bytes] whose regions hold the 8-bit
+values and their scales (`disagg.kernels.kv_quant`): moving whole regions moves both.
 Peers may have different num_blocks; everything else must match, which the compatibility hash checks.
 That includes how the values are stored (`kv_cache_dtype`: "auto", the cache's dtype itself;
 "int8" / "fp8" name 8-bit values with scales) and the weights' quantization that computed them:
@@ -14,6 +16,8 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
+
+from disagg.kernels.kv_quant import region_bytes
 
 PROTOCOL_VERSION = 2  # 2: kv_cache_dtype and weight_quantization in the layout
 
@@ -72,9 +76,15 @@ class KVLayout:
         model_kv_heads: int | None = None,
         kv_cache_dtype: str = "auto",
         weight_quantization: str = "none",
+        quantized_geometry: tuple[str, int, int, int] | None = None,
     ) -> KVLayout:
         """The layout of `kv_cache`; with tensor parallelism, `kv_cache` is one rank's part and
-        `model_kv_heads` the model's total."""
+        `model_kv_heads` the model's total. A quantized cache (`kv_cache_dtype` int8 / fp8) is
+        bytes, so `quantized_geometry` says what its regions hold: (the model's dtype, which
+        computed the values, block_size, kv_heads, head_dim)."""
+        if kv_cache_dtype != "auto":
+            return cls._from_quantized(kv_cache, model_id, tp_size, model_kv_heads, kv_cache_dtype,
+                                       weight_quantization, quantized_geometry)  # fmt: skip
         if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
             raise ValueError(
                 "kv_cache: expected shape [num_layers, num_blocks, 2, block_size, kv_heads, head_dim], "
@@ -95,6 +105,30 @@ class KVLayout:
             weight_quantization=weight_quantization,
         )
 
+    @classmethod
+    def _from_quantized(cls, kv_cache, model_id, tp_size, model_kv_heads, kv_cache_dtype, weight_quantization,
+                        geometry) -> KVLayout:  # fmt: skip
+        if geometry is None:
+            raise ValueError(
+                f"quantized_geometry: a {kv_cache_dtype} KV cache needs (dtype, block_size, kv_heads, head_dim)"
+            )
+        dtype, block_size, heads, head_dim = geometry
+        expected = region_bytes(block_size, heads, head_dim)
+        if kv_cache.dim() != 3 or kv_cache.dtype != torch.uint8 or kv_cache.shape[2] != expected:
+            raise ValueError(
+                f"kv_cache: a {kv_cache_dtype} KV cache is uint8 [num_layers, num_blocks, {expected}], "
+                f"got {kv_cache.dtype} {tuple(kv_cache.shape)}"
+            )
+        return cls(
+            model_id=model_id, dtype=dtype, num_layers=kv_cache.shape[0], num_blocks=kv_cache.shape[1],
+            block_size=block_size, num_kv_heads=heads, head_dim=head_dim, tp_size=tp_size,
+            model_kv_heads=model_kv_heads, kv_cache_dtype=kv_cache_dtype, weight_quantization=weight_quantization,
+        )  # fmt: skip
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_cache_dtype != "auto"
+
     @property
     def tp_key(self) -> tuple[int, int]:
         """(ranks, KV heads of the model): two workers' caches split the same way when equal."""
@@ -102,11 +136,14 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
+        """Bytes of one stored K/V value (1 in a quantized cache; `dtype` is then what computed it)."""
+        return 1 if self.quantized else _ITEMSIZE[self.dtype]
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one (layer, block) region: K and V of block_size tokens."""
+        """Bytes of one (layer, block) region: K and V of block_size tokens (and their scales)."""
+        if self.quantized:
+            return region_bytes(self.block_size, self.num_kv_heads, self.head_dim)
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
 
     @property
@@ -134,7 +171,7 @@ class KVLayout:
         """The tensor a transport registers must be exactly this layout, contiguous."""
         actual = KVLayout.from_tensor(
             kv_cache, self.model_id, self.tp_size, self.model_kv_heads, self.kv_cache_dtype,
-            self.weight_quantization,
+            self.weight_quantization, (self.dtype, self.block_size, self.num_kv_heads, self.head_dim),
         )  # fmt: skip
         if actual != self:
             raise ValueError(f"kv_cache: tensor layout {actual} does not match the given layout {self}")

@@ -7,6 +7,7 @@ same model runs the torch twins on CPU and Triton kernels on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from disagg.kernels import cpu_decode_step, cpu_native, get_ops, torch_ops
+from disagg.kernels import cpu_decode_step, cpu_kv_quant, cpu_native, get_ops, torch_ops
+from disagg.kernels.kv_quant import KVQuantFormat, QuantizedKVStep
 from disagg.kernels.quantized import QuantizedWeight, linear
 from disagg.worker.model.config import ModelConfig, RopeConfig
 from disagg.worker.model.forward_batch import ForwardBatch
@@ -184,16 +186,37 @@ class LlamaForCausalLM:
         # the native whole-step decode takes float32 and 8-bit (int8 / fp8) matmul weights
         mats = [getattr(layer, name) for layer in weights.layers for name in cpu_decode_step.MATMULS]
         self._whole_step_native = all(cpu_decode_step.supports(t) for t in (*mats, weights.lm_head))
+        self.kv_cache_dtype = "auto"  # the model's dtype; int8 / fp8: `use_kv_cache_dtype`
+        self.kv_format: KVQuantFormat | None = None  # set when a quantized cache is allocated
+
+    def use_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """Store K/V as `kv_cache_dtype` (auto | int8 | fp8) in caches allocated from now on."""
+        if kv_cache_dtype != "auto":
+            KVQuantFormat(kv_cache_dtype, 1, self.num_kv_heads, self.head_dim)  # validates
+        self.kv_cache_dtype = kv_cache_dtype
+
+    def kv_cache_format(self, block_size: int) -> KVQuantFormat | None:
+        """The quantized cache's format at `block_size`; None for a cache in the model's dtype."""
+        if self.kv_cache_dtype == "auto":
+            return None
+        return KVQuantFormat(self.kv_cache_dtype, block_size, self.num_kv_heads, self.head_dim)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of the whole model's KV cache: [layers, blocks, 2 (K, V), block_size, Hkv, D]."""
+        """Shape of the whole model's KV cache: [layers, blocks, 2 (K, V), block_size, Hkv, D];
+        a quantized cache is bytes [layers, blocks, region_bytes] (`KVQuantFormat`)."""
+        if (fmt := self.kv_cache_format(block_size)) is not None:
+            return fmt.cache_shape(self.num_layers, num_blocks)
         return (self.num_layers, num_blocks, 2, block_size, self.num_kv_heads, self.head_dim)
 
     def kv_cache_block_bytes(self, block_size: int) -> int:
         """Bytes one block takes across all layers (for sizing the cache from a memory budget)."""
-        return math.prod(self.kv_cache_shape(1, block_size)) * self.dtype.itemsize
+        itemsize = 1 if self.kv_cache_dtype != "auto" else self.dtype.itemsize
+        return math.prod(self.kv_cache_shape(1, block_size)) * itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        self.kv_format = self.kv_cache_format(block_size)
+        if self.kv_format is not None:
+            return self.kv_format.allocate(self.num_layers, num_blocks, self.device)
         return torch.zeros(self.kv_cache_shape(num_blocks, block_size), dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
@@ -214,13 +237,24 @@ class LlamaForCausalLM:
         if self._native_ok(kv_caches):
             return self._forward_native(batch, kv_caches, layer_hook)
         ops, w, eps = self.ops, self.weights, self.config.rms_norm_eps
+        quantized = None  # a quantized cache: the op table's 8-bit writes and decode attention
+        if kv_caches.dtype == torch.uint8:
+            if self.kv_format is None:
+                raise ValueError("kv_caches: a byte (quantized) cache needs the model's kv_cache_dtype set")
+            quantized = self.kv_format
+            # prompt chunks attend over the step's blocks dequantized (no 8-bit prefill kernel yet)
+            prefill = (
+                QuantizedKVStep(quantized, batch.block_tables, batch.seq_lens, self.dtype)
+                if batch.is_prefill
+                else None
+            )
         num_tokens = batch.input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = self._q_size, self._q_size + self._kv_size
 
         # The plain-torch path does once per step what every layer would otherwise redo: the
         # cos/sin rows of the positions, the cache rows of the K/V writes, the decode gather plan.
-        planned = self.ops.backend == "torch" and kv_caches.is_contiguous()
+        planned = quantized is None and self.ops.backend == "torch" and kv_caches.is_contiguous()
         if planned:
             block_size = kv_caches.shape[3]
             cos, sin = torch_ops.rotary_cos_sin(batch.positions, self.cos_sin_cache)
@@ -263,10 +297,15 @@ class LlamaForCausalLM:
                 torch_ops.write_kv_rows(k, v, kv_cache, keep, k_rows)
             else:
                 ops.rotary_embedding(batch.positions, q, k, self.cos_sin_cache)
-                ops.write_kv_cache(k, v, kv_cache, batch.slot_mapping)
+                if quantized is None:
+                    ops.write_kv_cache(k, v, kv_cache, batch.slot_mapping)
+                else:
+                    ops.write_kv_quantized(k, v, kv_cache, batch.slot_mapping, quantized)
             if layer_hook is not None:
                 layer_hook(i)
-            if batch.is_prefill:
+            if quantized is not None:
+                attn = self._attention_quantized(q, kv_cache, batch, prefill)
+            elif batch.is_prefill:
                 attn = prefill_step_attention(ops, q, k, v, kv_cache, batch, self.scale)
             elif fast and single is not None:
                 attn = decode_attention_one_group(q, kv_cache, single, self.scale)
@@ -293,6 +332,25 @@ class LlamaForCausalLM:
 
     __call__ = forward
 
+    def _attention_quantized(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, prefill: QuantizedKVStep | None
+    ) -> torch.Tensor:
+        """Attention of one layer over a quantized cache (already holding this step's K/V). Prompt
+        chunks attend to their own K/V as the cache holds them, as later steps will: a token's
+        output does not depend on how its prompt was chunked, cached or where it was prefilled."""
+        ops, fmt, nd = self.ops, self.kv_format, batch.num_decodes if batch.is_prefill else q.shape[0]
+        decode = functools.partial(
+            ops.decode_attention_quantized, layer_cache=kv_cache, block_tables=batch.block_tables[:nd],
+            seq_lens=batch.seq_lens[:nd], scale=self.scale, fmt=fmt,
+        )  # fmt: skip
+        if not batch.is_prefill:
+            return decode(q)
+        k, v = fmt.read_rows(kv_cache, batch.slot_mapping, q.dtype)
+        chunks = dataclasses.replace(batch, block_tables=prefill.tables)
+        return prefill_step_attention(
+            ops, q, k, v, prefill.layer_cache(kv_cache), chunks, self.scale, decode if nd else None
+        )
+
     # The three places tensor parallelism changes the math; plain torch calls without it.
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -308,11 +366,13 @@ class LlamaForCausalLM:
         return self.tp.lm_head(x, self.weights.lm_head).float()
 
     def _native_ok(self, kv_caches: torch.Tensor) -> bool:
-        """float32 on CPU with the plain-torch op table: the native kernels can take the step."""
+        """float32 on CPU with the plain-torch op table: the native kernels can take the step.
+        A quantized cache: prefill chunks' attention reads the step's blocks dequantized in
+        torch (no native prefill attention reads 8-bit K/V yet); everything else is native."""
         return (
             self.ops.backend == "torch"
             and self.dtype == torch.float32
-            and kv_caches.dtype == torch.float32
+            and kv_caches.dtype == (torch.float32 if self.kv_format is None else torch.uint8)
             and kv_caches.device.type == "cpu"
             and kv_caches.is_contiguous()
             and cpu_native.available()
@@ -337,28 +397,35 @@ class LlamaForCausalLM:
         Decode steps of a few sequences run whole in one native call (`native_decode_step`)."""
         w, eps = self.weights, self.config.rms_norm_eps
         num_tokens = batch.input_ids.shape[0]
+        quantized = self.kv_format  # None: a float32 cache
         whole_step = (
             self.tp is None and layer_hook is None and self._whole_step_native
         )  # no collectives there
         if not batch.is_prefill and whole_step and num_tokens <= cpu_decode_step.MAX_BATCH:
             logits = self.native_decode_step()(
                 F.embedding(batch.input_ids, w.embed), batch.positions, batch.slot_mapping, kv_caches,
-                batch.block_tables, batch.seq_lens,
+                batch.block_tables, batch.seq_lens, quantized,
             )  # fmt: skip
             idx = batch.logits_indices
             return logits if idx.shape[0] == num_tokens else logits.index_select(0, idx)
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = self._q_size, self._q_size + self._kv_size
-        num_blocks, block_size = kv_caches.shape[1], kv_caches.shape[3]
+        num_blocks = kv_caches.shape[1]
+        block_size = kv_caches.shape[3] if quantized is None else quantized.block_size
         cpu_native.check_step_bounds(
             batch.positions, batch.slot_mapping, self.cos_sin_cache.shape[0], num_blocks * block_size
         )
         decode_attention = None
         nd = num_tokens if not batch.is_prefill else batch.num_decodes  # rows of one decode token each
         if nd:  # lengths and tables are the same in every layer of the step
-            decode_attention = cpu_native.PagedDecodeAttention(
-                batch.block_tables[:nd], batch.seq_lens[:nd], hq, hkv, num_blocks
-            )
+            plan = (batch.block_tables[:nd], batch.seq_lens[:nd], hq, hkv, num_blocks)
+            if quantized is None:
+                decode_attention = cpu_native.PagedDecodeAttention(*plan)
+            else:
+                decode_attention = cpu_kv_quant.QuantizedPagedDecodeAttention(quantized, *plan)
+        if quantized is not None and batch.is_prefill:
+            dequantized = QuantizedKVStep(quantized, batch.block_tables, batch.seq_lens, torch.float32)
+            attn_batch = dataclasses.replace(batch, block_tables=dequantized.tables)
         residual = self._embed(batch.input_ids)  # a fresh tensor: the sum accumulates in it
         hidden = cpu_native.add_rms_norm(residual, w.layers[0].input_norm, eps)
         for i, layer in enumerate(w.layers):
@@ -366,14 +433,25 @@ class LlamaForCausalLM:
                 hidden = cpu_native.add_rms_norm(hidden, layer.input_norm, eps, residual)
             qkv = linear(hidden, layer.qkv, layer.qkv_bias)
             kv_cache = kv_caches[i]
-            cpu_native.rotary_write_kv(
-                qkv, self.cos_sin_cache, batch.positions, kv_cache, batch.slot_mapping, hq, hkv
-            )
+            if quantized is None:
+                cpu_native.rotary_write_kv(
+                    qkv, self.cos_sin_cache, batch.positions, kv_cache, batch.slot_mapping, hq, hkv
+                )
+            else:
+                cpu_kv_quant.rotary_write_kv(
+                    qkv, self.cos_sin_cache, batch.positions, kv_cache, batch.slot_mapping, hq, hkv, quantized
+                )
             if layer_hook is not None:
                 layer_hook(i)
             q = qkv[:, :q_end].view(num_tokens, hq, d)
             if not batch.is_prefill:
                 attn = decode_attention(q, kv_cache, self.scale)
+            elif quantized is not None:  # every K/V written natively, the chunks attend in torch
+                k, v = quantized.read_rows(kv_cache, batch.slot_mapping, torch.float32)  # as stored
+                attn = prefill_step_attention(
+                    self.ops, q, k, v, dequantized.layer_cache(kv_cache), attn_batch, self.scale,
+                    decode_attention and functools.partial(decode_attention, kv_cache=kv_cache, scale=self.scale),
+                )  # fmt: skip
             else:
                 k = qkv[:, q_end:k_end].view(num_tokens, hkv, d)
                 v = qkv[:, k_end:].view(num_tokens, hkv, d)

@@ -151,7 +151,8 @@ class ModelRunner:
             keep_freed_cpu_memory()
         self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
         self.graphs = None
-        if self.device.type == "cuda" and cuda_graphs is not False:
+        # a quantized cache's attention finds the step's blocks with a data-dependent size: no graphs
+        if self.device.type == "cuda" and cuda_graphs is not False and model.kv_format is None:
             from disagg.worker.model.cuda_graphs import CudaGraphRunner
 
             max_len = max_model_len or model.max_model_len

@@ -120,8 +120,8 @@ def measure(model_dir: str | Path, transfer_bytes_per_second: float | None = Non
                 engine.abort(rid)
         decode.append([batch, min(runs)])
         say(f"  decode batch {batch:3d}: {decode[-1][1] * 1000:8.1f} ms/step")
-    kv = engine.kv_cache
-    bytes_per_token = kv.element_size() * kv.numel() / (kv.shape[1] * kv.shape[3])  # all layers, K and V
+    # all layers, K and V (and a quantized cache's scales)
+    bytes_per_token = engine.model.kv_cache_block_bytes(engine.block_size) / engine.block_size
     return {
         "model": str(model_dir),
         "machine": f"{platform.machine()} cpus={len(os.sched_getaffinity(0))} load={os.getloadavg()[0]:.1f}",

@@ -63,6 +63,16 @@ def _build_engine(cfg: WorkerConfig):
     return LLMEngine(cfg.engine, rank_authkey=authkey_from_token(token) if token else None)
 
 
+def kv_storage(engine) -> dict:
+    """How the engine's cache stores K/V, as `KVLayout.from_tensor` takes it."""
+    model = engine.model
+    if model.kv_cache_dtype == "auto":
+        return {}
+    dtype = str(model.dtype).removeprefix("torch.")
+    geometry = (dtype, engine.block_size, model.num_kv_heads, model.head_dim)
+    return {"kv_cache_dtype": model.kv_cache_dtype, "quantized_geometry": geometry}
+
+
 def _build_transport(cfg: WorkerConfig, engine, address: str):
     if cfg.role == "both":
         return None  # colocated: no KV ever leaves or arrives
@@ -74,6 +84,7 @@ def _build_transport(cfg: WorkerConfig, engine, address: str):
         engine.args.tensor_parallel_size,
         engine.config.num_key_value_heads,
         weight_quantization=engine.model.quantization,
+        **kv_storage(engine),
     )
     options = {}
     if cfg.kv_transfer == "nixl":
@@ -249,7 +260,9 @@ class WorkerProcess:
 
         self.metrics.weights(engine.model.quantization, opts.dtype, decode_weight_bytes(engine.model.weights))
         block_size = self.cfg.engine.block_size
-        kv_dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
+        kv_dtype = engine.model.kv_cache_dtype  # int8 / fp8: the scales count in the bytes
+        if kv_dtype == "auto":
+            kv_dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
         self.metrics.kv_cache(kv_dtype, engine.model.kv_cache_block_bytes(block_size) // block_size)
         self.service = WorkerService(
             opts, self.loop, core, self.state, self.metrics, engine.max_model_len, auth=self.cfg.auth
