@@ -1,8 +1,8 @@
 """Where one decode step (batch 1 unless `--batch N`) of the engine spends its time, op by op.
 
-    python bench/decode_profile.py [--steps 32] [--threads 2] [--batch 32]
+    python bench/decode_profile.py [--steps 32] [--threads 2] [--batch 32] [--dtype bfloat16]
 
-Runs the `small` preset (float32) through `LLMEngine.step()` with one sequence and the torch
+Runs the `small` preset (float32 unless `--dtype`) through `LLMEngine.step()` with one sequence and the torch
 profiler on: torch ops are recorded as they are; the engine's phases (schedule, batch building,
 forward, sampling, output) and the native kernels' ctypes calls are wrapped in named ranges here; the whole-step native decode
 kernel, when it runs, also reports its own phases (qkv, attention, ... LM head).
@@ -36,11 +36,13 @@ def _ranged(name: str, fn):
 
 def instrument(engine) -> None:
     """Named ranges around the engine's phases and every native kernel call."""
-    from disagg.kernels import cpu_decode_step, cpu_native
+    from disagg.kernels import cpu_bf16, cpu_decode_step, cpu_native
     from disagg.worker.engine import llm_engine
 
     for name in ("add_rms_norm", "silu_and_mul", "rotary_write_kv", "check_step_bounds"):
         setattr(cpu_native, name, _ranged(f"native::{name}", getattr(cpu_native, name)))
+    for name in ("add_rms_norm", "silu_and_mul", "rotary_write_kv", "gemv"):
+        setattr(cpu_bf16, name, _ranged(f"native bf16::{name}", getattr(cpu_bf16, name)))
     gemm = cpu_native.gemm
 
     def gemm_by_shape(x, weight, bias=None):  # one row per weight shape, as aten::mm's
@@ -48,7 +50,11 @@ def instrument(engine) -> None:
             return gemm(x, weight, bias)
 
     cpu_native.gemm = gemm_by_shape
-    for cls in (cpu_native.PagedDecodeAttention, cpu_decode_step.NativeDecodeStep):
+    for cls in (
+        cpu_native.PagedDecodeAttention,
+        cpu_bf16.PagedDecodeAttention,
+        cpu_decode_step.NativeDecodeStep,
+    ):
         cls.__call__ = _ranged(f"native::{cls.__name__}", cls.__call__)
     llm_engine.build_batch = _ranged("engine::build_batch", llm_engine.build_batch)
     engine.scheduler.schedule = _ranged("engine::schedule", engine.scheduler.schedule)
@@ -65,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rows", type=int, default=25, help="table rows printed")
     ap.add_argument("--batch", type=int, default=1, help="sequences decoding together")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument(
         "--per-op",
         action="store_true",
@@ -79,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from disagg.worker.tools.make_model import make_model
 
     make_model(args.model, preset=args.preset, seed=0)
-    engine = LLM(model=str(args.model), dtype="float32").engine
+    engine = LLM(model=str(args.model), dtype=args.dtype).engine
     params = SamplingParams(temperature=0.0, max_tokens=2 * args.steps + 8, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"profile-{i}", list(range(10 + i, 138 + i)), params)
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     phases = None
     model = engine.runner.model
     if (
-        model._native_ok(engine.runner.kv_cache) and not args.per_op
+        model._native_ok(engine.runner.kv_cache) and model._whole_step_native and not args.per_op
     ):  # the whole-step kernel times its own phases
         phases = model.native_decode_step().phase_seconds = torch.zeros(len(PHASES), dtype=torch.float64)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -102,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(e.self_cpu_time_total for e in events)
     rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.rows]
     print(
-        f"\none batch-{args.batch} decode step, profiled over {args.steps} steps, {torch.get_num_threads()} threads; "
+        f"\none batch-{args.batch} {args.dtype} decode step, profiled over {args.steps} steps, {torch.get_num_threads()} threads; "
         f"1-min load average {os.getloadavg()[0]:.2f}; total {total / args.steps / 1e3:.2f} ms/step"
     )
     print(f"  {'op':<24} {'shapes':<28} {'calls':>5} {'ms/step':>8} {'share':>6}")

@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tensor_parallel.report(model_dir, args.tensor_parallel_size, log)
         return 0
-    from disagg.kernels import cpu_native
+    from disagg.kernels import cpu_bf16, cpu_native
     from disagg.worker.model.config import ModelConfig
 
     config = ModelConfig.from_pretrained(model_dir)
@@ -237,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     gemvs = {"torch F.linear": memory_floor.gemv_bandwidth(config.hidden_size, model.dtype)}
     if model.dtype == torch.float32 and cpu_native.available():
         gemvs["native"] = memory_floor.gemv_bandwidth(config.hidden_size, model.dtype, cpu_native.gemv)
+    if model.dtype == torch.bfloat16 and cpu_native.available():
+        gemvs["native bf16"] = memory_floor.gemv_bandwidth(config.hidden_size, model.dtype, cpu_bf16.gemv)
     if args.quantization == "int8" and cpu_native.available():
         ones = torch.ones(1 << 20)
         gemvs["native int8"] = memory_floor.gemv_bandwidth(
@@ -298,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         ("copy floor", f"{copy_floor * 1e3:.2f} ms", "weights / copy bandwidth"),
         ("read floor", f"{read_floor * 1e3:.2f} ms", "weights / read bandwidth"),
         ("decode step / copy floor", f"{step_s / copy_floor:.2f}x", "target <= 1.2x (best step: "
-         f"{best_step_s / copy_floor:.2f}x)" + ("; int8 target <= 1.3x" if args.quantization == "int8" else "")),
+         f"{best_step_s / copy_floor:.2f}x)" + ("; int8 / bf16 target <= 1.3x" if args.quantization == "int8" or dt == "bfloat16" else "")),
         ("decode step / read floor", f"{step_s / read_floor:.2f}x", ""),
         (f"batch-{args.decode_batch} step / copy floor", f"{wide_s / copy_floor:.2f}x",
          "the weights are still read once; KV reads and compute come on top"),

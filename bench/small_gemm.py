@@ -1,6 +1,7 @@
 """The native small-M GEMM (`cpu_native.gemm`) against torch's `F.linear`, float32, on this CPU.
 
     python bench/small_gemm.py [--threads 2] [--rows 1,4,5,8,16,32,64] [--repeats 7] [--hot]
+    python bench/small_gemm.py --dtype bfloat16   # the native bf16 GEMV against torch's bf16 GEMM
 
 For each matmul of the `small` preset (qkv, o, gate/up, down, LM head: y = x W^T, W [N, K]) and
 each row count M, prints GFLOP/s of both (and of the native GEMV, `cpu_native.gemv`, for a few
@@ -55,19 +56,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES))
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--hot", action="store_true", help="one weight copy, resident in the caches")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from disagg.kernels import cpu_native
+    from disagg.kernels import cpu_bf16, cpu_native
 
     if not cpu_native.available():
         print("native CPU kernels unavailable here (no C compiler?)")
         return 1
+    dtype = getattr(torch, args.dtype)
+    # bf16: the native GEMV (`cpu_bf16.gemv`) at every M is the "native" column, no GEMV column
+    native_fn, gemv_max_rows = (
+        (cpu_native.gemm, GEMV_MAX_ROWS) if args.dtype == "float32" else (cpu_bf16.gemv, 0)
+    )
     rows = [int(r) for r in args.rows.split(",")]
     wanted = set(args.shapes.split(","))
     gen = torch.Generator().manual_seed(0)
     print(
-        f"float32 y = x W^T, {torch.get_num_threads()} threads, weights {'hot' if args.hot else 'cold'}; "
+        f"{args.dtype} y = x W^T, {torch.get_num_threads()} threads, weights {'hot' if args.hot else 'cold'}; "
         f"1-min load average {os.getloadavg()[0]:.2f}"
     )
     print(
@@ -77,21 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     for name, n, k in SHAPES:
         if name not in wanted:
             continue
-        copies = 1 if args.hot else -(-COLD_BYTES // (n * k * 4))
-        weights = [torch.randn(n, k, generator=gen) for _ in range(copies)]
+        copies = 1 if args.hot else -(-COLD_BYTES // (n * k * dtype.itemsize))
+        weights = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(copies)]
         for m in rows:
-            x = torch.randn(m, k, generator=gen)
+            x = torch.randn(m, k, generator=gen).to(dtype)
             flops = 2.0 * m * n * k
             native = torch_ = gemv = float("inf")
             for _ in range(args.repeats):
-                native = min(native, loop_seconds(cpu_native.gemm, weights, x, flops))
+                native = min(native, loop_seconds(native_fn, weights, x, flops))
                 torch_ = min(torch_, loop_seconds(F.linear, weights, x, flops))
-                if m <= GEMV_MAX_ROWS:
+                if m <= gemv_max_rows:
                     gemv = min(gemv, loop_seconds(cpu_native.gemv, weights, x, flops))
             print(
                 f"  {name:<8} {f'{n}x{k}':>11} {m:>4} {flops / native / 1e9:>12.1f} "
                 f"{flops / torch_ / 1e9:>11.1f} {torch_ / native:>6.2f} "
-                + (f"{flops / gemv / 1e9:>10.1f}" if m <= GEMV_MAX_ROWS else f"{'-':>10}")
+                + (f"{flops / gemv / 1e9:>10.1f}" if m <= gemv_max_rows else f"{'-':>10}")
             )
     print(f"1-min load average after: {os.getloadavg()[0]:.2f}")
     return 0

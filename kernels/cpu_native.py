@@ -40,6 +40,7 @@ _SOURCES = tuple(
         "cpu_gemv_fp8.c",
         "cpu_decode_step.c",
         "cpu_kv_quant.c",
+        "cpu_bf16.c",
     )
 )
 _HEADER = Path(__file__).with_name("cpu_kernels.h")

@@ -6,7 +6,7 @@ scale is constant along a row it factors out of every dot product: y = (x . data
 which is what every implementation below computes.
 
 `linear(x, w, bias)` takes a plain tensor (then it is `F.linear`, through the native float32 GEMM
-on CPU up to `GEMM_NATIVE_MAX_ROWS` rows) or a `QuantizedWeight` and picks: the native int8 GEMV
+on CPU up to `GEMM_NATIVE_MAX_ROWS` rows, the native bf16 GEMV up to `BF16_GEMV_MAX_ROWS`) or a `QuantizedWeight` and picks: the native int8 GEMV
 on CPU for a few float32 rows (decode: reading a quarter of the bytes is the point; with AVX-512
 VNNI it rounds the inputs to int16 per row, a relative 3e-5, below bfloat16's own rounding) and the
 native fp8 GEMV (e4m3 widened in registers), the Triton scaled matmul on CUDA (fp8 and int8), else
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from disagg.kernels import cpu_native
+from disagg.kernels import cpu_bf16, cpu_native
 
 SCHEMES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # Up to this many rows the native int8 GEMV (one weight row against up to four inputs at a time,
@@ -37,6 +37,25 @@ FP8_NATIVE_MAX_ROWS = 16
 # 64, 1.1-1.3x at 256, 1.0-1.2x at 512-1024 (prefill chunks; the LM head 0.96x, but prefill
 # projects only the sampled rows), par or behind from 2048.
 GEMM_NATIVE_MAX_ROWS = 1024
+# Up to this many rows of bf16 inputs the native bf16 GEMV (`vdpbf16ps`, one weight row against up
+# to four inputs) beats torch's bf16 GEMM (oneDNN): 1.5-5x at 1-4 rows, 1.1-3.5x at 8 (cold weights,
+# `bench/small_gemm.py --dtype bfloat16`, 2 threads, under load); from 12-16 rows oneDNN's
+# register-tiled kernels are level or ahead (compute, not the weight bytes, bounds the product).
+BF16_GEMV_MAX_ROWS = 8
+
+
+def _native_bf16_gemv_fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and w.dtype == torch.bfloat16
+        and x.dim() == 2
+        and x.shape[0] <= BF16_GEMV_MAX_ROWS
+        and w.is_contiguous()
+        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        and cpu_native.available()
+    )
 
 
 def _native_gemm_fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -114,6 +133,8 @@ def linear(
     if not isinstance(w, QuantizedWeight):
         if _native_gemm_fits(x, w, bias):
             return cpu_native.gemm(x.contiguous(), w, bias)
+        if _native_bf16_gemv_fits(x, w, bias):
+            return cpu_bf16.gemv(x.contiguous(), w, bias)
         return F.linear(x, w, bias)
     if x.device.type == "cpu":
         if (

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from disagg.kernels import cpu_decode_step, cpu_kv_quant, cpu_native, get_ops, torch_ops
+from disagg.kernels import cpu_bf16, cpu_decode_step, cpu_kv_quant, cpu_native, get_ops, torch_ops
 from disagg.kernels.kv_quant import KVQuantFormat, QuantizedKVStep
 from disagg.kernels.quantized import QuantizedWeight, linear
 from disagg.worker.model.config import ModelConfig, RopeConfig
@@ -147,6 +147,10 @@ def prefill_step_attention(
         scale,
     )
     return out
+
+
+# The per-op native kernels of each dtype they take (same calls; bf16 keeps bf16 activations and KV).
+NATIVE_KERNELS = {torch.float32: cpu_native, torch.bfloat16: cpu_bf16}
 
 
 class LlamaForCausalLM:
@@ -366,13 +370,14 @@ class LlamaForCausalLM:
         return self.tp.lm_head(x, self.weights.lm_head).float()
 
     def _native_ok(self, kv_caches: torch.Tensor) -> bool:
-        """float32 on CPU with the plain-torch op table: the native kernels can take the step.
-        A quantized cache: prefill chunks' attention reads the step's blocks dequantized in
-        torch (no native prefill attention reads 8-bit K/V yet); everything else is native."""
+        """float32 or bfloat16 on CPU with the plain-torch op table: the native kernels can take the
+        step. A quantized cache (float32 models): prefill chunks' attention reads the step's blocks
+        dequantized in torch (no native prefill attention reads 8-bit K/V yet); the rest is native."""
         return (
             self.ops.backend == "torch"
-            and self.dtype == torch.float32
-            and kv_caches.dtype == (torch.float32 if self.kv_format is None else torch.uint8)
+            and self.dtype in NATIVE_KERNELS
+            and (self.kv_format is None or self.dtype == torch.float32)
+            and kv_caches.dtype == (self.dtype if self.kv_format is None else torch.uint8)
             and kv_caches.device.type == "cpu"
             and kv_caches.is_contiguous()
             and cpu_native.available()
@@ -395,7 +400,7 @@ class LlamaForCausalLM:
         """`forward` with the small per-layer ops (add + norm, rotary + cache write, activation,
         decode attention) in the native CPU kernels; matmuls and prefill attention stay in torch.
         Decode steps of a few sequences run whole in one native call (`native_decode_step`)."""
-        w, eps = self.weights, self.config.rms_norm_eps
+        w, eps, kernels = self.weights, self.config.rms_norm_eps, NATIVE_KERNELS[self.dtype]
         num_tokens = batch.input_ids.shape[0]
         quantized = self.kv_format  # None: a float32 cache
         whole_step = (
@@ -420,21 +425,21 @@ class LlamaForCausalLM:
         if nd:  # lengths and tables are the same in every layer of the step
             plan = (batch.block_tables[:nd], batch.seq_lens[:nd], hq, hkv, num_blocks)
             if quantized is None:
-                decode_attention = cpu_native.PagedDecodeAttention(*plan)
+                decode_attention = kernels.PagedDecodeAttention(*plan)
             else:
                 decode_attention = cpu_kv_quant.QuantizedPagedDecodeAttention(quantized, *plan)
         if quantized is not None and batch.is_prefill:
             dequantized = QuantizedKVStep(quantized, batch.block_tables, batch.seq_lens, torch.float32)
             attn_batch = dataclasses.replace(batch, block_tables=dequantized.tables)
         residual = self._embed(batch.input_ids)  # a fresh tensor: the sum accumulates in it
-        hidden = cpu_native.add_rms_norm(residual, w.layers[0].input_norm, eps)
+        hidden = kernels.add_rms_norm(residual, w.layers[0].input_norm, eps)
         for i, layer in enumerate(w.layers):
             if i > 0:
-                hidden = cpu_native.add_rms_norm(hidden, layer.input_norm, eps, residual)
+                hidden = kernels.add_rms_norm(hidden, layer.input_norm, eps, residual)
             qkv = linear(hidden, layer.qkv, layer.qkv_bias)
             kv_cache = kv_caches[i]
             if quantized is None:
-                cpu_native.rotary_write_kv(
+                kernels.rotary_write_kv(
                     qkv, self.cos_sin_cache, batch.positions, kv_cache, batch.slot_mapping, hq, hkv
                 )
             else:
@@ -460,14 +465,14 @@ class LlamaForCausalLM:
                     decode_attention and functools.partial(decode_attention, kv_cache=kv_cache, scale=self.scale),
                 )  # fmt: skip
             hidden = self._row_linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
-            hidden = cpu_native.add_rms_norm(hidden, layer.post_norm, eps, residual)
+            hidden = kernels.add_rms_norm(hidden, layer.post_norm, eps, residual)
             gate_up = linear(hidden, layer.gate_up, layer.gate_up_bias)
-            hidden = self._row_linear(cpu_native.silu_and_mul(gate_up), layer.down, layer.down_bias)
+            hidden = self._row_linear(kernels.silu_and_mul(gate_up), layer.down, layer.down_bias)
 
         idx = batch.logits_indices
         if idx.shape[0] == num_tokens and not batch.is_prefill:  # decode: every row samples
-            last = cpu_native.add_rms_norm(hidden, w.norm, eps, residual)
+            last = kernels.add_rms_norm(hidden, w.norm, eps, residual)
         else:
             rows = hidden.index_select(0, idx)
-            last = cpu_native.add_rms_norm(rows, w.norm, eps, residual.index_select(0, idx))
+            last = kernels.add_rms_norm(rows, w.norm, eps, residual.index_select(0, idx))
         return self._lm_head(last)

@@ -1,0 +1,291 @@
+/* Native CPU kernels of the bfloat16 path: weights, activations and the KV cache in bf16, every
+ * sum in float32 inside, each result rounded to bf16 once (round to nearest even), as torch's own
+ * bf16 kernels do. Built with the other native sources by disagg.kernels.cpu_native.
+ *
+ * The matrix-vector product (decode) is bound by reading the weight, which bf16 halves against
+ * float32. With AVX-512 BF16 (`vdpbf16ps`: 32 bf16 products summed pairwise into 16 float32
+ * lanes per instruction) the bf16 values are multiplied as they are; elsewhere (`*_portable`,
+ * always built so that it is tested here too) they are widened to float32 first, which is exact.
+ *
+ * KV cache layout (one layer): kv[num_blocks][2][block_size][Hkv][D] bf16, K at index 0 of dim 1.
+ */
+#include "cpu_kernels.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
+typedef uint16_t bf16;
+
+static inline float widen(bf16 h) {
+    union { uint32_t i; float f; } u = {.i = (uint32_t)h << 16};
+    return u.f;
+}
+
+/* Round to nearest even; a NaN stays a (quiet) NaN. */
+static inline bf16 narrow(float f) {
+    union { float f; uint32_t i; } u = {.f = f};
+    if ((u.i & 0x7fffffffu) > 0x7f800000u) return (bf16)((u.i >> 16) | 0x40u);
+    return (bf16)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
+}
+
+int64_t bf16_dot_native(void) { return HAVE_BF16_DOT; }
+
+/* ---- matrix-vector products: y[b][r] = W[r] . x[b] (+ bias[r]), W [N][K], x [B][K], y [B][N] ----
+ * As in cpu_gemv.c: each thread walks its rows in order (one sequential stream), up to four
+ * inputs share each row load, larger batches reuse the row from L1 four inputs at a time. */
+
+/* sums[b] = w . x[b] for NB <= 4 inputs, widening to float32 (any CPU). */
+static inline __attribute__((always_inline)) void dot_block_portable(const bf16 *w, int64_t k, const bf16 *x,
+                                                                     int64_t xs, float *sums, const int nb) {
+#pragma GCC unroll 4
+    for (int b = 0; b < nb; b++) {
+        const bf16 *xb = x + b * xs;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t j = 0; j < k; j++) s += widen(w[j]) * widen(xb[j]);
+        sums[b] = s;
+    }
+}
+
+#if HAVE_BF16_DOT
+/* The same with `vdpbf16ps`, two accumulators per input (even and odd 32-value steps); the K tail
+ * is a masked load, zeros past the end. */
+static inline __attribute__((always_inline)) void dot_block_dp(const bf16 *w, int64_t k, const bf16 *x, int64_t xs,
+                                                               float *sums, const int nb) {
+    __m512 even[4], odd[4];
+#pragma GCC unroll 4
+    for (int b = 0; b < nb; b++) even[b] = odd[b] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 64 <= k; j += 64) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + j), w1 = (__m512bh)_mm512_loadu_si512(w + j + 32);
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) {
+            even[b] = _mm512_dpbf16_ps(even[b], w0, (__m512bh)_mm512_loadu_si512(x + b * xs + j));
+            odd[b] = _mm512_dpbf16_ps(odd[b], w1, (__m512bh)_mm512_loadu_si512(x + b * xs + j + 32));
+        }
+    }
+    for (; j < k; j += 32) {
+        const __mmask32 m = k - j >= 32 ? (__mmask32)~0u : (__mmask32)((1u << (k - j)) - 1u);
+        const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m, w + j);
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++)
+            even[b] = _mm512_dpbf16_ps(even[b], w0, (__m512bh)_mm512_maskz_loadu_epi16(m, x + b * xs + j));
+    }
+#pragma GCC unroll 4
+    for (int b = 0; b < nb; b++) sums[b] = _mm512_reduce_add_ps(_mm512_add_ps(even[b], odd[b]));
+}
+#endif
+
+#define DOT_BLOCK_NB(FN, w, k, x, xs, sums, nb)   \
+    switch (nb) {                                 \
+        case 1: FN(w, k, x, xs, sums, 1); break;  \
+        case 2: FN(w, k, x, xs, sums, 2); break;  \
+        case 3: FN(w, k, x, xs, sums, 3); break;  \
+        default: FN(w, k, x, xs, sums, 4); break; \
+    }
+
+#define DEFINE_GEMV(NAME, DOT)                                                                                \
+    void NAME(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64_t batch, int64_t n, int64_t k,   \
+              int64_t num_threads) {                                                                          \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)")        \
+        for (int64_t r0 = 0; r0 < n; r0 += GEMV_CHUNK) {                                                      \
+            const int64_t r1 = r0 + GEMV_CHUNK < n ? r0 + GEMV_CHUNK : n;                                     \
+            for (int64_t r = r0; r < r1; r++) {                                                               \
+                const float add = bias ? widen(bias[r]) : 0.0f;                                               \
+                for (int64_t b = 0; b < batch; b += 4) {                                                      \
+                    const int nb = batch - b < 4 ? (int)(batch - b) : 4;                                      \
+                    float sums[4];                                                                            \
+                    DOT_BLOCK_NB(DOT, w + r * k, k, x + b * k, k, sums, nb)                                   \
+                    for (int i = 0; i < nb; i++) y[(b + i) * n + r] = narrow(sums[i] + add);                  \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+
+DEFINE_GEMV(gemv_bf16_portable, dot_block_portable)
+#if HAVE_BF16_DOT
+DEFINE_GEMV(gemv_bf16_dp, dot_block_dp)
+#endif
+
+void gemv_bf16(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64_t batch, int64_t n, int64_t k,
+               int64_t num_threads) {
+#if HAVE_BF16_DOT
+    gemv_bf16_dp(w, bias, x, y, batch, n, k, num_threads);
+#else
+    gemv_bf16_portable(w, bias, x, y, batch, n, k, num_threads);
+#endif
+}
+
+/* ---- the small per-layer ops ---- */
+
+/* out[t] = rms_norm(x[t] (+ residual[t])) * weight. With a residual, the sum is rounded to bf16
+ * and stored back into it (the next layer's residual, as the torch path keeps it), and the norm
+ * is taken of that rounded sum. */
+void add_rms_norm_bf16(const bf16 *x, bf16 *residual, const bf16 *weight, bf16 *out, int64_t rows,
+                       int64_t hidden, float eps) {
+    for (int64_t t = 0; t < rows; t++) {
+        const bf16 *xt = x + t * hidden;
+        const bf16 *src = xt;
+        float sq = 0.0f;
+        if (residual) {
+            bf16 *r = residual + t * hidden;
+#pragma omp simd reduction(+ : sq)
+            for (int64_t i = 0; i < hidden; i++) {
+                const bf16 sum = narrow(widen(r[i]) + widen(xt[i]));
+                r[i] = sum;
+                sq += widen(sum) * widen(sum);
+            }
+            src = r;
+        } else {
+#pragma omp simd reduction(+ : sq)
+            for (int64_t i = 0; i < hidden; i++) sq += widen(xt[i]) * widen(xt[i]);
+        }
+        const float inv = 1.0f / sqrtf(sq / (float)hidden + eps);
+        bf16 *o = out + t * hidden;
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) o[i] = narrow(widen(src[i]) * inv * widen(weight[i]));
+    }
+}
+
+/* out[t] = silu(x[t, :inter]) * x[t, inter:] */
+void silu_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t inter) {
+    for (int64_t t = 0; t < rows; t++) {
+        const bf16 *gate = x + t * 2 * inter, *up = gate + inter;
+        bf16 *o = out + t * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) o[i] = narrow(silu_mul(widen(gate[i]), widen(up[i])));
+    }
+}
+
+/* Rotary embedding (rotate-half form, float32 angles cos_sin [max_pos][D]) of q and k in place
+ * inside the fused qkv rows [T][row_stride] bf16, then k and v copied into the cache at
+ * slot_mapping[t] (negative: not written). */
+void rotary_write_kv_bf16(bf16 *qkv, int64_t row_stride, const float *cos_sin, const int64_t *positions, bf16 *kv,
+                          const int64_t *slot_mapping, int64_t tokens, int64_t num_q_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t block_size) {
+    const int64_t half = head_dim / 2, row = num_kv_heads * head_dim;
+    for (int64_t t = 0; t < tokens; t++) {
+        bf16 *x = qkv + t * row_stride;
+        const float *c = cos_sin + positions[t] * head_dim, *s = c + half;
+        for (int64_t h = 0; h < num_q_heads + num_kv_heads; h++) {
+            bf16 *a = x + h * head_dim, *b = a + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float lo = widen(a[i]), hi = widen(b[i]);
+                a[i] = narrow(lo * c[i] - hi * s[i]);
+                b[i] = narrow(hi * c[i] + lo * s[i]);
+            }
+        }
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        bf16 *k_dst = kv + (slot / block_size) * 2 * block_size * row + (slot % block_size) * row;
+        memcpy(k_dst, x + num_q_heads * head_dim, row * sizeof(bf16));
+        memcpy(k_dst + block_size * row, x + (num_q_heads + num_kv_heads) * head_dim, row * sizeof(bf16));
+    }
+}
+
+/* Decode attention of one sequence and one KV head for its `group` query heads, as in
+ * cpu_kernels.c: scores = scale * q.k (pass 1), softmax numerators (pass 2), weighted sum of V
+ * (pass 3), each cached row read once per pass and widened in registers. D is a compile-time
+ * constant at the common sizes (fully unrolled dot products). */
+static inline __attribute__((always_inline)) void head_attention_bf16(
+    const float *q, const bf16 *kv, const int32_t *table, int64_t len, int64_t group, const int64_t D,
+    int64_t kv_head, int64_t num_kv_heads, int64_t block_size, float scale, float *scores, float *acc) {
+    const int64_t row = num_kv_heads * D, kv_block = 2 * block_size * row;
+    for (int64_t j0 = 0, blk = 0; j0 < len; j0 += block_size, blk++) {
+        const bf16 *k = kv + (int64_t)table[blk] * kv_block + kv_head * D;
+        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
+        for (int64_t t = 0; t < n; t++, k += row)
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = q + g * D;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < D; d++) dot += qg[d] * widen(k[d]);
+                scores[g * len + j0 + t] = dot * scale;
+            }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *s = scores + g * len, m = s[0], sum = 0.0f;
+        for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < len; j++) {
+            s[j] = exp_approx(s[j] - m);
+            sum += s[j];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t j = 0; j < len; j++) s[j] *= inv;
+        memset(acc + g * D, 0, D * sizeof(float));
+    }
+    for (int64_t j0 = 0, blk = 0; j0 < len; j0 += block_size, blk++) {
+        const bf16 *v = kv + (int64_t)table[blk] * kv_block + block_size * row + kv_head * D;
+        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
+        for (int64_t t = 0; t < n; t++, v += row)
+            for (int64_t g = 0; g < group; g++) {
+                const float p = scores[g * len + j0 + t];
+                float *o = acc + g * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) o[d] += p * widen(v[d]);
+            }
+    }
+}
+
+static void head_attention_d64(const float *q, const bf16 *kv, const int32_t *table, int64_t len, int64_t group,
+                               int64_t kv_head, int64_t hkv, int64_t bs, float scale, float *scores, float *acc) {
+    head_attention_bf16(q, kv, table, len, group, 64, kv_head, hkv, bs, scale, scores, acc);
+}
+static void head_attention_d128(const float *q, const bf16 *kv, const int32_t *table, int64_t len, int64_t group,
+                                int64_t kv_head, int64_t hkv, int64_t bs, float scale, float *scores, float *acc) {
+    head_attention_bf16(q, kv, table, len, group, 128, kv_head, hkv, bs, scale, scores, acc);
+}
+
+/* Paged decode attention of B sequences over a bf16 cache; q rows of Hq * D bf16, q_row_stride
+ * apart; out [B][Hq][D] bf16. `scratch` holds num_threads * group * (max_len + 2 D) floats (the
+ * scores, the group's queries widened and its float32 outputs). Returns 0, or -1 for a sequence
+ * length outside [1, max_len]. */
+int paged_decode_attention_bf16(const bf16 *q, int64_t q_row_stride, const bf16 *kv, const int32_t *block_tables,
+                                int64_t table_stride, const int32_t *seq_lens, bf16 *out, int64_t batch,
+                                int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                                float scale, float *scratch, int64_t max_len, int64_t num_threads) {
+    const int64_t group = num_q_heads / num_kv_heads, per_thread = group * (max_len + 2 * head_dim);
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1) reduction(| : bad)
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t len = seq_lens[b];
+        if (len < 1 || len > max_len) {
+            bad = 1;
+            continue;
+        }
+#ifdef _OPENMP
+        float *scores = scratch + omp_get_thread_num() * per_thread;
+#else
+        float *scores = scratch;
+#endif
+        float *qf = scores + group * max_len, *acc = qf + group * head_dim;
+        const int32_t *table = block_tables + b * table_stride;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const bf16 *qh = q + b * q_row_stride + h * group * head_dim;
+            for (int64_t i = 0; i < group * head_dim; i++) qf[i] = widen(qh[i]);
+            if (head_dim == 64)
+                head_attention_d64(qf, kv, table, len, group, h, num_kv_heads, block_size, scale, scores, acc);
+            else if (head_dim == 128)
+                head_attention_d128(qf, kv, table, len, group, h, num_kv_heads, block_size, scale, scores, acc);
+            else
+                head_attention_bf16(qf, kv, table, len, group, head_dim, h, num_kv_heads, block_size, scale, scores,
+                                    acc);
+            bf16 *o = out + (b * num_q_heads + h * group) * head_dim;
+            for (int64_t i = 0; i < group * head_dim; i++) o[i] = narrow(acc[i]);
+        }
+    }
+    return bad ? -1 : 0;
+}

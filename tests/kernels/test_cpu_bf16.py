@@ -1,0 +1,186 @@
+"""The native bf16 kernels against float32 twins computed from the same bf16 inputs.
+
+Widening bf16 to float32 is exact, so a twin run in float32 on the widened inputs is what each
+kernel computes before its one rounding to bf16; the kernel may differ from it by that rounding
+(half a unit in the last place: a relative 2^-9, bf16 keeping 8 significant bits) and by float32
+summation order (relative ~1e-7 per term, far below it). Hence rtol = 2^-8 (one unit, twice the
+rounding) and an atol only for sums that cancel (the GEMV: float32 sums of K exact products
+whose order differs, ~sqrt(K) * 2^-24 of the largest term). A wrong element, a wrong row or
+block, a missing bias or scale is off by whole units and fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_cases import case_id, paged_cache
+
+from disagg.kernels import cpu_bf16, cpu_native, quantized, torch_ops
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
+
+ONE_UNIT = 2.0**-8  # relative: one unit in the last place of bf16 (8 significant bits)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, atol: float = 1e-6) -> None:
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=ONE_UNIT, atol=atol)
+
+
+def _bf16(*shape, gen, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen) * scale).bfloat16()
+
+
+# K: below one 32-value step, one step and one past, two steps (the unrolled loop) and one past,
+# a model width with a ragged tail; N: a row, a few, past a thread's chunk of 32 rows.
+@pytest.mark.parametrize("k", [5, 32, 33, 64, 65, 781], ids=case_id)
+@pytest.mark.parametrize("n", [1, 3, 67], ids=case_id)
+def test_gemv_matches_float32_on_ragged_shapes(n, k):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w, bias = _bf16(n, k, gen=gen, scale=k**-0.5), _bf16(n, gen=gen)
+    for batch in (1, 2, 3, 4, 5, 8, 9):  # groups of four inputs per weight row, and remainders
+        x = _bf16(batch, k, gen=gen)
+        atol = k**0.5 * 2**-20
+        for portable in (False, True):  # the portable loop is what CPUs without AVX-512 BF16 run
+            _close(cpu_bf16.gemv(x, w, portable=portable), F.linear(x.float(), w.float()), atol)
+            _close(
+                cpu_bf16.gemv(x, w, bias, portable=portable),
+                F.linear(x.float(), w.float(), bias.float()),
+                atol,
+            )
+
+
+def test_gemv_split_over_threads_equals_one_thread(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    w, x = _bf16(300, 96, gen=gen), _bf16(3, 96, gen=gen)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    one = cpu_bf16.gemv(x, w)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert torch.equal(cpu_bf16.gemv(x, w), one)
+
+
+def test_gemv_refuses_bad_inputs():
+    gen = torch.Generator().manual_seed(2)
+    w, x = _bf16(8, 16, gen=gen), _bf16(2, 16, gen=gen)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        cpu_bf16.gemv(x, w[:, :15].contiguous())
+    with pytest.raises(ValueError, match="shapes do not match"):
+        cpu_bf16.gemv(x, w, _bf16(7, gen=gen))
+    with pytest.raises(ValueError, match="weight: .*bfloat16"):
+        cpu_bf16.gemv(x, w.float())
+    with pytest.raises(ValueError, match="x: .*contiguous"):
+        cpu_bf16.gemv(_bf16(16, 2, gen=gen).t(), w)
+
+
+def test_linear_takes_the_bf16_gemv_up_to_its_row_limit():
+    limit = quantized.BF16_GEMV_MAX_ROWS
+    gen = torch.Generator().manual_seed(3)
+    w, bias, x = _bf16(40, 48, gen=gen), _bf16(40, gen=gen), _bf16(limit + 1, 48, gen=gen)
+    assert torch.equal(quantized.linear(x[:limit], w, bias), cpu_bf16.gemv(x[:limit].contiguous(), w, bias))
+    assert torch.equal(quantized.linear(x, w, bias), F.linear(x, w, bias))
+
+
+def test_add_rms_norm_matches_float32_and_rounds_the_residual_like_torch():
+    gen = torch.Generator().manual_seed(4)
+    x, res, weight = _bf16(5, 97, gen=gen), _bf16(5, 97, gen=gen), _bf16(97, gen=gen)
+    want_sum = x + res  # torch's bf16 addition: the float32 sum rounded once, as the kernel stores it
+    want = F.rms_norm(want_sum.float(), (97,), weight.float(), 1e-5)
+    got = cpu_bf16.add_rms_norm(x, weight, 1e-5, res)
+    _close(got, want)
+    assert torch.equal(res, want_sum)
+    _close(cpu_bf16.add_rms_norm(x, weight, 1e-5), F.rms_norm(x.float(), (97,), weight.float(), 1e-5))
+    with pytest.raises(ValueError, match="residual"):
+        cpu_bf16.add_rms_norm(x, weight, 1e-5, res[:2])
+    with pytest.raises(ValueError, match="weight"):
+        cpu_bf16.add_rms_norm(x, weight[:96], 1e-5)
+    with pytest.raises(ValueError, match="x: .*bfloat16"):
+        cpu_bf16.add_rms_norm(x.float(), weight, 1e-5)
+
+
+def test_silu_and_mul_matches_float32_over_the_whole_exp_range():
+    gate = torch.linspace(-120, 120, 4001)
+    x = torch.cat([gate, torch.linspace(-3, 3, 4001)]).view(1, -1).bfloat16()
+    # exp_approx's relative 1e-6 is far below one bf16 unit
+    _close(cpu_bf16.silu_and_mul(x), torch_ops.silu_and_mul(x.float()), atol=1e-30)
+
+
+@pytest.mark.parametrize("q_heads,kv_heads,d", [(4, 4, 64), (8, 2, 64), (6, 3, 80)], ids=case_id)
+def test_rotary_write_kv_matches_float32(q_heads, kv_heads, d):
+    gen = torch.Generator().manual_seed(6)
+    page, tokens = 16, 7
+    cos_sin = torch.randn(100, d, generator=gen)
+    qkv = _bf16(tokens, (q_heads + 2 * kv_heads) * d, gen=gen)
+    positions = torch.tensor([0, 5, 17, 99, 3, 3, 42])
+    slots = torch.tensor([0, 17, 33, -1, 2, 47, 16])  # one token not written
+    cache = _bf16(3, 2, page, kv_heads, d, gen=gen)
+    want_qkv, want_cache = qkv.float(), cache.float()
+    q = want_qkv[:, : q_heads * d].view(tokens, q_heads, d)
+    k = want_qkv[:, q_heads * d : (q_heads + kv_heads) * d].view(tokens, kv_heads, d)
+    v = want_qkv[:, (q_heads + kv_heads) * d :].view(tokens, kv_heads, d)
+    torch_ops.rotary_embedding(positions, q, k, cos_sin)
+    torch_ops.write_kv_cache(k, v, want_cache, slots)
+    cpu_bf16.rotary_write_kv(qkv, cos_sin, positions, cache, slots, q_heads, kv_heads)
+    _close(qkv, want_qkv, atol=1e-5)
+    _close(cache, want_cache, atol=1e-5)
+    # the cache holds exactly the rotated bf16 k and v of the written tokens
+    got_k = qkv[:, q_heads * d : (q_heads + kv_heads) * d].view(tokens, kv_heads, d)
+    got_v = qkv[:, (q_heads + kv_heads) * d :].view(tokens, kv_heads, d)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            block, offset = divmod(slot, page)
+            assert torch.equal(cache[block, 0, offset], got_k[t]) and torch.equal(
+                cache[block, 1, offset], got_v[t]
+            )
+    with pytest.raises(ValueError, match="int64"):
+        cpu_bf16.rotary_write_kv(qkv, cos_sin, positions.int(), cache, slots, q_heads, kv_heads)
+    with pytest.raises(ValueError, match="heads"):
+        cpu_bf16.rotary_write_kv(qkv, cos_sin, positions, cache, slots, q_heads + 1, kv_heads)
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        cpu_bf16.rotary_write_kv(qkv, cos_sin.bfloat16(), positions, cache, slots, q_heads, kv_heads)
+
+
+@pytest.mark.parametrize("page", [16, 32], ids=case_id)
+@pytest.mark.parametrize("head_dim", [64, 128, 80], ids=case_id)
+@pytest.mark.parametrize("q_heads,kv_heads", [(8, 8), (8, 2), (8, 1)], ids=case_id)
+def test_decode_attention_matches_float32(page, head_dim, q_heads, kv_heads):
+    # lengths of 1, on and one past a block boundary, and a long one, in one ragged batch
+    seq_lens = [1, page, page + 1, 3 * page - 1, 5 * page + 7]
+    gen = torch.Generator().manual_seed(page + head_dim + kv_heads)
+    cache, tables = paged_cache(seq_lens, page, kv_heads, head_dim, torch.bfloat16, gen)
+    q = _bf16(len(seq_lens), q_heads, head_dim, gen=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    want = torch_ops.decode_attention(q.float(), cache.float(), tables, lens, scale)
+    got = cpu_bf16.PagedDecodeAttention(tables, lens, q_heads, kv_heads)(q, cache, scale)
+    _close(got, want, atol=1e-5)
+
+
+def test_decode_attention_reads_a_strided_q_and_splits_over_threads(monkeypatch):
+    seq_lens = [40, 3, 77, 16, 9, 120, 1, 64]
+    gen = torch.Generator().manual_seed(1)
+    cache, tables = paged_cache(seq_lens, 16, 2, 64, torch.bfloat16, gen)
+    qkv = _bf16(len(seq_lens), (4 + 2 * 2) * 64, gen=gen)
+    q = qkv[:, : 4 * 64].view(len(seq_lens), 4, 64)  # the model passes a column slice of qkv
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    one = cpu_bf16.PagedDecodeAttention(tables, lens, 4, 2)
+    want = torch_ops.decode_attention(q.float(), cache.float(), tables, lens, 0.125)
+    _close(one(q, cache, 0.125), want, atol=1e-5)
+    monkeypatch.setattr(cpu_native, "_PARALLEL_MIN_WORK", 0)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    split = cpu_bf16.PagedDecodeAttention(tables, lens, 4, 2)
+    assert one.threads == 1 and split.threads == 3
+    assert torch.equal(split(q, cache, 0.125), one(q, cache, 0.125))
+
+
+def test_decode_attention_refuses_bad_inputs():
+    gen = torch.Generator().manual_seed(3)
+    cache, tables = paged_cache([4], 16, 2, 64, torch.bfloat16, gen)
+    attn = cpu_bf16.PagedDecodeAttention(tables, torch.tensor([0], dtype=torch.int32), 4, 2)
+    with pytest.raises(ValueError, match="seq_lens"):
+        attn(_bf16(1, 4, 64, gen=gen), cache, 0.125)
+    attn = cpu_bf16.PagedDecodeAttention(tables, torch.tensor([4], dtype=torch.int32), 4, 2)
+    with pytest.raises(TypeError, match="bfloat16"):
+        attn(torch.randn(1, 4, 64), cache.float(), 0.125)
+    with pytest.raises(ValueError, match="plan"):
+        attn(_bf16(2, 4, 64, gen=gen), cache, 0.125)
