@@ -8,7 +8,7 @@ its decode step reads 100 MB of weights, bound by memory bandwidth as real model
     python bench/speculative.py --model tiny-trained --draft tiny-trained-draft   # compute-bound
 
 `--model` and `--draft` take a preset of `disagg make-model` (made once under .models/<preset>;
-`wide-trained` trains for about 5 minutes on 2 cores) or a checkpoint directory.
+`wide-trained` trains for about 3 minutes on 2 idle cores) or a checkpoint directory.
 
 Workloads (greedy, every request the same number of new tokens):
   * repeat: the prompt is a few corpus sentences said twice and begun a third time, so the
