@@ -43,9 +43,11 @@ def test_training_lowers_the_loss_and_is_repeatable(tiny_dir, bf16):
     losses, params = run()
     again, params_again = run()
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5, losses
-    # the same run again: equal up to the order of parallel float additions
-    assert losses == pytest.approx(again, rel=1e-4)
-    assert all(torch.allclose(params[k], params_again[k], atol=1e-4) for k in params)
+    # the same run again: equal up to the order of parallel float additions (which bfloat16's
+    # 8-bit mantissa rounds further apart)
+    rel, atol = (1e-2, 1e-3) if bf16 else (1e-4, 1e-4)
+    assert losses == pytest.approx(again, rel=rel)
+    assert all(torch.allclose(params[k], params_again[k], atol=atol) for k in params)
     assert not any(t.requires_grad for t in params.values())
 
 
