@@ -19,5 +19,5 @@ def ensure_model(path: str | Path, preset: str) -> Path:
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        log(f"making the {preset} model in {path} (once; a trained preset takes a minute or two)")
+        log(f"making the {preset} model in {path} (once; a trained preset takes minutes)")
     return make_model(path, preset=preset, seed=0, progress=log)

@@ -1,15 +1,23 @@
 """Speculative decoding: tokens/s and inter-token latency at batch 1, 4 and 16, without
-speculation and with each proposer, on the trained tiny model (draft: its trained draft sibling).
+speculation and with each proposer, on a trained target (default `wide-trained`, 25M parameters:
+its decode step reads 100 MB of weights, bound by memory bandwidth as real models are) with
+`tiny-trained` as the draft model (same tokenizer, 1M parameters).
 
     python bench/speculative.py                     # both workloads, batch 1, 4, 16
     python bench/speculative.py --batches 1 --output 64
+    python bench/speculative.py --model tiny-trained --draft tiny-trained-draft   # compute-bound
+
+`--model` and `--draft` take a preset of `disagg make-model` (made once under .models/<preset>;
+`wide-trained` trains for about 3 minutes on 2 idle cores) or a checkpoint directory.
 
 Workloads (greedy, every request the same number of new tokens):
   * repeat: the prompt is a few corpus sentences said twice and begun a third time, so the
     continuation repeats text already in the context (prompt lookup applies);
   * chat: a question of the corpus as a chat turn, answered freely.
 Every configuration runs the same prompts in the same command; ratios are against the run
-without speculation, and the machine's load average is printed with the figures.
+without speculation, and the machine's load average is printed with the figures. Before the table:
+the target's measured step time by rows (what a verify step of k + 1 rows costs against one row)
+beside the floor of reading its weights once at this machine's read bandwidth.
 """
 
 from __future__ import annotations
@@ -29,6 +37,35 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_model import ensure_model  # noqa: E402
+from memory_floor import read_bandwidth  # noqa: E402
+
+
+def checkpoint(name_or_path: str) -> Path:
+    """A preset's directory under .models/ (made now if missing), or the checkpoint directory given."""
+    from disagg.worker.tools.make_model import PRESETS
+
+    if name_or_path in PRESETS:
+        return ensure_model(ROOT / ".models" / name_or_path, name_or_path)
+    return Path(name_or_path)
+
+
+def weight_bytes(path: Path) -> int:
+    """Bytes of weights one decode step reads: every matrix but the embedding table (one row of it)."""
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    total = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[config.get("torch_dtype", "float32")]
+    return total - config["vocab_size"] * config["hidden_size"] * itemsize
+
+
+def print_costs(name: str, costs, floor_s: float | None) -> None:
+    base = costs.seconds[0]
+    steps = ", ".join(
+        f"{n}: {1000 * t:.2f} ({t / base:.2f}x)" for n, t in zip(costs.sizes, costs.seconds, strict=True)
+    )
+    floor = f"; floor {1000 * floor_s:.2f} ms" if floor_s else ""
+    print(f"{name} step ms by rows (x one row): {steps}{floor}")
 
 
 def prompts(tokenizer, workload: str, n: int, seed: int) -> list[list[int]]:
@@ -89,8 +126,8 @@ def snapshot(engine) -> tuple[int, int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=ROOT / ".models" / "tiny-trained")
-    ap.add_argument("--draft", type=Path, default=ROOT / ".models" / "tiny-trained-draft")
+    ap.add_argument("--model", default="wide-trained", help="target: a preset or a checkpoint directory")
+    ap.add_argument("--draft", default="tiny-trained", help="draft model: a preset or a checkpoint directory")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--workloads", nargs="+", default=["repeat", "chat"], choices=["repeat", "chat"])
     ap.add_argument("--output", type=int, default=96, help="new tokens per request")
@@ -105,31 +142,30 @@ def main() -> None:
     from disagg.worker.engine.llm_engine import LLMEngine
 
     torch.set_num_threads(args.threads)
-    if args.model == ROOT / ".models" / "tiny-trained":
-        ensure_model(args.model, "tiny-trained")
-    if "draft" in args.proposers and args.draft == ROOT / ".models" / "tiny-trained-draft":
-        ensure_model(args.draft, "tiny-trained-draft")
+    model = checkpoint(args.model)
+    draft = checkpoint(args.draft) if "draft" in args.proposers else None
     configs = {
         "none": {},
         "ngram": {"speculative_method": "ngram", "num_speculative_tokens": args.k},
         "draft": {"speculative_method": "draft", "num_speculative_tokens": args.k,
-                  "speculative_draft_model": str(args.draft)},
+                  "speculative_draft_model": str(draft)},
     }  # fmt: skip
     configs = {name: kw for name, kw in configs.items() if name == "none" or name in args.proposers}
     for kw in configs.values():
         if kw:
             kw["speculative_adaptive"] = not args.always
-    engines = {name: LLMEngine(args.model, threads=args.threads, **kw) for name, kw in configs.items()}
+    engines = {name: LLMEngine(model, threads=args.threads, **kw) for name, kw in configs.items()}
     tok = engines["none"].tokenizer
+    read = read_bandwidth(256 << 20)
+    print(f"read bandwidth {read.gbps:.1f} GB/s ({args.threads} thread(s), load {read.load:.2f}); "
+          f"target {model.name} reads {weight_bytes(model) / 1e6:.0f} MB of weights per step")  # fmt: skip
     for name, engine in engines.items():
         costs = engine.speculator and engine.speculator.costs
         if costs:
-            steps = ", ".join(f"{n}: {1000 * t:.2f}" for n, t in zip(costs.sizes, costs.seconds, strict=True))
-            print(f"{name}: measured target step ms by rows: {steps}")
-        draft = engine.speculator and engine.speculator.draft_costs
-        if draft:
-            steps = ", ".join(f"{n}: {1000 * t:.2f}" for n, t in zip(draft.sizes, draft.seconds, strict=True))
-            print(f"{name}: measured draft step ms by rows: {steps}")
+            print_costs(f"{name}: target", costs, weight_bytes(model) / read.bytes_per_s)
+        draft_costs = engine.speculator and engine.speculator.draft_costs
+        if draft_costs:
+            print_costs(f"{name}: draft {draft.name}", draft_costs, None)
     print(f"load before: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} (1, 5 min); "
           f"{os.cpu_count()} CPUs, torch threads {args.threads}; k={args.k}, {args.output} new tokens")  # fmt: skip
     print(f"{'workload':8} {'batch':>5} {'config':6} {'tok/s':>8} {'ITL ms':>8} {'tok/s x':>8} {'ITL x':>7}"

@@ -18,10 +18,13 @@ from disagg.kernels import cpu_native
 from disagg.kernels.kv_quant import KVQuantFormat
 from disagg.kernels.quantized import QuantizedWeight
 
-# Up to here the kernel, one weight row against up to four inputs, beats torch's GEMM clearly
-# (one thread, small preset: 2.8x at 2 sequences, 1.6x at 4, par at 8); beyond, the step is
-# no longer bound by reading the weights once.
-MAX_BATCH = 4
+# Up to here the kernel beats torch's GEMM clearly (one thread, small preset: 2.8x at 2 sequences,
+# 1.6x at 4, par at 8) and the per-layer path around the native GEMM too: its float32 matmuls
+# take the GEMM's register tiles from two rows (cpu_kernels.h), so 5-6 rows (a verify step of 4-5
+# proposals) cost about one on a memory-bound model (wide-trained, one thread: 1.0-1.1x) and skip
+# the per-layer ops on a small one (tiny-trained: 0.34 / 0.39 ms at 5 / 6 rows, 0.62 / 0.66 per
+# layer). Beyond, the step is no longer bound by reading the weights once.
+MAX_BATCH = 6
 
 PHASES = ("add + rms norm", "qkv", "rotary + KV write + attention", "o", "gate/up + SiLU", "down", "LM head")
 

@@ -157,6 +157,16 @@ static void gemm_block_f32(const float *w, int64_t k, const float *x, float *y, 
     }
 }
 
+/* y[b * ys + r] = W[r] . x[b] for weight rows [r0, r1) and m <= MR inputs (xs apart): the register
+ * tiles for the GEMV's few-input case (see gemv_tiled_rows_f32 in cpu_kernels.h). */
+void gemv_tiled_rows_f32(const float *w, int64_t k, const float *x, int64_t xs, float *y, int64_t ys, int64_t m,
+                         int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r += NR) {
+        const int nr = r1 - r < NR ? (int)(r1 - r) : NR;
+        gemm_tile_rows(w + r * k, k, x, xs, y + r, ys, nr, (int)m, 1);
+    }
+}
+
 /* Weight rows [r0, r1) against all m inputs, GEMM_M_BLOCK inputs at a time: a block of inputs
  * stays in L2 while it passes over the rows, which stay there too for the next block. */
 static void gemm_rows_f32(const float *w, const float *bias, int64_t k, const float *x, float *y, int64_t n,

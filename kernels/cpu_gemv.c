@@ -71,6 +71,10 @@ static inline __attribute__((always_inline)) void gemv_block(const float *w, int
 /* y[b][r] = W[r] . x[b] for weight rows [r0, r1), every input b, each row read from memory once. */
 static void gemv_rows_nobias(const float *w, int64_t k, const float *x, int64_t xs, float *y, int64_t ys,
                              int64_t batch, int64_t r0, int64_t r1) {
+    if (batch >= GEMV_TILED_MIN_BATCH && batch <= 6) {
+        gemv_tiled_rows_f32(w, k, x, xs, y, ys, batch, r0, r1);
+        return;
+    }
     for (int64_t r = r0; r < r1; r++)
         for (int64_t b = 0; b < batch; b += 4) {
             const int nb = batch - b < 4 ? (int)(batch - b) : 4;

@@ -96,7 +96,8 @@ def test_refuses_to_overwrite_unless_forced(tmp_path, capsys):
 
 def test_bad_arguments(tmp_path):
     with pytest.raises(
-        ValueError, match="preset must be one of tiny, tiny-trained, tiny-trained-draft, small, got 'huge'"
+        ValueError,
+        match="preset must be one of tiny, tiny-trained, tiny-trained-draft, wide-trained, small, got 'huge'",
     ):
         make_model(tmp_path / "x", preset="huge")
     with pytest.raises(ValueError, match="dtype must be one of"):
@@ -114,6 +115,21 @@ def test_small_preset_shapes_and_parameter_count():
     assert config.intermediate_size >= 2048
     assert config.num_parameters == count_parameters(spec)
     assert 90e6 <= count_parameters(spec) <= 130e6
+
+
+def test_wide_trained_preset_is_memory_bound_and_shares_the_draft_tokenizer():
+    """The speculative-decoding target: a decode step reads weights far beyond a CPU's last-level
+    cache (so verifying a few rows costs about one), with the vocabulary of the trained tiny presets
+    (its drafts), trained with the fast recipe."""
+    spec = PRESETS["wide-trained"]
+    assert count_parameters(spec) * 4 >= 80e6
+    assert count_parameters(spec) <= 40e6  # trains in minutes on a CPU
+    for draft in ("tiny-trained", "tiny-trained-draft"):
+        assert PRESETS[draft].vocab_size == spec.vocab_size
+    assert spec.train_steps > 0 and spec.train_bf16
+    config = ModelConfig.from_dict(model_config(spec, {"bos_token_id": 0, "eot_token_id": 4}, "float32"))
+    assert config.num_parameters == count_parameters(spec)
+    assert config.hidden_size % config.num_attention_heads == 0
 
 
 @pytest.mark.slow

@@ -61,6 +61,20 @@ def test_acceptance_estimate_falls_with_rejections_and_recovers_while_idle():
     assert est.rate("r") == 1.0
 
 
+def _probe_bursts(check, steps: int, spec_seconds: float, spec_tokens: int) -> list[int]:
+    """First steps of each run of consecutive speculative steps at batch 1 over `steps` steps."""
+    starts, last = [], None
+    for step in range(steps):
+        if check.allows(1):
+            if last != step - 1:
+                starts.append(step)
+            last = step
+            check.speculative_step(1, spec_seconds, spec_tokens)
+        else:
+            check.plain_step(1, 0.001)
+    return starts
+
+
 def test_a_batch_size_where_speculation_measured_slower_only_probes():
     from disagg.worker.engine.spec.throughput import PROBE_EVERY, ThroughputCheck
 
@@ -69,15 +83,35 @@ def test_a_batch_size_where_speculation_measured_slower_only_probes():
     check.plain_step(1, 0.001)  # 1 ms per token
     assert check.allows(1)
     # speculating costs 2 ms per token against plain decoding's 1: probes only, ever rarer
-    probes = []
-    for step in range(2000):
-        if check.allows(1):
-            probes.append(step)
-            check.speculative_step(1, 0.004, 2)
-        else:
-            check.plain_step(1, 0.001)
-    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
-    assert probes[1] - probes[0] >= PROBE_EVERY and gaps == sorted(gaps) and len(probes) <= 8
+    bursts = _probe_bursts(check, 2000, 0.004, 2)
+    gaps = [b - a for a, b in zip(bursts, bursts[1:], strict=False)]
+    assert bursts[1] - bursts[0] >= PROBE_EVERY and gaps == sorted(gaps) and len(bursts) <= 8
+    assert gaps[-1] > 4 * gaps[0]
+
+
+def test_a_probe_that_wins_resumes_speculation_after_a_long_losing_stretch():
+    """A transient loss (load elsewhere, an unlucky proposal) must not lock speculation off: a probe
+    is a few steps judged on their own time, not blended into the stale losing estimate."""
+    from disagg.worker.engine.spec.throughput import PROBE_STEPS, ThroughputCheck
+
+    check = ThroughputCheck()
+    check.plain_step(1, 0.001)
+    _probe_bursts(check, 600, 0.004, 2)  # lost for a while: probes grew rare
+    # now speculating pays (0.5 ms per token); the next probe turns it back on for good
+    bursts = _probe_bursts(check, 2000, 0.001, 2)
+    assert len(bursts) == 1
+    assert all(check.allows(1) for _ in range(PROBE_STEPS * 3))
+    # a probe's single bad step does not decide it: one rejected proposal among good ones
+    check = ThroughputCheck()
+    check.plain_step(1, 0.001)
+    check.speculative_step(1, 0.004, 2)  # lost
+    while not check.allows(1):
+        check.plain_step(1, 0.001)
+    check.speculative_step(1, 0.0011, 1)  # the probe's first step: the proposal rejected
+    for _ in range(PROBE_STEPS - 1):
+        assert check.allows(1)
+        check.speculative_step(1, 0.0011, 4)
+    assert check.allows(1) and check.allows(1)
     check.plain_step(4, 0.002)  # another batch size is judged on its own
     check.speculative_step(4, 0.001, 8)
     assert all(check.allows(4) for _ in range(5))

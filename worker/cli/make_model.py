@@ -14,7 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--preset",
         choices=sorted(PRESETS),
         default="tiny",
-        help="tiny: ~1M parameters, for tests and demos; small: ~125M, for benchmarks",
+        help="tiny: ~1M parameters, for tests; tiny-trained(-draft): trained on a generated corpus, the "
+        "demo and its draft; wide-trained: 25M trained, a memory-bound speculative-decoding target; "
+        "small: ~100M random, for benchmarks",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
