@@ -30,7 +30,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from disagg.kernels.quantized import QuantizedWeight, linear, scaled_linear_torch
+from disagg.kernels.quantized import (
+    W8A8_MIN_ROWS,
+    QuantizedWeight,
+    linear,
+    scaled_linear_torch,
+    scaled_linear_w8a8_torch,
+)
 from disagg.worker.model import quantization
 from disagg.worker.model.loader import load_model
 from disagg.worker.tools.make_model import make_model
@@ -167,12 +173,19 @@ def test_linear_dispatch_agrees_with_the_twin_and_dequantized_weight():
     w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
     for scheme in ("int8", "fp8"):
         q = quantization.quantize(w, scheme)
-        for rows in (1, 3, 40, 300):  # native GEMV (int8) up to NATIVE_MAX_ROWS rows, the twin beyond
+        for rows in (1, 3, 40, 300):  # int8: the GEMV below W8A8_MIN_ROWS rows, W8A8 from there
             x = torch.randn(rows, 80, generator=g)
             want = F.linear(x, q.dequantize(), b)
-            # the native int8 GEMV rounds inputs to int16: ~sqrt(K) * 3e-5 * max|x| * max|w|
-            torch.testing.assert_close(linear(x, q, b), want, atol=2e-3, rtol=1e-4)
             torch.testing.assert_close(scaled_linear_torch(x, q, b), want, atol=1e-4, rtol=1e-4)
+            if scheme == "int8" and rows >= W8A8_MIN_ROWS:
+                # W8A8: each input off by at most half its row's step max|x| / 127
+                step = x.abs().amax(1, keepdim=True) / 127
+                bound = step / 2 * q.dequantize().abs().sum(1) + 1e-4
+                assert ((linear(x, q, b) - want).abs() <= bound).all()
+                torch.testing.assert_close(linear(x, q, b), scaled_linear_w8a8_torch(x, q, b))
+            else:
+                # the native int8 GEMV rounds inputs to int16: ~sqrt(K) * 3e-5 * max|x| * max|w|
+                torch.testing.assert_close(linear(x, q, b), want, atol=2e-3, rtol=1e-4)
     # a plain weight: F.linear, or on CPU the native float32 GEMM (tests/kernels/test_cpu_gemm.py)
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b))
 
