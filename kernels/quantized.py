@@ -145,15 +145,20 @@ def scaled_linear_w8a8_torch(
 
 
 def linear(
-    x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    w8a8: bool = True,
 ) -> torch.Tensor:
-    """`F.linear(x, w, bias)` for a plain or a quantized weight (see the module text)."""
+    """`F.linear(x, w, bias)` for a plain or a quantized weight (see the module text). `w8a8=False`
+    keeps 16-bit inputs for int8 weights: for heavy-tailed inputs (the MLP's down projection),
+    whose int8 grid, set by the largest value, rounds the typical ones coarsely."""
     if not isinstance(w, QuantizedWeight):
         if _native_gemm_fits(x, w, bias):
             return cpu_native.gemm(x.contiguous(), w, bias)
         return F.linear(x, w, bias)
     if x.device.type == "cpu":
-        if w.scheme == "int8" and _w8a8_rows(x, bias):
+        if w.scheme == "int8" and w8a8 and _w8a8_rows(x, bias):
             if x.shape[0] <= GEMM_INT8_MAX_ROWS and cpu_native.available() and cpu_native.gemm_int8_is_fast():
                 return cpu_native.gemm_int8(x.contiguous(), w.data, w.scale, w.row_sums, bias)
             return scaled_linear_w8a8_torch(x, w, bias)
