@@ -6,11 +6,14 @@ scale is constant along a row it factors out of every dot product: y = (x . data
 which is what every implementation below computes.
 
 `linear(x, w, bias)` takes a plain tensor (then it is `F.linear`, through the native float32 GEMM
-on CPU up to `GEMM_NATIVE_MAX_ROWS` rows) or a `QuantizedWeight` and picks: the native int8 GEMV
-on CPU for a few float32 rows (decode: reading a quarter of the bytes is the point; with AVX-512
-VNNI it rounds the inputs to int16 per row, a relative 3e-5, below bfloat16's own rounding) and the
-native fp8 GEMV (e4m3 widened in registers), the Triton scaled matmul on CUDA (fp8 and int8), else
-the torch twin (`scaled_linear_torch`: widen the weight on the fly, matmul, scale).
+on CPU up to `GEMM_NATIVE_MAX_ROWS` rows) or a `QuantizedWeight` and picks: for int8 and float32
+inputs on CPU, below `W8A8_MIN_ROWS` rows the native int8 GEMV (decode: reading a quarter of the
+bytes is the point; with AVX-512 VNNI it rounds the inputs to int16 per row, a relative 3e-5,
+below bfloat16's own rounding), from there W8A8 (each input row rounded to int8 with its own scale,
+integer products: the native VNNI GEMM up to `GEMM_INT8_MAX_ROWS`, else its torch twin
+`scaled_linear_w8a8_torch`) unless the caller keeps 16-bit inputs (`w8a8=False`); the native fp8
+GEMV (e4m3 widened in registers); the Triton scaled matmul on CUDA (fp8 and int8); else the torch
+twin (`scaled_linear_torch`: widen the weight on the fly, matmul, scale).
 """
 
 from __future__ import annotations

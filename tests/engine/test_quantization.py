@@ -1,4 +1,4 @@
-"""Quantized weights (int8 W8A16, fp8 e4m3, per output channel) against the float32 model.
+"""Quantized weights (int8, fp8 e4m3, per output channel) against the float32 model.
 
 Each scheme runs the same ragged batch as the float32 reference: a packed prefill of three
 prompts of different lengths (every position's next-token distribution), then decode steps
@@ -14,11 +14,20 @@ errors are independent over K). e4m3 keeps 3 mantissa bits: a relative error of 
 uniform within a binade, std ~ 2-3% of each weight: about 4x int8. The logits pass through
 four layers of five matmuls plus the LM head (errors add in quadrature, norms keep the scale):
 mean |error| / std of ~1-2% for int8 and ~4-8% for fp8, growing as the square root of the depth
-(measured on tiny, 4 layers: 1.3% and 5.0%; on small, 12 layers: 2.2% and 7.6%). The bounds are
-2-3x that: a wrong scale (a factor per row), a wrong row order or a missing scale (errors of
-order 100%) fails, rounding passes. KL for a small logit perturbation e is ~ Var_p(e) / 2, so
-its bound is 4-9x the measured value (the logit margin squared; small: 3.8e-4 and 4.6e-3).
-Greedy agreement on a random model is only indicative (near-ties flip), so its bound is loose.
+(measured with 16-bit inputs, W8A16, on tiny, 4 layers: 1.3% and 5.0%; on small, 12 layers:
+2.2% and 7.6%).
+int8 products of W8A8_MIN_ROWS rows or more (the prefill rows here; batched decode) also round
+their inputs to int8 per row (W8A8): the same half-step error on each input, step = max|x| / 127.
+Inputs after an RMS norm (qkv, gate_up) and the attention output (o) have max|x| ~ 3-4 sigma, as
+the weights do, so W8A8 adds about the weights' own error in quadrature (x sqrt 2 at most); the
+MLP's down projection, whose input silu(gate) * up is heavy-tailed (max|x| many sigma), keeps
+16-bit inputs (with it at int8 too, small measured 3.45%, KL 9.5e-4, greedy 90%). Measured: tiny
+1.65%, KL 2.2e-4; small 2.86%, KL 6.4e-4, greedy 93%.
+The bounds are 2-3x the W8A16 figures: a wrong scale (a factor per row), a wrong row order or a
+missing scale (errors of order 100%) fails, rounding passes. KL for a small logit perturbation e
+is ~ Var_p(e) / 2, so its bound is 2-4x the measured value (the logit margin squared; small:
+6.4e-4 and 4.6e-3). Greedy agreement on a random model is only indicative (near-ties flip), so
+its bound is loose.
 """
 
 from __future__ import annotations
@@ -136,18 +145,24 @@ def test_quantized_logits_against_float32_small(tmp_path):
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
 def test_the_same_logits_on_every_cpu_path(tiny_dir, monkeypatch, one_torch_thread, scheme):
-    """8-bit weights through the native kernels (whole-step decode and per-op GEMV) and through the
-    torch twin agree. For int8,
-    the native GEMV rounds its inputs to int16 (VNNI; 3e-5 of a row's largest value), a difference
-    (measured: 1.3e-4 of the logits' std) under 4% of the int8 weights' own error against float32
-    (1.3% of the std)."""
+    """8-bit weights through the native kernels (whole-step decode, per-op GEMV, W8A8 GEMM) and
+    through the torch twins agree. fp8, and int8 below W8A8_MIN_ROWS rows: the native GEMV rounds
+    its inputs to int16 (VNNI; 3e-5 of a row's largest value), a difference (measured: 1.3e-4 of
+    the logits' std) under 4% of the weights' own error against float32. int8 from W8A8_MIN_ROWS
+    rows (the prefill here): kernel and twin compute the same integers from the same inputs
+    (tests/kernels/test_cpu_gemm_int8.py), but rounding inputs to int8 is discontinuous: the
+    paths' 1e-4 differences elsewhere (the down projection's int16 GEMV, norms) move a few inputs
+    across a rounding boundary, a whole int8 step each, and over the layers the two paths' int8
+    rounding errors decorrelate. They then differ by about that rounding error itself (measured
+    0.84% of the std; W8A8's own error against float32 is 1.7%), not by float rounding."""
     native, _ = load_model(tiny_dir, quantization_setting=scheme)
     got_native, forced = ragged_logits(native, 1024)
     monkeypatch.setenv("DISAGG_CPU_NATIVE", "0")
     plain, _ = load_model(tiny_dir, quantization_setting=scheme)
     got_plain, _ = ragged_logits(plain, 1024, forced)
     apart = compare(got_plain, got_native)
-    assert apart.mean_rel < 5e-4 and apart.max_abs < 5e-3 and apart.greedy_agree == 1.0, apart
+    rel, max_abs, agree = (2e-2, 0.2, 0.95) if scheme == "int8" else (5e-4, 5e-3, 1.0)
+    assert apart.mean_rel < rel and apart.max_abs < max_abs and apart.greedy_agree >= agree, apart
 
 
 # ---- the quantizers ---------------------------------------------------------------------------
