@@ -72,6 +72,9 @@ def int8_table(cpu_native, rows: list[int], wanted: set[str], args, gen: torch.G
         kernels = {
             "W8A8": lambda x, w, s=scale, sums=sums: cpu_native.gemm_int8(x, w, s, sums[id(w)]),
             "W8A16": lambda x, w, s=scale: cpu_native.gemm_int8_a16(x, w, s),
+            "A16x2": lambda x, w, s=scale, sums=sums: cpu_native.gemm_int8(
+                x, w, s, sums[id(w)], input_bits=16
+            ),
             "GEMV": lambda x, w, s=scale: cpu_native.gemv_int8(x, w, s),
         }
         for m in rows:
@@ -85,7 +88,7 @@ def int8_table(cpu_native, rows: list[int], wanted: set[str], args, gen: torch.G
                         best[key] = min(best[key], loop_seconds(fn, ints, x, flops))
             ratios = " ".join(
                 f"{best['f32'] / best[key]:>{width}.2f}" if best[key] < float("inf") else f"{'-':>{width}}"
-                for key, width in (("W8A8", 5), ("W8A16", 6), ("GEMV", 5))
+                for key, width in (("W8A8", 5), ("W8A16", 6), ("A16x2", 6), ("GEMV", 5))
             )
             print(f"  {name:<8} {f'{n}x{k}':>11} {m:>4} {flops / best['f32'] / 1e9:>9.1f}   x f32: {ratios}")
 

@@ -43,8 +43,9 @@
 #define GEMM_M_BLOCK 256
 /* Inputs are stored in rows of a multiple of this many bytes. */
 #define K_ALIGN 64
-/* The largest rounded input: int8 for VPDPBUSD. */
+/* The largest rounded input: int8 for VPDPBUSD; 16-bit inputs, split into two bytes. */
 #define X_MAX 127.0f
+#define X16_MAX 32767.0f
 
 static int64_t padded(int64_t k) { return (k + K_ALIGN - 1) / K_ALIGN * K_ALIGN; }
 
@@ -56,6 +57,23 @@ static float quantize_row_u8(const float *x, int64_t k, int64_t kp, uint8_t *u) 
     const float inv = 1.0f / s;
     for (int64_t i = 0; i < k; i++) u[i] = (uint8_t)((int32_t)rintf(x[i] * inv) + 128); /* nearest, ties even */
     memset(u + k, 0, (size_t)(kp - k));
+    return s;
+}
+
+/* 16-bit inputs as two byte planes, q = round(x / s) = 256 hi + lo with s = max|x| / 32767:
+ * hi + 128 (hi = q >> 8 in [-128, 127]) at u, lo (q & 255) at u + kp; zeros beyond k. */
+static float quantize_row_planes(const float *x, int64_t k, int64_t kp, uint8_t *u) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float s = amax > 0.0f ? amax / X16_MAX : 1.0f;
+    const float inv = 1.0f / s;
+    for (int64_t i = 0; i < k; i++) {
+        const int32_t q = (int32_t)rintf(x[i] * inv);
+        u[i] = (uint8_t)((q >> 8) + 128);
+        u[kp + i] = (uint8_t)(q & 255);
+    }
+    memset(u + k, 0, (size_t)(kp - k));
+    memset(u + kp + k, 0, (size_t)(kp - k));
     return s;
 }
 
@@ -264,29 +282,36 @@ static void tile(const int8_t *w, int64_t k, const uint8_t *u, int64_t xs, int32
 }
 #endif
 
-/* The inputs as the tiles read them: rounded rows, kp bytes apart, and their scales. */
+/* The inputs as the tiles read them: rounded rows of `planes` byte planes of kp bytes each (one:
+ * int8 + 128; two: a 16-bit value's high byte + 128, then its low byte), and their scales. */
 typedef struct {
     const uint8_t *u;
     const float *scale;
     int64_t kp;
+    int planes;
 } inputs_u8;
 
 /* Weight rows [r0, r1) against inputs [0, m) (y rows n apart), tiles of nearly equal size
- * (as cpu_gemm.c: 32 inputs as 6 6 5 5 5 5, not 6 6 6 6 6 2). */
+ * (as cpu_gemm.c: 32 inputs as 6 6 5 5 5 5, not 6 6 6 6 6 2). A tile's "inputs" are byte planes:
+ * MR / planes inputs at a time, their planes read as consecutive rows. */
 static void block_i8(const int8_t *w, const float *scale, const int32_t *row_sums, int64_t k, inputs_u8 in,
                      float *y, int64_t n, int64_t m, int64_t r0, int64_t r1) {
-    const int64_t tiles = (m + MR - 1) / MR;
+    const int per_tile = MR / in.planes;
+    const int64_t tiles = (m + per_tile - 1) / per_tile;
     for (int64_t r = r0; r < r1; r += NR) {
         const int nr = r1 - r < NR ? (int)(r1 - r) : NR;
         int64_t m0 = 0;
         for (int64_t t = 0; t < tiles; t++) {
             const int mr = (int)((m - m0) / (tiles - t)) + ((m - m0) % (tiles - t) ? 1 : 0);
             int32_t dots[NR * MR];
-            tile(w + r * k, k, in.u + m0 * in.kp, in.kp, dots, nr, mr, t == 0);
+            tile(w + r * k, k, in.u + m0 * in.planes * in.kp, in.kp, dots, nr, mr * in.planes, t == 0);
             for (int i = 0; i < mr; i++)
-                for (int q = 0; q < nr; q++)
-                    y[(m0 + i) * n + r + q] =
-                        (float)(dots[i * nr + q] - 128 * row_sums[r + q]) * (in.scale[m0 + i] * scale[r + q]);
+                for (int q = 0; q < nr; q++) {
+                    const int32_t *d = dots + i * in.planes * nr + q;
+                    float dot = (float)(d[0] - 128 * row_sums[r + q]); /* the +128 shift taken back */
+                    if (in.planes == 2) dot = dot * 256.0f + (float)d[nr];
+                    y[(m0 + i) * n + r + q] = dot * (in.scale[m0 + i] * scale[r + q]);
+                }
             m0 += mr;
         }
     }
@@ -298,7 +323,7 @@ static void rows_i8(const int8_t *w, const float *scale, const int32_t *row_sums
     const int64_t blocks = (m + GEMM_M_BLOCK - 1) / GEMM_M_BLOCK;
     for (int64_t b = 0, m0 = 0; b < blocks; b++) {
         const int64_t mb = (m - m0) / (blocks - b) + ((m - m0) % (blocks - b) ? 1 : 0);
-        const inputs_u8 part = {in.u + m0 * in.kp, in.scale + m0, in.kp};
+        const inputs_u8 part = {in.u + m0 * in.planes * in.kp, in.scale + m0, in.kp, in.planes};
         block_i8(w, scale, row_sums, k, part, y + m0 * n, n, mb, r0, r1);
         m0 += mb;
     }
@@ -307,19 +332,23 @@ static void rows_i8(const int8_t *w, const float *scale, const int32_t *row_sums
             for (int64_t r = r0; r < r1; r++) y[i * n + r] += bias[r];
 }
 
-/* y [m][n] = (x [m][k] rounded per row to int8) W^T * scale (+ bias) over num_threads threads;
- * row_sums[n] = sum of W[n]. Returns -1 when out of memory for the rounded inputs. */
+/* y [m][n] = (x [m][k] rounded per row) W^T * scale (+ bias) over num_threads threads; row_sums[n]
+ * = sum of W[n]. input_bits 8: W8A8; 16: each row to 16 bits as two byte planes (twice the
+ * instructions; for heavy-tailed inputs). Returns -1 when out of memory for the rounded inputs. */
 int gemm_i8(const int8_t *w, const float *scale, const int32_t *row_sums, const float *bias, const float *x,
-            float *y, int64_t m, int64_t n, int64_t k, int64_t num_threads) {
+            float *y, int64_t m, int64_t n, int64_t k, int64_t input_bits, int64_t num_threads) {
     const int64_t kp = padded(k);
-    uint8_t *u = aligned_alloc(64, (size_t)(m * kp + 64 * ((m * 4 + 63) / 64)));
+    const int planes = input_bits == 16 ? 2 : 1;
+    uint8_t *u = aligned_alloc(64, (size_t)(m * planes * kp + 64 * ((m * 4 + 63) / 64)));
     if (!u) return -1;
-    float *sx = (float *)(u + m * kp);
-    const inputs_u8 in = {u, sx, kp};
+    float *sx = (float *)(u + m * planes * kp);
+    const inputs_u8 in = {u, sx, kp, planes};
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) sx[i] = quantize_row_u8(x + i * k, k, kp, u + i * kp);
+        for (int64_t i = 0; i < m; i++)
+            sx[i] = planes == 2 ? quantize_row_planes(x + i * k, k, kp, u + i * 2 * kp)
+                                : quantize_row_u8(x + i * k, k, kp, u + i * kp);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < n; r += GEMM_CHUNK)
             rows_i8(w, scale, row_sums, bias, k, in, y, n, m, r, r + GEMM_CHUNK < n ? r + GEMM_CHUNK : n);

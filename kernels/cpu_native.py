@@ -175,7 +175,7 @@ def _load() -> ctypes.CDLL:
         "gemm_f32": ([p, p, p, p, i64, i64, i64, i64], None),
         "gemv_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_silu_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
-        "gemm_i8": ([p, p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
+        "gemm_i8": ([p, p, p, p, p, p, i64, i64, i64, i64, i64], ctypes.c_int),
         "gemm_i8_a16": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemm_i8_vnni": ([], ctypes.c_int),
         "gemv_fp8": ([p, p, p, p, p, i64, i64, i64, i64], None),
@@ -327,10 +327,14 @@ def gemm_int8(
     scale: torch.Tensor,
     row_sums: torch.Tensor,
     bias: torch.Tensor | None = None,
+    input_bits: int = 8,
 ) -> torch.Tensor:
     """`scaled_linear_w8a8_torch` natively: float32 x [M, K] rounded per row to int8 (scale
     max|x| / 127), integer products with int8 weight [N, K] (`row_sums` [N] int32: each row's sum),
-    then the row and input scales (W8A8, register tiles: batched steps and prefill chunks)."""
+    then the row and input scales (W8A8, register tiles: batched steps and prefill chunks).
+    `input_bits=16`: rows rounded to 16 bits (scale max|x| / 32767; W8A16 at half the speed)."""
+    if input_bits not in (8, 16):
+        raise ValueError(f"input_bits: 8 or 16, got {input_bits}")
     _check_int8_weight(x, weight, scale, bias, 1)
     if row_sums.dtype != torch.int32 or not row_sums.is_contiguous() or row_sums.shape != scale.shape:
         raise ValueError(
@@ -340,7 +344,7 @@ def gemm_int8(
     y = torch.empty(m, n, dtype=torch.float32)
     if _require().gemm_i8(
         weight.data_ptr(), scale.data_ptr(), row_sums.data_ptr(), None if bias is None else bias.data_ptr(),
-        x.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads(),
+        x.data_ptr(), y.data_ptr(), m, n, k, input_bits, torch.get_num_threads(),
     ):  # fmt: skip
         raise MemoryError("gemm_int8: no memory for the rounded inputs")
     return y

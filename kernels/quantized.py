@@ -11,7 +11,8 @@ inputs on CPU, below `W8A8_MIN_ROWS` rows the native int8 GEMV (decode: reading 
 bytes is the point; with AVX-512 VNNI it rounds the inputs to int16 per row, a relative 3e-5,
 below bfloat16's own rounding), from there W8A8 (each input row rounded to int8 with its own scale,
 integer products: the native VNNI GEMM up to `GEMM_INT8_MAX_ROWS`, else its torch twin
-`scaled_linear_w8a8_torch`) unless the caller keeps 16-bit inputs (`w8a8=False`); the native fp8
+`scaled_linear_w8a8_torch`) unless the caller keeps 16-bit inputs (`w8a8=False`: the same GEMM
+with rows rounded to 16 bits, else the GEMV or the twin as below); the native fp8
 GEMV (e4m3 widened in registers); the Triton scaled matmul on CUDA (fp8 and int8); else the torch
 twin (`scaled_linear_torch`: widen the weight on the fly, matmul, scale).
 """
@@ -154,17 +155,22 @@ def linear(
     w8a8: bool = True,
 ) -> torch.Tensor:
     """`F.linear(x, w, bias)` for a plain or a quantized weight (see the module text). `w8a8=False`
-    keeps 16-bit inputs for int8 weights: for heavy-tailed inputs (the MLP's down projection),
-    whose int8 grid, set by the largest value, rounds the typical ones coarsely."""
+    keeps 16-bit inputs for int8 weights (the native GEMM then rounds rows to 16 bits, at half its
+    W8A8 speed): for heavy-tailed inputs (the MLP's down projection), whose int8 grid, set by the
+    largest value, rounds the typical ones coarsely."""
     if not isinstance(w, QuantizedWeight):
         if _native_gemm_fits(x, w, bias):
             return cpu_native.gemm(x.contiguous(), w, bias)
         return F.linear(x, w, bias)
     if x.device.type == "cpu":
-        if w.scheme == "int8" and w8a8 and _w8a8_rows(x, bias):
+        if w.scheme == "int8" and _w8a8_rows(x, bias):
             if x.shape[0] <= GEMM_INT8_MAX_ROWS and cpu_native.available() and cpu_native.gemm_int8_is_fast():
-                return cpu_native.gemm_int8(x.contiguous(), w.data, w.scale, w.row_sums, bias)
-            return scaled_linear_w8a8_torch(x, w, bias)
+                bits = 8 if w8a8 else 16
+                return cpu_native.gemm_int8(
+                    x.contiguous(), w.data, w.scale, w.row_sums, bias, input_bits=bits
+                )
+            if w8a8:
+                return scaled_linear_w8a8_torch(x, w, bias)
         if (
             w.scheme == "int8"
             and x.dtype == torch.float32

@@ -30,8 +30,8 @@ def _operands(m: int, n: int, k: int, seed: int):
     return x, w, bias
 
 
-def _native(x, w: QuantizedWeight, bias=None):
-    return cpu_native.gemm_int8(x, w.data, w.scale, w.row_sums, bias)
+def _native(x, w: QuantizedWeight, bias=None, input_bits=8):
+    return cpu_native.gemm_int8(x, w.data, w.scale, w.row_sums, bias, input_bits=input_bits)
 
 
 # The twin sums in float32 (a relative 6e-8 of sums of up to K * 127 * 127), the kernel in int32.
@@ -62,6 +62,19 @@ def test_error_against_float_is_half_an_input_step_per_weight():
     assert torch.equal(got[3], bias)
 
 
+@pytest.mark.parametrize("k", [5, 65, 781], ids=case_id)
+def test_16_bit_inputs_are_off_by_half_their_step(k):
+    """input_bits=16: rows rounded to 16 bits (two byte planes): the same bound with the step
+    max|x_row| / 32767, on rows of very different magnitudes, with a bias."""
+    for m in (5, 17, 33):
+        x, w, bias = _operands(m, 67, k, seed=m + k)
+        x *= torch.logspace(-3, 3, m)[:, None]
+        want = F.linear(x, w.dequantize(), bias)
+        bound = x.abs().amax(1, keepdim=True) / 32767 / 2 * w.dequantize().abs().sum(1)
+        got = _native(x, w, bias, input_bits=16)
+        assert ((got - want).abs() <= bound * 1.0001 + 1e-5 * want.abs() + 1e-6).all()
+
+
 def test_integer_extremes_are_exact():
     """Inputs at +-max (shifted to 255 and 1) against weights of +-127 over K = 4096: the shift is
     taken back exactly (127 * 127 * 4096 ~ 6.6e7, past float32's exact integers but not int32's)."""
@@ -75,6 +88,7 @@ def test_integer_extremes_are_exact():
     data[2, 1::2] = -127
     w = QuantizedWeight(data, torch.ones(3))
     got = _native(x, w)
+    torch.testing.assert_close(_native(x, w, input_bits=16), got, atol=0, rtol=1e-6)
     full = 127.0 * k  # x . w with x rounded to 127 * (1 / 127) exactly
     want = torch.tensor(
         [[full, -full, 0.0], [-full, full, 0.0], [0.0, 0.0, -full], [full / 2, -full / 2, 0.0]]
@@ -100,6 +114,8 @@ def test_bad_inputs_are_refused():
         cpu_native.gemm_int8(x, w.data.float(), w.scale, w.row_sums)
     with pytest.raises(ValueError, match="row_sums"):
         cpu_native.gemm_int8(x, w.data, w.scale, w.row_sums.long())
+    with pytest.raises(ValueError, match="input_bits"):
+        _native(x, w, input_bits=4)
 
 
 def test_linear_takes_w8a8_from_its_row_threshold(monkeypatch):
@@ -112,6 +128,9 @@ def test_linear_takes_w8a8_from_its_row_threshold(monkeypatch):
     if cpu_native.gemm_int8_is_fast():
         for rows in (low, high):
             assert torch.equal(quantized.linear(x[:rows], w, bias), _native(x[:rows], w, bias))
+            assert torch.equal(
+                quantized.linear(x[:rows], w, bias, w8a8=False), _native(x[:rows], w, bias, input_bits=16)
+            )
     # beyond the native GEMM's rows, and wherever it would run without VNNI: the twin, W8A8 too
     assert torch.equal(quantized.linear(x, w, bias), scaled_linear_w8a8_torch(x, w, bias))
     monkeypatch.setattr(cpu_native, "gemm_int8_is_fast", lambda: False)
@@ -134,14 +153,14 @@ def test_the_loops_without_vnni_give_the_same_numbers(tmp_path):
     )
     lib = ctypes.CDLL(str(lib_path))
     assert lib.gemm_i8_vnni() == 0
-    for m, n, k in ((5, 3, 5), (17, 67, 65), (33, 9, 781)):
-        x, w, bias = _operands(m, n, k, seed=m + n + k)
-        y = torch.empty(m, n)
-        p = ctypes.c_void_p
-        code = lib.gemm_i8(
-            p(w.data.data_ptr()), p(w.scale.data_ptr()), p(w.row_sums.data_ptr()), p(bias.data_ptr()),
-            p(x.data_ptr()), p(y.data_ptr()), ctypes.c_int64(m), ctypes.c_int64(n), ctypes.c_int64(k),
-            ctypes.c_int64(1),
-        )  # fmt: skip
-        assert code == 0
-        torch.testing.assert_close(y, _native(x, w, bias), atol=1e-6, rtol=1e-6)
+    for bits in (8, 16):
+        for m, n, k in ((5, 3, 5), (17, 67, 65), (33, 9, 781)):
+            x, w, bias = _operands(m, n, k, seed=m + n + k)
+            y = torch.empty(m, n)
+            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            code = lib.gemm_i8(
+                p(w.data.data_ptr()), p(w.scale.data_ptr()), p(w.row_sums.data_ptr()), p(bias.data_ptr()),
+                p(x.data_ptr()), p(y.data_ptr()), i64(m), i64(n), i64(k), i64(bits), i64(1),
+            )  # fmt: skip
+            assert code == 0
+            torch.testing.assert_close(y, _native(x, w, bias, input_bits=bits), atol=1e-6, rtol=1e-6)
