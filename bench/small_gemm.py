@@ -13,7 +13,7 @@ absolute figures.
 
 `--int8` times the int8-weight products instead, each against the native float32 GEMM on the same
 shape (ratio = float32 time / int8 time): the W8A8 GEMM (`cpu_native.gemm_int8`, VPDPBUSD), the
-W8A16 alternative (`gemm_int8_a16`, VPDPWSSD on int16 inputs) and the int8 GEMV.
+same GEMM with 16-bit inputs as two byte planes (A16x2: `input_bits=16`) and the int8 GEMV (W8A16).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def int8_table(cpu_native, rows: list[int], wanted: set[str], args, gen: torch.G
         f"1-min load average {os.getloadavg()[0]:.2f}"
     )
     print(
-        f"  {'matmul':<8} {'N x K':>11} {'M':>4} {'f32 GF/s':>9}   x f32: {'W8A8':>5} {'W8A16':>6} {'GEMV':>5}"
+        f"  {'matmul':<8} {'N x K':>11} {'M':>4} {'f32 GF/s':>9}   x f32: {'W8A8':>5} {'A16x2':>6} {'GEMV':>5}"
     )
     for name, n, k in SHAPES:
         if name not in wanted:
@@ -71,7 +71,6 @@ def int8_table(cpu_native, rows: list[int], wanted: set[str], args, gen: torch.G
         sums = {id(w): w.sum(1, dtype=torch.int32) for w in ints}
         kernels = {
             "W8A8": lambda x, w, s=scale, sums=sums: cpu_native.gemm_int8(x, w, s, sums[id(w)]),
-            "W8A16": lambda x, w, s=scale: cpu_native.gemm_int8_a16(x, w, s),
             "A16x2": lambda x, w, s=scale, sums=sums: cpu_native.gemm_int8(
                 x, w, s, sums[id(w)], input_bits=16
             ),
@@ -88,7 +87,7 @@ def int8_table(cpu_native, rows: list[int], wanted: set[str], args, gen: torch.G
                         best[key] = min(best[key], loop_seconds(fn, ints, x, flops))
             ratios = " ".join(
                 f"{best['f32'] / best[key]:>{width}.2f}" if best[key] < float("inf") else f"{'-':>{width}}"
-                for key, width in (("W8A8", 5), ("W8A16", 6), ("A16x2", 6), ("GEMV", 5))
+                for key, width in (("W8A8", 5), ("A16x2", 6), ("GEMV", 5))
             )
             print(f"  {name:<8} {f'{n}x{k}':>11} {m:>4} {flops / best['f32'] / 1e9:>9.1f}   x f32: {ratios}")
 

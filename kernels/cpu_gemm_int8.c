@@ -9,10 +9,16 @@
  * operand unsigned, so the inputs are stored shifted, u = q + 128, and the shift is taken back
  * per output with the weight row's sum: x . w = u . w - 128 * sum(w), the sums computed once at
  * load (`QuantizedWeight.row_sums`).
- * Measured against the alternative, W8A16 on VPDPWSSD (inputs to int16 as the GEMV rounds them,
- * weights widened to int16 in registers, 32 multiply-adds per instruction plus the widening):
- * see GEMM_I8_A16 below and bench/small_gemm.py --int8.
- *
+ * Why W8A8 on VPDPBUSD: against W8A16 on VPDPWSSD (inputs rounded to int16 as the GEMV rounds
+ * them, weights widened to int16 in registers: 32 multiply-adds per instruction plus a widening
+ * per weight vector), measured with bench/small_gemm.py --int8 (one thread, weights in cache,
+ * the small preset's shapes, 8-256 rows, under a load of 6 from elsewhere: ratios to the float32
+ * GEMM in the same loop): W8A8 2.3-4.8x, W8A16 1.0-2.0x (the VPDPWSSD variant, since removed).
+ * 16-bit inputs are still needed where the per-token int8 grid is too coarse (heavy-tailed
+ * inputs: the MLP's down projection): input_bits=16 rounds a row to 16 bits (max|x| / 32767) and
+ * stores it as two byte planes, q = 256 hi + lo, read by the same tiles as two rows (hi + 128,
+ * unsigned lo): two VPDPBUSD per 64 products, 1.4-1.9x the float32 GEMM (VPDPWSSD's 1.0-2.0x
+ * without its own loop).
  * The loop is cpu_gemm.c's: a tile of NR weight rows by up to MR input rows keeps NR * MR
  * accumulators in registers; per 64 bytes of K it loads NR weight vectors and MR input vectors
  * for NR * MR VPDPBUSD. The inputs are stored with rows padded to a multiple of 64 bytes (zeros),
@@ -84,7 +90,6 @@ static float quantize_row_planes(const float *x, int64_t k, int64_t kp, uint8_t 
  * GCC copies every accumulator to another register and back around each instruction (the
  * destination is also a source), twice the instructions of the loop. */
 #define DPBUSD(acc, x, w) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w))
-#define DPWSSD(acc, x, w) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w))
 
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef int32_t v16iu __attribute__((vector_size(64), aligned(4)));
@@ -176,99 +181,8 @@ static void tile(const int8_t *w, int64_t k, const uint8_t *u, int64_t xs, int32
 }
 
 
-/* ---- W8A16 on VPDPWSSD, for comparison (bench/small_gemm.py --int8) ---- */
-#define X_MAX16 16383.0f
-
-static float quantize_row_s16(const float *x, int64_t k, int64_t kp, int16_t *q) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
-    const float s = amax > 0.0f ? amax / X_MAX16 : 1.0f;
-    const float inv = 1.0f / s;
-    for (int64_t i = 0; i < k; i++) q[i] = (int16_t)rintf(x[i] * inv);
-    memset(q + k, 0, (size_t)(kp - k) * 2);
-    return s;
-}
-
-static inline __attribute__((always_inline)) void tile_s16(const int8_t *w, int64_t k, const int16_t *q,
-                                                           int64_t xs, int32_t *dots, const int nr,
-                                                           const int mr) {
-    __m512i acc[NR][MR];
-#pragma GCC unroll 4
-    for (int r = 0; r < nr; r++)
-#pragma GCC unroll 6
-        for (int m = 0; m < mr; m++) acc[r][m] = _mm512_setzero_si512();
-    for (int64_t j = 0; j < k; j += 32) {
-        __m512i wv[NR];
-        const __mmask32 mask = j + 32 <= k ? ~0U : ~0U >> (32 - (k - j));
-#pragma GCC unroll 4
-        for (int r = 0; r < nr; r++) {
-            wv[r] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, w + r * k + j));
-            IN_REGISTER(wv[r]);
-        }
-#pragma GCC unroll 6
-        for (int m = 0; m < mr; m++) {
-            const __m512i xv = _mm512_load_si512(q + m * xs + j);
-#pragma GCC unroll 4
-            for (int r = 0; r < nr; r++) DPWSSD(acc[r][m], xv, wv[r]);
-        }
-    }
-    v16i flat[2 * 16];
-#pragma GCC unroll 32
-    for (int i = 0; i < 2 * 16; i++) flat[i] = i < nr * mr ? (v16i)acc[i % nr][i / nr] : (v16i){0};
-    int32_t sums[2 * 16];
-    sum_lanes16_i32(flat, sums);
-    if (nr * mr > 16) sum_lanes16_i32(flat + 16, sums + 16);
-    memcpy(dots, sums, sizeof(int32_t) * nr * mr);
-}
-
-static void tile16(const int8_t *w, int64_t k, const int16_t *q, int64_t xs, int32_t *dots, int nr, int mr) {
-    if (nr == NR && mr == MR)
-        tile_s16(w, k, q, xs, dots, NR, MR);
-    else
-        for (int r = 0; r < nr; r++)
-            for (int m = 0; m < mr; m++) tile_s16(w + r * k, k, q + m * xs, xs, dots + m * nr + r, 1, 1);
-}
-
-int gemm_i8_a16(const int8_t *w, const float *scale, const float *bias, const float *x, float *y, int64_t m,
-                int64_t n, int64_t k, int64_t num_threads) {
-    const int64_t kp = (k + 31) / 32 * 32;
-    int16_t *q = aligned_alloc(64, (size_t)(m * kp * 2 + 64 * ((m * 4 + 63) / 64)));
-    if (!q) return -1;
-    float *sx = (float *)(q + m * kp);
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-    {
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < m; i++) sx[i] = quantize_row_s16(x + i * k, k, kp, q + i * kp);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t r0 = 0; r0 < n; r0 += GEMM_CHUNK) {
-            const int64_t r1 = r0 + GEMM_CHUNK < n ? r0 + GEMM_CHUNK : n;
-            for (int64_t mb = 0; mb < m; mb += GEMM_M_BLOCK) {
-                const int64_t me = mb + GEMM_M_BLOCK < m ? mb + GEMM_M_BLOCK : m;
-                for (int64_t r = r0; r < r1; r += NR) {
-                    const int nr = r1 - r < NR ? (int)(r1 - r) : NR;
-                    for (int64_t m0 = mb; m0 < me; m0 += MR) {
-                        const int mr = me - m0 < MR ? (int)(me - m0) : MR;
-                        int32_t dots[NR * MR];
-                        tile16(w + r * k, k, q + m0 * kp, kp, dots, nr, mr);
-                        for (int i = 0; i < mr; i++)
-                            for (int c = 0; c < nr; c++)
-                                y[(m0 + i) * n + r + c] = (float)dots[i * nr + c] * (sx[m0 + i] * scale[r + c]) +
-                                                          (bias ? bias[r + c] : 0.0f);
-                    }
-                }
-            }
-        }
-    }
-    free(q);
-    return 0;
-}
-
 #else /* no VNNI: the same integers, summed by plain loops */
 
-int gemm_i8_a16(const int8_t *w, const float *scale, const float *bias, const float *x, float *y, int64_t m,
-                int64_t n, int64_t k, int64_t num_threads) {
-    return -2; /* the comparison needs VPDPWSSD */
-}
 
 static void tile(const int8_t *w, int64_t k, const uint8_t *u, int64_t xs, int32_t *dots, int nr, int mr,
                  int prefetch) {

@@ -176,7 +176,6 @@ def _load() -> ctypes.CDLL:
         "gemv_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_silu_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemm_i8": ([p, p, p, p, p, p, i64, i64, i64, i64, i64], ctypes.c_int),
-        "gemm_i8_a16": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemm_i8_vnni": ([], ctypes.c_int),
         "gemv_fp8": ([p, p, p, p, p, i64, i64, i64, i64], None),
         "fp8_to_f32": ([p, p, i64, i64], None),
@@ -347,25 +346,6 @@ def gemm_int8(
         x.data_ptr(), y.data_ptr(), m, n, k, input_bits, torch.get_num_threads(),
     ):  # fmt: skip
         raise MemoryError("gemm_int8: no memory for the rounded inputs")
-    return y
-
-
-def gemm_int8_a16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    _check_int8_weight(x, weight, scale, None, 1)
-    (m, k), n = x.shape, weight.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    if _require().gemm_i8_a16(
-        weight.data_ptr(),
-        scale.data_ptr(),
-        None,
-        x.data_ptr(),
-        y.data_ptr(),
-        m,
-        n,
-        k,
-        torch.get_num_threads(),
-    ):
-        raise MemoryError("gemm_int8_a16: no memory for the rounded inputs")
     return y
 
 
