@@ -22,11 +22,11 @@ Inputs after an RMS norm (qkv, gate_up) and the attention output (o) have max|x|
 the weights do, so W8A8 adds about the weights' own error in quadrature (x sqrt 2 at most); the
 MLP's down projection, whose input silu(gate) * up is heavy-tailed (max|x| many sigma), keeps
 16-bit inputs (with it at int8 too, small measured 3.45%, KL 9.5e-4, greedy 90%). Measured: tiny
-1.65%, KL 2.2e-4; small 2.86%, KL 6.4e-4, greedy 93%.
+1.67%, KL 2.2e-4, greedy 97%; small 2.83%, KL 6.3e-4, greedy 93%.
 The bounds are 2-3x the W8A16 figures: a wrong scale (a factor per row), a wrong row order or a
 missing scale (errors of order 100%) fails, rounding passes. KL for a small logit perturbation e
 is ~ Var_p(e) / 2, so its bound is 2-4x the measured value (the logit margin squared; small:
-6.4e-4 and 4.6e-3). Greedy agreement on a random model is only indicative (near-ties flip), so
+6.3e-4 and 4.6e-3). Greedy agreement on a random model is only indicative (near-ties flip), so
 its bound is loose.
 """
 
@@ -154,14 +154,15 @@ def test_the_same_logits_on_every_cpu_path(tiny_dir, monkeypatch, one_torch_thre
     paths' 1e-4 differences elsewhere (the down projection's int16 GEMV, norms) move a few inputs
     across a rounding boundary, a whole int8 step each, and over the layers the two paths' int8
     rounding errors decorrelate. They then differ by about that rounding error itself (measured
-    0.84% of the std; W8A8's own error against float32 is 1.7%), not by float rounding."""
+    0.76% of the std, greedy 97%; W8A8's own error against float32 is 1.7%), not by float
+    rounding; greedy agreement then flips near-ties, so its bound is loose."""
     native, _ = load_model(tiny_dir, quantization_setting=scheme)
     got_native, forced = ragged_logits(native, 1024)
     monkeypatch.setenv("DISAGG_CPU_NATIVE", "0")
     plain, _ = load_model(tiny_dir, quantization_setting=scheme)
     got_plain, _ = ragged_logits(plain, 1024, forced)
     apart = compare(got_plain, got_native)
-    rel, max_abs, agree = (2e-2, 0.2, 0.95) if scheme == "int8" else (5e-4, 5e-3, 1.0)
+    rel, max_abs, agree = (2e-2, 0.2, 0.9) if scheme == "int8" else (5e-4, 5e-3, 1.0)
     assert apart.mean_rel < rel and apart.max_abs < max_abs and apart.greedy_agree >= agree, apart
 
 
