@@ -1,6 +1,6 @@
 """The native small-M GEMM (`cpu_native.gemm`) against torch's `F.linear`, float32, on this CPU.
 
-    python bench/small_gemm.py [--threads 2] [--rows 1,4,5,8,16,32,64] [--repeats 7] [--hot]
+    python bench/small_gemm.py [--threads 2] [--rows 1,4,5,8,16,32,64] [--repeats 7] [--hot] [--int8]
     python bench/small_gemm.py --dtype bfloat16   # the native bf16 GEMV against torch's bf16 GEMM
 
 For each matmul of the `small` preset (qkv, o, gate/up, down, LM head: y = x W^T, W [N, K]) and
@@ -11,6 +11,10 @@ read once from memory (the model is far larger than the L3 cache), the calls cyc
 copies of the weight that together exceed the L3; `--hot` times one copy, cache-resident. The
 1-min load average is printed before and after: on a shared machine read the ratios, not the
 absolute figures.
+
+`--int8` times the int8-weight products instead, each against the native float32 GEMM on the same
+shape (ratio = float32 time / int8 time): the W8A8 GEMM (`cpu_native.gemm_int8`, VPDPBUSD), the
+same GEMM with 16-bit inputs as two byte planes (A16x2: `input_bits=16`) and the int8 GEMV (W8A16).
 """
 
 from __future__ import annotations
@@ -49,6 +53,46 @@ def loop_seconds(fn, weights: list[torch.Tensor], x: torch.Tensor, flops: float)
     return (time.perf_counter() - start) / iters
 
 
+def int8_table(cpu_native, rows: list[int], wanted: set[str], args, gen: torch.Generator) -> None:
+    print(
+        f"int8 weights, float32 inputs, {torch.get_num_threads()} threads, weights "
+        f"{'hot' if args.hot else 'cold'}; VNNI {cpu_native.gemm_int8_is_fast()}; "
+        f"1-min load average {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"  {'matmul':<8} {'N x K':>11} {'M':>4} {'f32 GF/s':>9}   x f32: {'W8A8':>5} {'A16x2':>6} {'GEMV':>5}"
+    )
+    for name, n, k in SHAPES:
+        if name not in wanted:
+            continue
+        copies = 1 if args.hot else -(-COLD_BYTES // (n * k))
+        floats = [torch.randn(n, k, generator=gen) for _ in range(max(1, copies // 4))]
+        ints = [torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8) for _ in range(copies)]
+        scale = torch.rand(n, generator=gen) / 127
+        sums = {id(w): w.sum(1, dtype=torch.int32) for w in ints}
+        kernels = {
+            "W8A8": lambda x, w, s=scale, sums=sums: cpu_native.gemm_int8(x, w, s, sums[id(w)]),
+            "A16x2": lambda x, w, s=scale, sums=sums: cpu_native.gemm_int8(
+                x, w, s, sums[id(w)], input_bits=16
+            ),
+            "GEMV": lambda x, w, s=scale: cpu_native.gemv_int8(x, w, s),
+        }
+        for m in rows:
+            x = torch.randn(m, k, generator=gen)
+            flops = 2.0 * m * n * k
+            best = dict.fromkeys(["f32", *kernels], float("inf"))
+            for _ in range(args.repeats):  # interleaved: a burst of load hits all alike
+                best["f32"] = min(best["f32"], loop_seconds(cpu_native.gemm, floats, x, flops))
+                for key, fn in kernels.items():
+                    if key != "GEMV" or m <= 256:
+                        best[key] = min(best[key], loop_seconds(fn, ints, x, flops))
+            ratios = " ".join(
+                f"{best['f32'] / best[key]:>{width}.2f}" if best[key] < float("inf") else f"{'-':>{width}}"
+                for key, width in (("W8A8", 5), ("A16x2", 6), ("GEMV", 5))
+            )
+            print(f"  {name:<8} {f'{n}x{k}':>11} {m:>4} {flops / best['f32'] / 1e9:>9.1f}   x f32: {ratios}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=None)
@@ -57,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--hot", action="store_true", help="one weight copy, resident in the caches")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--int8", action="store_true", help="int8-weight kernels against the float32 GEMM")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -73,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     wanted = set(args.shapes.split(","))
     gen = torch.Generator().manual_seed(0)
+    if args.int8:
+        int8_table(cpu_native, rows, wanted, args, gen)
+        print(f"1-min load average after: {os.getloadavg()[0]:.2f}")
+        return 0
     print(
         f"{args.dtype} y = x W^T, {torch.get_num_threads()} threads, weights {'hot' if args.hot else 'cold'}; "
         f"1-min load average {os.getloadavg()[0]:.2f}"

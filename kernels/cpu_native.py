@@ -37,6 +37,7 @@ _SOURCES = tuple(
         "cpu_gemv.c",
         "cpu_gemm.c",
         "cpu_gemv_int8.c",
+        "cpu_gemm_int8.c",
         "cpu_gemv_fp8.c",
         "cpu_decode_step.c",
         "cpu_kv_quant.c",
@@ -176,6 +177,8 @@ def _load() -> ctypes.CDLL:
         "gemm_f32": ([p, p, p, p, i64, i64, i64, i64], None),
         "gemv_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_silu_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
+        "gemm_i8": ([p, p, p, p, p, p, i64, i64, i64, i64, i64], ctypes.c_int),
+        "gemm_i8_vnni": ([], ctypes.c_int),
         "gemv_fp8": ([p, p, p, p, p, i64, i64, i64, i64], None),
         "fp8_to_f32": ([p, p, i64, i64], None),
         "decode_step_f32": ([p, p, i64, p, p, p, i64, i64, p, i64, p, i64, p, p, i64, p], ctypes.c_int),
@@ -326,6 +329,40 @@ def gemv_int8(
     ):  # fmt: skip
         raise MemoryError("gemv_int8: no memory for the rounded inputs")
     return y
+
+
+def gemm_int8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    row_sums: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    input_bits: int = 8,
+) -> torch.Tensor:
+    """`scaled_linear_w8a8_torch` natively: float32 x [M, K] rounded per row to int8 (scale
+    max|x| / 127), integer products with int8 weight [N, K] (`row_sums` [N] int32: each row's sum),
+    then the row and input scales (W8A8, register tiles: batched steps and prefill chunks).
+    `input_bits=16`: rows rounded to 16 bits (scale max|x| / 32767; W8A16 at half the speed)."""
+    if input_bits not in (8, 16):
+        raise ValueError(f"input_bits: 8 or 16, got {input_bits}")
+    _check_int8_weight(x, weight, scale, bias, 1)
+    if row_sums.dtype != torch.int32 or not row_sums.is_contiguous() or row_sums.shape != scale.shape:
+        raise ValueError(
+            f"row_sums: need contiguous int32 [{weight.shape[0]}], got {row_sums.dtype} {tuple(row_sums.shape)}"
+        )
+    (m, k), n = x.shape, weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if _require().gemm_i8(
+        weight.data_ptr(), scale.data_ptr(), row_sums.data_ptr(), None if bias is None else bias.data_ptr(),
+        x.data_ptr(), y.data_ptr(), m, n, k, input_bits, torch.get_num_threads(),
+    ):  # fmt: skip
+        raise MemoryError("gemm_int8: no memory for the rounded inputs")
+    return y
+
+
+def gemm_int8_is_fast() -> bool:
+    """Whether `gemm_int8` runs on AVX-512 VNNI here (else it sums in plain loops: correct, slow)."""
+    return bool(_require().gemm_i8_vnni())
 
 
 def gemv_silu_int8(

@@ -6,16 +6,20 @@ scale is constant along a row it factors out of every dot product: y = (x . data
 which is what every implementation below computes.
 
 `linear(x, w, bias)` takes a plain tensor (then it is `F.linear`, through the native float32 GEMM
-on CPU up to `GEMM_NATIVE_MAX_ROWS` rows, the native bf16 GEMV up to `BF16_GEMV_MAX_ROWS`) or a `QuantizedWeight` and picks: the native int8 GEMV
-on CPU for a few float32 rows (decode: reading a quarter of the bytes is the point; with AVX-512
-VNNI it rounds the inputs to int16 per row, a relative 3e-5, below bfloat16's own rounding) and the
-native fp8 GEMV (e4m3 widened in registers), the Triton scaled matmul on CUDA (fp8 and int8), else
-the torch twin (`scaled_linear_torch`: widen the weight on the fly, matmul, scale).
+on CPU up to `GEMM_NATIVE_MAX_ROWS` rows, the native bf16 GEMV up to `BF16_GEMV_MAX_ROWS`) or a `QuantizedWeight` and picks: for int8 and float32
+inputs on CPU, below `W8A8_MIN_ROWS` rows the native int8 GEMV (decode: reading a quarter of the
+bytes is the point; with AVX-512 VNNI it rounds the inputs to int16 per row, a relative 3e-5,
+below bfloat16's own rounding), from there W8A8 (each input row rounded to int8 with its own scale,
+integer products: the native VNNI GEMM up to `GEMM_INT8_MAX_ROWS`, else its torch twin
+`scaled_linear_w8a8_torch`) unless the caller keeps 16-bit inputs (`w8a8=False`: the same GEMM
+with rows rounded to 16 bits, else the GEMV or the twin as below); the native fp8
+GEMV (e4m3 widened in registers); the Triton scaled matmul on CUDA (fp8 and int8); else the torch
+twin (`scaled_linear_torch`: widen the weight on the fly, matmul, scale).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +32,14 @@ SCHEMES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # weight to float32 for torch's GEMM, and float32 weights too (measured here, 4096 x 768: 3x at 16
 # rows, 1.5x at 128, par at 256-512); beyond, prefill-sized products amortise the widening.
 NATIVE_MAX_ROWS = 256
+# From this many rows, int8 weights meet float32 activations as W8A8 (rows rounded to int8 with
+# their own scale, integer products; see cpu_gemm_int8.c): a batched step or a prefill chunk is
+# compute-bound, and VPDPBUSD does four times the multiply-adds of a float32 FMA. Below, the
+# W8A16 GEMV (memory-bound: the same bytes, 16-bit activations). Measured with
+# bench/small_gemm.py --int8 on this CPU (see there).
+W8A8_MIN_ROWS = 5
+# Up to this many rows the native W8A8 GEMM; beyond, the torch twin (rounded rows, widened weight).
+GEMM_INT8_MAX_ROWS = 1024
 # fp8 widens every weight in float (no integer dot product): par with the float32 GEMM at 16 rows;
 # beyond, the weight is widened once per call (natively) for torch's GEMM.
 FP8_NATIVE_MAX_ROWS = 16
@@ -76,6 +88,9 @@ def _native_gemm_fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
 class QuantizedWeight:
     data: torch.Tensor  # [N, K] int8 or float8_e4m3fn, contiguous
     scale: torch.Tensor  # [N] float32
+    # int8: each row's sum [N] int32, computed once here (the W8A8 GEMM takes its inputs' +128
+    # shift back with it); None for fp8
+    row_sums: torch.Tensor | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.data.dtype not in SCHEMES.values():
@@ -87,6 +102,8 @@ class QuantizedWeight:
             )
         if self.scale.dtype != torch.float32:
             raise TypeError(f"quantized weight scale must be float32, got {self.scale.dtype}")
+        sums = self.data.sum(1, dtype=torch.int32) if self.data.dtype == torch.int8 else None
+        object.__setattr__(self, "row_sums", sums)
 
     @property
     def scheme(self) -> str:
@@ -126,10 +143,40 @@ def scaled_linear_torch(
     return y if bias is None else y + bias
 
 
-def linear(
-    x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None
+def _w8a8_rows(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Float32 CPU products of W8A8_MIN_ROWS rows or more: int8 weights take them as W8A8."""
+    return (
+        x.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[0] >= W8A8_MIN_ROWS
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+    )
+
+
+def scaled_linear_w8a8_torch(
+    x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`F.linear(x, w, bias)` for a plain or a quantized weight (see the module text)."""
+    """The W8A8 reference (`cpu_native.gemm_int8` computes the same): each row of x [M, K] rounded
+    to int8 with its own scale sx = max|x_row| / 127 (1 for a zero row), products with the int8
+    weight, then sx * scale (+ bias). Summed in float32 here (|sums| < 2^24 * 16: a relative 6e-8,
+    against the kernel's exact integers)."""
+    amax = x.abs().amax(-1, keepdim=True)
+    sx = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(x * (1.0 / sx))
+    y = F.linear(q, w.data.to(x.dtype)) * (sx * w.scale)
+    return y if bias is None else y + bias
+
+
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    w8a8: bool = True,
+) -> torch.Tensor:
+    """`F.linear(x, w, bias)` for a plain or a quantized weight (see the module text). `w8a8=False`
+    keeps 16-bit inputs for int8 weights (the native GEMM then rounds rows to 16 bits, at half its
+    W8A8 speed): for heavy-tailed inputs (the MLP's down projection), whose int8 grid, set by the
+    largest value, rounds the typical ones coarsely."""
     if not isinstance(w, QuantizedWeight):
         if _native_gemm_fits(x, w, bias):
             return cpu_native.gemm(x.contiguous(), w, bias)
@@ -137,6 +184,14 @@ def linear(
             return cpu_bf16.gemv(x.contiguous(), w, bias)
         return F.linear(x, w, bias)
     if x.device.type == "cpu":
+        if w.scheme == "int8" and _w8a8_rows(x, bias):
+            if x.shape[0] <= GEMM_INT8_MAX_ROWS and cpu_native.available() and cpu_native.gemm_int8_is_fast():
+                bits = 8 if w8a8 else 16
+                return cpu_native.gemm_int8(
+                    x.contiguous(), w.data, w.scale, w.row_sums, bias, input_bits=bits
+                )
+            if w8a8:
+                return scaled_linear_w8a8_torch(x, w, bias)
         if (
             w.scheme == "int8"
             and x.dtype == torch.float32

@@ -1,4 +1,4 @@
-"""Quantized weights (int8 W8A16, fp8 e4m3, per output channel) against the float32 model.
+"""Quantized weights (int8, fp8 e4m3, per output channel) against the float32 model.
 
 Each scheme runs the same ragged batch as the float32 reference: a packed prefill of three
 prompts of different lengths (every position's next-token distribution), then decode steps
@@ -14,11 +14,20 @@ errors are independent over K). e4m3 keeps 3 mantissa bits: a relative error of 
 uniform within a binade, std ~ 2-3% of each weight: about 4x int8. The logits pass through
 four layers of five matmuls plus the LM head (errors add in quadrature, norms keep the scale):
 mean |error| / std of ~1-2% for int8 and ~4-8% for fp8, growing as the square root of the depth
-(measured on tiny, 4 layers: 1.3% and 5.0%; on small, 12 layers: 2.2% and 7.6%). The bounds are
-2-3x that: a wrong scale (a factor per row), a wrong row order or a missing scale (errors of
-order 100%) fails, rounding passes. KL for a small logit perturbation e is ~ Var_p(e) / 2, so
-its bound is 4-9x the measured value (the logit margin squared; small: 3.8e-4 and 4.6e-3).
-Greedy agreement on a random model is only indicative (near-ties flip), so its bound is loose.
+(measured with 16-bit inputs, W8A16, on tiny, 4 layers: 1.3% and 5.0%; on small, 12 layers:
+2.2% and 7.6%).
+int8 products of W8A8_MIN_ROWS rows or more (the prefill rows here; batched decode) also round
+their inputs to int8 per row (W8A8): the same half-step error on each input, step = max|x| / 127.
+Inputs after an RMS norm (qkv, gate_up) and the attention output (o) have max|x| ~ 3-4 sigma, as
+the weights do, so W8A8 adds about the weights' own error in quadrature (x sqrt 2 at most); the
+MLP's down projection, whose input silu(gate) * up is heavy-tailed (max|x| many sigma), keeps
+16-bit inputs (with it at int8 too, small measured 3.45%, KL 9.5e-4, greedy 90%). Measured: tiny
+1.67%, KL 2.2e-4, greedy 97%; small 2.83%, KL 6.3e-4, greedy 93%.
+The bounds are 2-3x the W8A16 figures: a wrong scale (a factor per row), a wrong row order or a
+missing scale (errors of order 100%) fails, rounding passes. KL for a small logit perturbation e
+is ~ Var_p(e) / 2, so its bound is 2-4x the measured value (the logit margin squared; small:
+6.3e-4 and 4.6e-3). Greedy agreement on a random model is only indicative (near-ties flip), so
+its bound is loose.
 """
 
 from __future__ import annotations
@@ -30,7 +39,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from disagg.kernels.quantized import QuantizedWeight, linear, scaled_linear_torch
+from disagg.kernels.quantized import (
+    W8A8_MIN_ROWS,
+    QuantizedWeight,
+    linear,
+    scaled_linear_torch,
+    scaled_linear_w8a8_torch,
+)
 from disagg.worker.model import quantization
 from disagg.worker.model.loader import load_model
 from disagg.worker.tools.make_model import make_model
@@ -130,18 +145,25 @@ def test_quantized_logits_against_float32_small(tmp_path):
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
 def test_the_same_logits_on_every_cpu_path(tiny_dir, monkeypatch, one_torch_thread, scheme):
-    """8-bit weights through the native kernels (whole-step decode and per-op GEMV) and through the
-    torch twin agree. For int8,
-    the native GEMV rounds its inputs to int16 (VNNI; 3e-5 of a row's largest value), a difference
-    (measured: 1.3e-4 of the logits' std) under 4% of the int8 weights' own error against float32
-    (1.3% of the std)."""
+    """8-bit weights through the native kernels (whole-step decode, per-op GEMV, W8A8 GEMM) and
+    through the torch twins agree. fp8, and int8 below W8A8_MIN_ROWS rows: the native GEMV rounds
+    its inputs to int16 (VNNI; 3e-5 of a row's largest value), a difference (measured: 1.3e-4 of
+    the logits' std) under 4% of the weights' own error against float32. int8 from W8A8_MIN_ROWS
+    rows (the prefill here): kernel and twin compute the same integers from the same inputs
+    (tests/kernels/test_cpu_gemm_int8.py), but rounding inputs to int8 is discontinuous: the
+    paths' 1e-4 differences elsewhere (the down projection's int16 GEMV, norms) move a few inputs
+    across a rounding boundary, a whole int8 step each, and over the layers the two paths' int8
+    rounding errors decorrelate. They then differ by about that rounding error itself (measured
+    0.76% of the std, greedy 97%; W8A8's own error against float32 is 1.7%), not by float
+    rounding; greedy agreement then flips near-ties, so its bound is loose."""
     native, _ = load_model(tiny_dir, quantization_setting=scheme)
     got_native, forced = ragged_logits(native, 1024)
     monkeypatch.setenv("DISAGG_CPU_NATIVE", "0")
     plain, _ = load_model(tiny_dir, quantization_setting=scheme)
     got_plain, _ = ragged_logits(plain, 1024, forced)
     apart = compare(got_plain, got_native)
-    assert apart.mean_rel < 5e-4 and apart.max_abs < 5e-3 and apart.greedy_agree == 1.0, apart
+    rel, max_abs, agree = (2e-2, 0.2, 0.9) if scheme == "int8" else (5e-4, 5e-3, 1.0)
+    assert apart.mean_rel < rel and apart.max_abs < max_abs and apart.greedy_agree >= agree, apart
 
 
 # ---- the quantizers ---------------------------------------------------------------------------
@@ -167,12 +189,19 @@ def test_linear_dispatch_agrees_with_the_twin_and_dequantized_weight():
     w, b = torch.randn(96, 80, generator=g), torch.randn(96, generator=g)
     for scheme in ("int8", "fp8"):
         q = quantization.quantize(w, scheme)
-        for rows in (1, 3, 40, 300):  # native GEMV (int8) up to NATIVE_MAX_ROWS rows, the twin beyond
+        for rows in (1, 3, 40, 300):  # int8: the GEMV below W8A8_MIN_ROWS rows, W8A8 from there
             x = torch.randn(rows, 80, generator=g)
             want = F.linear(x, q.dequantize(), b)
-            # the native int8 GEMV rounds inputs to int16: ~sqrt(K) * 3e-5 * max|x| * max|w|
-            torch.testing.assert_close(linear(x, q, b), want, atol=2e-3, rtol=1e-4)
             torch.testing.assert_close(scaled_linear_torch(x, q, b), want, atol=1e-4, rtol=1e-4)
+            if scheme == "int8" and rows >= W8A8_MIN_ROWS:
+                # W8A8: each input off by at most half its row's step max|x| / 127
+                step = x.abs().amax(1, keepdim=True) / 127
+                bound = step / 2 * q.dequantize().abs().sum(1) + 1e-4
+                assert ((linear(x, q, b) - want).abs() <= bound).all()
+                torch.testing.assert_close(linear(x, q, b), scaled_linear_w8a8_torch(x, q, b))
+            else:
+                # the native int8 GEMV rounds inputs to int16: ~sqrt(K) * 3e-5 * max|x| * max|w|
+                torch.testing.assert_close(linear(x, q, b), want, atol=2e-3, rtol=1e-4)
     # a plain weight: F.linear, or on CPU the native float32 GEMM (tests/kernels/test_cpu_gemm.py)
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b))
 
