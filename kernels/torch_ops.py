@@ -138,6 +138,11 @@ def gather_kv(
     return k, v
 
 
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[len, H, D] -> a float32 [1, H, len, D] view (a copy only to widen the dtype)."""
+    return x.float().unsqueeze(0).transpose(1, 2)
+
+
 def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -164,18 +169,20 @@ def prefill_attention(
         q_len, kv_len = e - s, lens[b]
         if q_len == 0:
             continue
-        qb = q[s:e].transpose(0, 1).float()  # [Hq, q_len, D]
+        # [1, H, len, D] views: with a batch dimension CPU SDPA takes its fused kernel (3-4x the
+        # speed of the 3-D call, which materializes every score) and still broadcasts KV heads
+        qb = _heads_first(q[s:e])
         if kv_len == q_len:  # whole prompt in this chunk: use the fresh K/V, no gather
-            kb, vb = k[s:e].transpose(0, 1).float(), v[s:e].transpose(0, 1).float()
+            kb, vb = _heads_first(k[s:e]), _heads_first(v[s:e])
             ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
         else:
             kb, vb = gather_kv(kv_cache, block_tables[b], kv_len)
-            kb, vb = kb.transpose(0, 1).float(), vb.transpose(0, 1).float()
+            kb, vb = _heads_first(kb), _heads_first(vb)
             # query i sits at position kv_len - q_len + i and sees keys 0..that position
             qpos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
             mask = torch.arange(kv_len, device=q.device)[None, :] <= qpos
             ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[s:e] = ob.transpose(0, 1).to(q.dtype)
+        out[s:e] = ob[0].transpose(0, 1).to(q.dtype)
     return out
 
 
