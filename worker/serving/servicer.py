@@ -144,7 +144,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         """Finish a transfer record without holding the first token back for Redis."""
 
         async def finish():
-            await self.state.finish_transfer(rid, await record)
+            await self.state.finish_transfer(rid, await asyncio.shield(record))
 
         task = asyncio.create_task(finish())
         self._settling.add(task)
@@ -340,11 +340,13 @@ class WorkerService(pb_grpc.WorkerServicer):
         # which P honours by transfer id, and carries its record's generation.
         blocks = dst.fresh_block_ids
         record = asyncio.ensure_future(self._begin_transfer(rid, targets[0].worker_id, blocks, 0))
+        # `record` is awaited through shield() everywhere: the lease renewal awaits it too, and a
+        # cancelled awaiter would otherwise cancel the record's task and every other awaiter's wait
         reasons = []
         for attempt, target in enumerate(targets[:2]):
             if attempt:
                 self.metrics.prefill_retries.inc()
-                previous = await record
+                previous = await asyncio.shield(record)
                 record = asyncio.ensure_future(
                     self._begin_transfer(rid, target.worker_id, dst.fresh_block_ids, previous)
                 )
@@ -355,12 +357,12 @@ class WorkerService(pb_grpc.WorkerServicer):
                 return target.worker_id
             except asyncio.CancelledError:
                 await self._cleanup_attempt(target, current)
-                await self.state.finish_transfer(rid, await record)
+                await self.state.finish_transfer(rid, await asyncio.shield(record))
                 raise
             except RequestGone:
                 # aborted meanwhile (Abort RPC, lease reclaim): the abort owns the blocks now
                 await self._cleanup_attempt(target, current)
-                await self.state.finish_transfer(rid, await record)
+                await self.state.finish_transfer(rid, await asyncio.shield(record))
                 raise PrefillAborted(f"request {rid} was aborted") from None
             except (PrefillFailed, grpc.aio.AioRpcError, TimeoutError) as e:
                 reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
@@ -379,10 +381,10 @@ class WorkerService(pb_grpc.WorkerServicer):
                         reasons.append("no free blocks to retry into")
                         break
                     if dst is None:
-                        await self.state.finish_transfer(rid, await record)
+                        await self.state.finish_transfer(rid, await asyncio.shield(record))
                         raise PrefillAborted(f"request {rid} was aborted") from None
         await self._call(self.core.on_loop_abort, rid)
-        await self.state.finish_transfer(rid, await record)
+        await self.state.finish_transfer(rid, await asyncio.shield(record))
         raise PrefillFailed("; ".join(reasons) or "no prefill worker available")
 
     async def _cleanup_attempt(self, target, attempt: Attempt) -> bool:
@@ -413,7 +415,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             ):
                 raise RequestGone(rid)
             attempt.expecting = True
-        gen = await record if attempt.number else 0
+        gen = await asyncio.shield(record) if attempt.number else 0
         stub = self._stub(target.address)
         req = pb.PrefillRequest(
             request_id=rid,
@@ -469,7 +471,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         )
 
     async def _renew_lease(self, rid: str, record: asyncio.Future) -> None:
-        gen = await record
+        gen = await asyncio.shield(record)
         while True:
             await asyncio.sleep(self.opts.lease_seconds / 3)
             await self.state.renew_transfer(rid, gen, self.opts.lease_seconds)
