@@ -58,7 +58,21 @@ def test_acceptance_estimate_falls_with_rejections_and_recovers_while_idle():
     assert est.rate("r") > 0.9  # tries again after a while
     est.record("r", 4, 4)
     est.forget("r")
-    assert est.rate("r") == 1.0
+    assert 0.4 < est.rate("r") < 0.6  # a new request starts from every request's recent rate
+
+
+def test_a_new_request_starts_from_the_recent_rate_and_still_probes():
+    est = AcceptanceEstimate(min_acceptance=0.3)
+    assert est.rate("fresh") == 1.0  # nothing seen yet: propose
+    for i in range(20):  # a proposer that never hits, over many short requests
+        est.record(f"r{i}", 4, 0)
+    assert est.rate("new") == 0.0  # the next request does not spend its first steps relearning it
+    for _ in range(60):
+        est.idle("new")
+    assert est.rate("new") > 0.9  # and still tries again after a while
+    for i in range(40):  # the proposer starts hitting: new requests propose from the start
+        est.record(f"s{i}", 4, 4)
+    assert est.rate("newer") > 0.9
 
 
 def _probe_bursts(check, steps: int, spec_seconds: float, spec_tokens: int) -> list[int]:
