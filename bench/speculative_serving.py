@@ -1,0 +1,118 @@
+"""Speculative decoding through `disagg up` P/D, measured from the router as a client sees it.
+
+Two deployments on the same cores, one after the other: 1 prefill + 1 decode worker (every prompt
+prefilled remotely, `--prefill-placement threshold`), plain, then with the decode worker
+speculating (the prefill worker never does: `disagg up` strips it). The same greedy requests are
+streamed one at a time through the router's OpenAI API; per request TTFT and TPOT (time per output
+token after the first: (end - first token) / (tokens - 1), since a speculative step may stream
+several tokens in one chunk). Outputs must be identical (greedy speculation is exact).
+
+    python bench/speculative_serving.py [--model wide-trained] [--draft tiny-trained] [--method draft]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from speculative import checkpoint, prompts  # noqa: E402
+
+from disagg.worker.cli.ports import free_port  # noqa: E402
+from disagg.worker.cli.up import Deployment, add_arguments  # noqa: E402
+
+
+def deploy(args, name: str, speculative: bool) -> Deployment:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    spec = ["--speculative-method", args.method, "--num-speculative-tokens", str(args.k)]
+    if args.method == "draft":
+        spec += ["--speculative-draft-model", str(checkpoint(args.draft))]
+    ns = parser.parse_args([
+        "--model", str(checkpoint(args.model)), "--prefill", "1", "--decode", "1",
+        "--port", str(free_port()), "--threads", str(args.threads), "--timeout", "600",
+        "--prefill-placement", "threshold", "--disagg-threshold", "8",
+        "--run-dir", str(Path(args.run_dir) / name), *(spec if speculative else []),
+    ])  # fmt: skip
+    dep = Deployment(ns)
+    dep.plan()
+    return dep
+
+
+def stream(url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})  # fmt: skip
+    start, first, text = time.perf_counter(), None, []
+    with urllib.request.urlopen(req, timeout=600) as r:
+        prefill_worker = r.headers.get("X-Disagg-Prefill-Worker", "")
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0]["text"]:
+                first = first or time.perf_counter()
+                text.append(chunk["choices"][0]["text"])
+    end = time.perf_counter()
+    return {"ttft": first - start, "tpot": (end - first) / (max_tokens - 1), "text": "".join(text),
+            "prefill_worker": prefill_worker}  # fmt: skip
+
+
+def measure(args, name: str, speculative: bool, batch: list[list[int]]) -> list[dict]:
+    dep = deploy(args, name, speculative)
+    try:
+        dep.start()
+        model = dep.model.name
+        stream(dep.router_url, model, batch[0], 8)  # warm-up: connections and the KV handshake
+        return [stream(dep.router_url, model, p, args.output) for p in batch]
+    finally:
+        dep.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="wide-trained", help="target: a preset or a checkpoint directory")
+    ap.add_argument("--draft", default="tiny-trained", help="draft model: a preset or a checkpoint directory")
+    ap.add_argument("--method", default="draft", choices=("draft", "ngram"))
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--workload", default="chat", choices=("chat", "repeat"))
+    ap.add_argument("--requests", type=int, default=6)
+    ap.add_argument("--output", type=int, default=128, help="new tokens per request")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--run-dir", default=".run/bench-speculative-serving")
+    args = ap.parse_args()
+
+    from disagg.worker.engine.tokenizer import Tokenizer
+
+    batch = prompts(Tokenizer.from_pretrained(checkpoint(args.model)), args.workload, args.requests, seed=1)
+    load = os.getloadavg()[0]
+    plain = measure(args, "plain", False, batch)
+    spec = measure(args, "speculative", True, batch)
+    if [r["text"] for r in plain] != [r["text"] for r in spec]:
+        raise SystemExit("speculative outputs differ from plain ones (greedy must be identical)")
+    remote = all(r["prefill_worker"] for r in plain + spec)
+    print(f"\n{args.model} + {args.method}" + (f" ({args.draft})" if args.method == "draft" else "") +
+          f", k={args.k}, {args.workload}: {args.requests} requests of {args.output} tokens, one at a time "
+          f"through the router; 1 prefill + 1 decode, {args.threads} thread(s); every prompt prefilled "
+          f"remotely: {remote}; load {load:.2f} -> {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(f"{'':14}{'TTFT p50 ms':>12}{'TPOT p50 ms':>12}{'TPOT mean ms':>13}")
+    for name, rows in (("plain", plain), ("speculative", spec)):
+        ttft = statistics.median(r["ttft"] for r in rows) * 1e3
+        tpot = [r["tpot"] * 1e3 for r in rows]
+        print(f"{name:<14}{ttft:>12.1f}{statistics.median(tpot):>12.2f}{statistics.fmean(tpot):>13.2f}")
+    ratio = statistics.fmean(r["tpot"] for r in plain) / statistics.fmean(r["tpot"] for r in spec)
+    print(f"TPOT plain / speculative: {ratio:.2f}x (outputs identical)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
