@@ -72,8 +72,8 @@ def measure(args, name: str, speculative: bool, batch: list[list[int]]) -> list[
     try:
         dep.start()
         model = dep.model.name
-        stream(dep.router_url, model, batch[0], 8)  # warm-up: connections and the KV handshake
-        return [stream(dep.router_url, model, p, args.output) for p in batch]
+        stream(dep.router_url, model, batch[-1], 8)  # warm-up (its own prompt): connections, KV handshake
+        return [stream(dep.router_url, model, p, args.output) for p in batch[:-1]]
     finally:
         dep.stop()
 
@@ -93,17 +93,18 @@ def main() -> int:
 
     from disagg.worker.engine.tokenizer import Tokenizer
 
-    batch = prompts(Tokenizer.from_pretrained(checkpoint(args.model)), args.workload, args.requests, seed=1)
+    tokenizer = Tokenizer.from_pretrained(checkpoint(args.model))
+    batch = prompts(tokenizer, args.workload, args.requests + 1, seed=1)
     load = os.getloadavg()[0]
     plain = measure(args, "plain", False, batch)
     spec = measure(args, "speculative", True, batch)
     if [r["text"] for r in plain] != [r["text"] for r in spec]:
         raise SystemExit("speculative outputs differ from plain ones (greedy must be identical)")
-    remote = all(r["prefill_worker"] for r in plain + spec)
+    remote = sum(bool(r["prefill_worker"]) for r in plain + spec)
     print(f"\n{args.model} + {args.method}" + (f" ({args.draft})" if args.method == "draft" else "") +
           f", k={args.k}, {args.workload}: {args.requests} requests of {args.output} tokens, one at a time "
-          f"through the router; 1 prefill + 1 decode, {args.threads} thread(s); every prompt prefilled "
-          f"remotely: {remote}; load {load:.2f} -> {os.getloadavg()[0]:.2f}")  # fmt: skip
+          f"through the router; 1 prefill + 1 decode, {args.threads} thread(s); prefilled remotely: {remote} "
+          f"of {len(plain + spec)}; load {load:.2f} -> {os.getloadavg()[0]:.2f}")  # fmt: skip
     print(f"{'':14}{'TTFT p50 ms':>12}{'TPOT p50 ms':>12}{'TPOT mean ms':>13}")
     for name, rows in (("plain", plain), ("speculative", spec)):
         ttft = statistics.median(r["ttft"] for r in rows) * 1e3
