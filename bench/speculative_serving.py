@@ -1,7 +1,8 @@
 """Speculative decoding through `disagg up` P/D, measured from the router as a client sees it.
 
 Two deployments on the same cores, one after the other: 1 prefill + 1 decode worker (every prompt
-prefilled remotely, `--prefill-placement threshold`), plain, then with the decode worker
+with 8 or more uncached tokens prefilled remotely, `--prefill-placement threshold`; the count of
+those that were is printed), plain, then with the decode worker
 speculating (the prefill worker never does: `disagg up` strips it). The same greedy requests are
 streamed one at a time through the router's OpenAI API; per request TTFT and TPOT (time per output
 token after the first: (end - first token) / (tokens - 1), since a speculative step may stream
