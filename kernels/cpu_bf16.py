@@ -52,11 +52,7 @@ def dot_native() -> bool:
 
 
 def _check_bf16(**tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(
-                f"{name}: native bf16 kernels take contiguous bfloat16 CPU tensors, got {t.dtype} {t.device}"
-            )
+    cpu_native.check_cpu(torch.bfloat16, **tensors)
 
 
 def gemv(
@@ -83,27 +79,12 @@ def add_rms_norm(
 ) -> torch.Tensor:
     """rms_norm(x + residual) * weight over the last dim; with `residual`, the bf16 sum is written
     back into it (in place), as a decoder layer's fused add + norm."""
-    _check_bf16(x=x, weight=weight, **({} if residual is None else {"residual": residual}))
-    if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"residual: shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
-    hidden = x.shape[-1]
-    if weight.shape != (hidden,):
-        raise ValueError(f"weight: shape {tuple(weight.shape)}, need ({hidden},)")
-    out = torch.empty_like(x)
-    _lib().add_rms_norm_bf16(
-        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-        x.numel() // hidden, hidden, eps,
-    )  # fmt: skip
-    return out
+    return cpu_native.add_rms_norm_call(_lib().add_rms_norm_bf16, torch.bfloat16, x, weight, eps, residual)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: silu(first half) * second half."""
-    _check_bf16(x=x)
-    inter = x.shape[-1] // 2
-    out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
-    _lib().silu_and_mul_bf16(x.data_ptr(), out.data_ptr(), x.numel() // (2 * inter), inter)
-    return out
+    return cpu_native.silu_and_mul_call(_lib().silu_and_mul_bf16, torch.bfloat16, x)
 
 
 def rotary_write_kv(
@@ -118,18 +99,9 @@ def rotary_write_kv(
     """`cpu_native.rotary_write_kv` for bf16 qkv and a bf16 one-layer cache; the angles
     (cos_sin_cache) stay float32. Positions and slots are checked once per step by the caller
     (`cpu_native.check_step_bounds`)."""
-    _check_bf16(qkv=qkv, kv_cache=kv_cache)
-    if cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
-        raise ValueError(f"cos_sin_cache: need contiguous float32, got {cos_sin_cache.dtype}")
-    head_dim = kv_cache.shape[-1]
-    if qkv.shape[-1] != (num_q_heads + 2 * num_kv_heads) * head_dim or kv_cache.shape[3] != num_kv_heads:
-        raise ValueError(f"qkv {tuple(qkv.shape)} does not match the heads of cache {tuple(kv_cache.shape)}")
-    if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
-        raise ValueError("positions and slot_mapping must be int64")
-    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()  # alive through the call
-    _lib().rotary_write_kv_bf16(
-        qkv.data_ptr(), qkv.shape[-1], cos_sin_cache.data_ptr(), positions.data_ptr(), kv_cache.data_ptr(),
-        slot_mapping.data_ptr(), qkv.shape[0], num_q_heads, num_kv_heads, head_dim, kv_cache.shape[2],
+    cpu_native.rotary_write_kv_call(
+        _lib().rotary_write_kv_bf16, torch.bfloat16, qkv, cos_sin_cache, positions, kv_cache, slot_mapping,
+        num_q_heads, num_kv_heads,
     )  # fmt: skip
 
 

@@ -226,12 +226,18 @@ def _require() -> ctypes.CDLL:
     return _lib
 
 
-def _check_f32(**tensors: torch.Tensor) -> None:
+def check_cpu(dtype: torch.dtype, **tensors: torch.Tensor) -> None:
+    """Each tensor is contiguous, on the CPU and of `dtype` (what the C kernels take)."""
     for name, t in tensors.items():
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+        if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError(
-                f"{name}: native kernels take contiguous float32 CPU tensors, got {t.dtype} {t.device}"
+                f"{name}: native kernels take contiguous {str(dtype).removeprefix('torch.')} CPU tensors, "
+                f"got {t.dtype} {t.device}"
             )
+
+
+def _check_f32(**tensors: torch.Tensor) -> None:
+    check_cpu(torch.float32, **tensors)
 
 
 def add_rms_norm(
@@ -239,12 +245,19 @@ def add_rms_norm(
 ) -> torch.Tensor:
     """rms_norm(x + residual) * weight over the last dim; with `residual`, the sum is written
     back into it (in place), as a decoder layer's fused add + norm."""
-    _check_f32(x=x, weight=weight, **({} if residual is None else {"residual": residual}))
+    return add_rms_norm_call(_require().add_rms_norm_f32, torch.float32, x, weight, eps, residual)
+
+
+def add_rms_norm_call(kernel, dtype: torch.dtype, x, weight, eps: float, residual) -> torch.Tensor:
+    """`add_rms_norm` through the C `kernel` of `dtype` (float32 here, bfloat16 in `cpu_bf16`)."""
+    check_cpu(dtype, x=x, weight=weight, **({} if residual is None else {"residual": residual}))
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual: shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
-    out = torch.empty_like(x)
     hidden = x.shape[-1]
-    _require().add_rms_norm_f32(
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight: shape {tuple(weight.shape)}, need ({hidden},)")
+    out = torch.empty_like(x)
+    kernel(
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
         x.numel() // hidden, hidden, eps,
     )  # fmt: skip
@@ -253,10 +266,15 @@ def add_rms_norm(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: silu(first half) * second half."""
-    _check_f32(x=x)
+    return silu_and_mul_call(_require().silu_and_mul_f32, torch.float32, x)
+
+
+def silu_and_mul_call(kernel, dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+    """`silu_and_mul` through the C `kernel` of `dtype`."""
+    check_cpu(dtype, x=x)
     inter = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype)
-    _require().silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.numel() // (2 * inter), inter)
+    kernel(x.data_ptr(), out.data_ptr(), x.numel() // (2 * inter), inter)
     return out
 
 
@@ -428,14 +446,33 @@ def rotary_write_kv(
     one-layer cache [blocks, 2, block_size, Hkv, D] at slot_mapping (int64; negative = skip).
     Positions and slots are not bounds-checked here: the caller checks them once per step
     (`check_step_bounds`), not once per layer."""
-    _check_f32(qkv=qkv, cos_sin_cache=cos_sin_cache, kv_cache=kv_cache)
+    rotary_write_kv_call(
+        _require().rotary_write_kv_f32, torch.float32, qkv, cos_sin_cache, positions, kv_cache, slot_mapping,
+        num_q_heads, num_kv_heads,
+    )  # fmt: skip
+
+
+def rotary_write_kv_call(
+    kernel,
+    dtype: torch.dtype,
+    qkv,
+    cos_sin_cache,
+    positions,
+    kv_cache,
+    slot_mapping,
+    num_q_heads,
+    num_kv_heads,
+) -> None:
+    """`rotary_write_kv` through the C `kernel` for qkv and cache of `dtype` (angles float32)."""
+    check_cpu(dtype, qkv=qkv, kv_cache=kv_cache)
+    check_cpu(torch.float32, cos_sin_cache=cos_sin_cache)
     head_dim = kv_cache.shape[-1]
     if qkv.shape[-1] != (num_q_heads + 2 * num_kv_heads) * head_dim or kv_cache.shape[3] != num_kv_heads:
         raise ValueError(f"qkv {tuple(qkv.shape)} does not match the heads of cache {tuple(kv_cache.shape)}")
     if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
         raise ValueError("positions and slot_mapping must be int64")
     positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()  # alive through the call
-    _require().rotary_write_kv_f32(
+    kernel(
         qkv.data_ptr(), qkv.shape[-1], cos_sin_cache.data_ptr(), positions.data_ptr(), kv_cache.data_ptr(),
         slot_mapping.data_ptr(), qkv.shape[0], num_q_heads, num_kv_heads, head_dim, kv_cache.shape[2],
     )  # fmt: skip
