@@ -88,7 +88,6 @@ class Attempt:
     # a Prefill call is out and unanswered: P may still be writing into the attempt's blocks
     # (it answers, even with an error, only once its writes settled)
     in_flight: bool = False
-    expecting: bool = False  # the engine loop already waits for its KV (registered with the reservation)
 
     @classmethod
     def new(cls, request_id: str, number: int) -> Attempt:
@@ -333,7 +332,6 @@ class WorkerService(pb_grpc.WorkerServicer):
         current = Attempt.new(rid, 0)
         reserve = self.core.on_loop_reserve_expecting
         dst = await self._call(reserve, rid, prompt, params, sink, current.transfer_id, current.on_landed)
-        current.expecting = True
         # The first attempt's transfer record is written while its Prefill call is out, not before:
         # Redis stays off the first token's path. Nothing precedes that attempt to fence it against,
         # so P gets generation 0 (unchecked); a retry starts only after the failed attempt's Abort,
@@ -352,6 +350,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                 )
                 current = Attempt.new(rid, attempt)
             try:
+                if attempt and not await self._expect_kv(rid, current, dst):
+                    raise RequestGone(rid)
                 await self._prefill_once(rid, prompt, request, target, dst, record, current, began)
                 self._finish_record_later(rid, record)
                 return target.worker_id
@@ -406,15 +406,9 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def _prefill_once(
         self, rid, prompt, request, target, dst, record: asyncio.Future, attempt: Attempt, began: float
     ) -> None:
-        """One attempt; `record` resolves to its transfer record's generation (the first attempt
-        sends P generation 0 and does not wait for it)."""
+        """One attempt, the engine loop already waiting for its KV; `record` resolves to its
+        transfer record's generation (the first attempt sends P generation 0 and does not wait)."""
         transfer_id = attempt.transfer_id
-        if not attempt.expecting:
-            if not await self._call(
-                self.core.on_loop_expect_kv, transfer_id, rid, attempt.on_landed, dst.fresh_block_ids
-            ):
-                raise RequestGone(rid)
-            attempt.expecting = True
         gen = await asyncio.shield(record) if attempt.number else 0
         stub = self._stub(target.address)
         req = pb.PrefillRequest(
@@ -469,6 +463,11 @@ class WorkerService(pb_grpc.WorkerServicer):
             overhead=max(wall - resp.queue_seconds - resp.compute_seconds - resp.transfer_seconds, 0.0),
             commit=time.monotonic() - landed_at,
         )
+
+    async def _expect_kv(self, rid: str, attempt: Attempt, dst) -> bool:
+        """Have the engine loop wait for a retry's KV in `dst`'s fresh blocks (False: request gone)."""
+        expect = self.core.on_loop_expect_kv
+        return await self._call(expect, attempt.transfer_id, rid, attempt.on_landed, dst.fresh_block_ids)
 
     async def _renew_lease(self, rid: str, record: asyncio.Future) -> None:
         gen = await asyncio.shield(record)
