@@ -56,29 +56,19 @@ GEMM_NATIVE_MAX_ROWS = 1024
 BF16_GEMV_MAX_ROWS = 8
 
 
-def _native_bf16_gemv_fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _native_fits(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, max_rows: int
+) -> bool:
+    """A plain CPU product of up to `max_rows` rows, all in `dtype`, that a native kernel takes
+    (no autograd through it)."""
     return (
         x.device.type == "cpu"
-        and x.dtype == torch.bfloat16
-        and w.dtype == torch.bfloat16
+        and x.dtype == dtype
+        and w.dtype == dtype
         and x.dim() == 2
-        and x.shape[0] <= BF16_GEMV_MAX_ROWS
+        and x.shape[0] <= max_rows
         and w.is_contiguous()
-        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
-        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-        and cpu_native.available()
-    )
-
-
-def _native_gemm_fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and w.dtype == torch.float32
-        and x.dim() == 2
-        and x.shape[0] <= GEMM_NATIVE_MAX_ROWS
-        and w.is_contiguous()
-        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and (bias is None or (bias.dtype == dtype and bias.is_contiguous()))
         and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
         and cpu_native.available()
     )
@@ -178,9 +168,9 @@ def linear(
     W8A8 speed): for heavy-tailed inputs (the MLP's down projection), whose int8 grid, set by the
     largest value, rounds the typical ones coarsely."""
     if not isinstance(w, QuantizedWeight):
-        if _native_gemm_fits(x, w, bias):
+        if _native_fits(x, w, bias, torch.float32, GEMM_NATIVE_MAX_ROWS):
             return cpu_native.gemm(x.contiguous(), w, bias)
-        if _native_bf16_gemv_fits(x, w, bias):
+        if _native_fits(x, w, bias, torch.bfloat16, BF16_GEMV_MAX_ROWS):
             return cpu_bf16.gemv(x.contiguous(), w, bias)
         return F.linear(x, w, bias)
     if x.device.type == "cpu":
