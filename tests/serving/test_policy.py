@@ -57,3 +57,33 @@ def test_prefill_ranking_prefers_the_shorter_token_queue():
     light = replace(w("p1", role="prefill", running=3), queued_prefill_tokens=100)
     heavy = replace(w("p2", role="prefill"), queued_prefill_tokens=5000)
     assert [p.worker_id for p in rank_prefill([heavy, light], {})] == ["p1", "p2"]
+
+
+def test_overflow_is_off_unless_asked():
+    workers = [w("d1", running=9), w("p1", role="prefill")]
+    assert choose_decode(workers).worker_id == "d1"
+
+
+def test_overflow_lends_a_prefill_worker_past_the_margin():
+    p = w("p1", role="prefill", running=1)  # one prefill job counts as a running request
+    assert choose_decode([w("d1", running=3), p], overflow_margin=2.0).worker_id == "d1"  # 1 + 2 < 3 is false
+    assert choose_decode([w("d1", running=4), p], overflow_margin=2.0).worker_id == "p1"
+    # the router's own in-flight count on the decode worker weighs like its heartbeat
+    assert choose_decode([w("d1", inflight=4), p], overflow_margin=2.0).worker_id == "p1"
+    # a prefill worker with queued prompts is no lighter than its queue
+    busy = w("p1", role="prefill", running=1, waiting=2)
+    assert choose_decode([w("d1", running=4), busy], overflow_margin=0.0).worker_id == "d1"
+
+
+def test_overflow_picks_the_lightest_prefill_worker_and_covers_an_empty_decode_pool():
+    ps = [w("p1", role="prefill", running=2), w("p2", role="prefill")]
+    assert choose_decode([w("d1", running=5), *ps], overflow_margin=1.0).worker_id == "p2"
+    assert choose_decode(ps, overflow_margin=1.0).worker_id == "p2"
+    assert choose_decode(ps) is None  # without overflow a prefill worker never decodes
+
+
+def test_overflow_weighs_a_cached_prefix():
+    # d1 holds the whole prompt: its cost drops by one request, keeping it under the margin
+    workers = [w("d1", running=3), w("p1", role="prefill", running=1)]
+    assert choose_decode(workers, {}, 4, overflow_margin=1.0).worker_id == "p1"
+    assert choose_decode(workers, {"d1": 4}, 4, overflow_margin=1.0).worker_id == "d1"

@@ -62,10 +62,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the workers' KV block size: prompts are hashed per block for prefix-aware routing")  # fmt: skip
     p.add_argument("--tool-call-parser", default=_env("TOOL_CALL_PARSER"), choices=["llama3_json", "hermes"],
                    help="the model family's tool-call format, parsed for tool_choice 'auto' (as vLLM's flag)")  # fmt: skip
+    p.add_argument("--prefill-overflow", type=float, metavar="MARGIN",
+                   default=_env("PREFILL_OVERFLOW") and float(_env("PREFILL_OVERFLOW")),
+                   help="let a prefill worker serve a whole request (prefill and decode) when every decode "
+                        "worker is busier than it by more than MARGIN requests; off when not given")  # fmt: skip
     p.add_argument("--redis-password-file", default=None,
                    help="file with the Redis password (or DISAGG_REDIS_PASSWORD / DISAGG_REDIS_PASSWORD_FILE)")  # fmt: skip
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     auth.add_cli_args(p)
+
+
+def prefill_overflow(args) -> float | None:
+    if args.prefill_overflow is not None and args.prefill_overflow < 0:
+        raise SystemExit(f"disagg router: --prefill-overflow must be >= 0, got {args.prefill_overflow}")
+    return args.prefill_overflow
 
 
 def api_keys(args) -> frozenset[str]:
@@ -133,6 +143,7 @@ def build_router(args):
         max_choices=choices,
         tool_call_parser=args.tool_call_parser,
         max_prompt_bytes=args.max_prompt_bytes,
+        prefill_overflow=prefill_overflow(args),
     )
     return Router(config, tokenizer, pool, lookup, internal_auth=internal)
 

@@ -98,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-placement", choices=("load", "threshold"), default=None,
                    help="where decode workers prefill (see `disagg worker --help`); default: load, "
                         "except --demo, which sends its prompt through a prefill worker to show that path")  # fmt: skip
+    p.add_argument("--prefill-overflow", type=float, metavar="MARGIN", default=None,
+                   help="the router's --prefill-overflow: prefill workers serve whole requests when the "
+                        "decode workers are busier by more than MARGIN requests")  # fmt: skip
     p.add_argument("--run-dir", default=".run", help="where logs go")
     p.add_argument("--demo", action="store_true", help="stream one chat completion once ready, then exit")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for everything to be ready")
@@ -254,6 +257,7 @@ class Deployment:
             "router", "--host", "127.0.0.1", "--port", str(a.port), "--model", str(model),
             "--redis-url", self.redis_url, "--deployment", "local", "--block-size", str(engine.block_size),
             *(["--max-model-len", str(engine.max_model_len)] if engine.max_model_len else []),
+            *(["--prefill-overflow", str(a.prefill_overflow)] if a.prefill_overflow is not None else []),
         ]  # fmt: skip
         self.children.append(
             Child("router", cmd, self.run_dir / "router.log", f"{self.router_url}/health", env=secret_env)

@@ -65,6 +65,9 @@ class RouterConfig:
     # take; larger is a 400. Token-id prompts are bounded by the context length instead.
     max_prompt_bytes: int = 1 << 20
     decode_attempts: int = 3  # decode workers tried for a generation before nothing was streamed
+    # A prefill worker less loaded than every decode worker by more than this (in requests, as
+    # `policy.decode_cost` counts them) serves a request whole; None: prefill workers only prefill.
+    prefill_overflow: float | None = None
 
 
 def _load_fields(v: WorkerView) -> dict[str, int | float]:
@@ -360,7 +363,7 @@ class Router:
                 p = plan.prompt_index
                 # one routing decision per generation; each `begin` below weighs on the next choice
                 views = self.pool.views()
-                decode = choose_decode(views, matches[p], len(hashes[p]))
+                decode = choose_decode(views, matches[p], len(hashes[p]), self.config.prefill_overflow)
                 if decode is None:
                     raise APIError(503, "No decode worker is ready; retry shortly.", code="no_workers",
                                    retry_after=2)  # fmt: skip
@@ -372,6 +375,7 @@ class Router:
                         prefill_tokens_per_s=w.prefill_tokens_per_s,
                     )  # fmt: skip
                     for w in rank_prefill(views, matches[p], self.config.prefill_candidates)
+                    if decode.role == "decode"  # a colocated or lending worker prefills itself
                 ]
                 req = worker_pb2.GenerateRequest(
                     request_id=base_id if len(plans) == 1 else f"{base_id}-{plan.index}",
@@ -380,6 +384,7 @@ class Router:
                     prefill_targets=targets,
                 )
                 self.pool.begin(decode.worker_id)
+                self.metrics.routed(decode.role)
                 state = ChoiceState(
                     plan, self._echo(spec, p, prompts[p]), score_only=spec.sampling.max_tokens == 0
                 )
@@ -437,7 +442,10 @@ class Router:
                 failure, why = self._msg_error(first), "draining"
             taken = {u.worker_id for u in used}
             alt = choose_decode(
-                [v for v in self.pool.views() if v.worker_id not in taken], match, prompt_blocks
+                [v for v in self.pool.views() if v.worker_id not in taken],
+                match,
+                prompt_blocks,
+                self.config.prefill_overflow,
             )
             if attempt + 1 == attempts or alt is None:
                 raise failure

@@ -1,10 +1,14 @@
-"""Routing policy (pure): which decode worker serves a request, and which prefill workers it may use.
+"""Routing policy (pure): which worker serves a request, and which prefill workers it may use.
 
 Decode: the least loaded worker, where load counts queued work heavier than running work and a
 nearly full KV cache as more load (a full D preempts); a cached prefix on D lowers its cost, since
-those tokens need neither prefill nor transfer. Prefill: longest cached prefix first (fewer
-tokens to compute), then the fewest prompt tokens queued, then the shortest queue. The router's own count of requests it has in flight
-on a worker is fresher than the worker's last heartbeat, so load takes the larger of the two.
+those tokens need neither prefill nor transfer. Overflow (opt-in): when every decode worker is
+busier than a prefill worker by more than a margin, the prefill worker serves the request whole
+(prefill and decode, as a colocated worker would): a pool whose ratio does not fit the request
+mix lends its spare prefill capacity to decoding instead of idling while decode streams slow.
+Prefill: longest cached prefix first (fewer tokens to compute), then the fewest prompt tokens
+queued, then the shortest queue. The router's own count of requests it has in flight on a worker
+is fresher than the worker's last heartbeat, so load takes the larger of the two.
 """
 
 from __future__ import annotations
@@ -59,17 +63,32 @@ def decode_cost(w: WorkerView, cached_blocks: int, prompt_blocks: int) -> float:
 
 
 def choose_decode(
-    workers: list[WorkerView], prefix_match: dict[str, int] | None = None, prompt_blocks: int = 0
+    workers: list[WorkerView],
+    prefix_match: dict[str, int] | None = None,
+    prompt_blocks: int = 0,
+    overflow_margin: float | None = None,
 ) -> WorkerView | None:
-    """The decode (or colocated) worker to serve a request, or None when there is none."""
+    """The worker to serve a request (decode, or colocated), or None when there is none.
+
+    With `overflow_margin` set, a prefill worker whose cost (its prefill jobs count as running
+    requests) is lower than the best decode worker's by more than the margin serves the request
+    instead, prefilling it itself; so does one when no decode worker is ready."""
     prefix_match = prefix_match or {}
-    candidates = [w for w in workers if w.role in DECODE_ROLES]
-    if not candidates:
-        return None
-    return min(
-        candidates,
-        key=lambda w: (decode_cost(w, prefix_match.get(w.worker_id, 0), prompt_blocks), w.worker_id),
-    )
+
+    def cost(w: WorkerView) -> tuple[float, str]:
+        return decode_cost(w, prefix_match.get(w.worker_id, 0), prompt_blocks), w.worker_id
+
+    decoders = [w for w in workers if w.role in DECODE_ROLES]
+    best = min(decoders, key=cost) if decoders else None
+    if overflow_margin is None:
+        return best
+    spare = [w for w in workers if w.role == "prefill"]
+    if not spare:
+        return best
+    lender = min(spare, key=cost)
+    if best is None or cost(lender)[0] + overflow_margin < cost(best)[0]:
+        return lender
+    return best
 
 
 def rank_prefill(

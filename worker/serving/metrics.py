@@ -39,6 +39,7 @@ class _Families:
     kv_used: Gauge
     prefix_routing_disabled: Counter
     rejected: Counter
+    routed: Counter
     prefill_retries: Counter
     kv_quarantined: Counter
     remote_prefill_stages: Histogram
@@ -108,6 +109,13 @@ def _families(registry: CollectorRegistry) -> _Families:
                 "disagg_requests_rejected",
                 "Requests refused before serving, by HTTP status.",
                 (*LABELS, "status"),
+                registry=registry,
+            ),
+            routed=Counter(
+                "disagg_router_routed_generations",
+                "Generations the router sent to a worker, by that worker's role (prefill: a prefill "
+                "worker serving a whole request under --prefill-overflow).",
+                (*LABELS, "worker_role"),
                 registry=registry,
             ),
             prefill_retries=Counter(
@@ -216,6 +224,7 @@ class ServingMetrics:
         self._spec_seen: dict[str, int | list[int]] = {}
         self._decisions = f.decisions
         self._rejected = f.rejected
+        self._routed = f.routed
 
     def request_finished(self, finish_reason: str) -> None:
         self._requests.labels(
@@ -230,6 +239,9 @@ class ServingMetrics:
     def remote_prefill_stages(self, **seconds: float) -> None:
         for stage, value in seconds.items():
             self._stages[stage].observe(value)
+
+    def routed(self, worker_role: str) -> None:
+        self._routed.labels(role=self.role, model=self.model, worker_role=worker_role).inc()
 
     def rejected(self, status: int) -> None:
         self._rejected.labels(role=self.role, model=self.model, status=str(status)).inc()

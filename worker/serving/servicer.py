@@ -161,11 +161,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         bs = self.core.block_size
         self.metrics.prefix_lookup(prompt_tokens // bs, cached_tokens // bs)
 
-    # ---- Generate (decode / both) ----------------------------------------------------------------
+    # ---- Generate (decode / both; prefill when the router lends it a whole request) ---------------
     async def Generate(self, request: pb.GenerateRequest, context):
+        # A prefill worker takes a whole request when the router's overflow policy sends it one
+        # (policy.choose_decode): it prefills locally, as a colocated worker does.
         refused = self._refuse()
-        if refused is None and self.opts.role == "prefill":
-            refused = error("invalid_request", "this is a prefill worker: send Generate to a decode worker")
         if refused is not None:
             yield pb.GenerateResponse(error=refused)
             return
