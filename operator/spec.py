@@ -156,6 +156,7 @@ class Router:
     service_annotations: dict = field(default_factory=dict)
     api_key: SecretRef | None = None
     resources: dict = field(default_factory=dict)
+    prefill_overflow: float | None = None  # the router's --prefill-overflow margin
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,13 @@ def _int(obj: dict, key: str, path: str, default: int | None, minimum: int | Non
     if value is not None and minimum is not None and value < minimum:
         raise SpecError(f"{path}.{key}", f"must be at least {minimum}, got {value}")
     return value
+
+
+def _number(obj: dict, key: str, path: str, default: float | None, minimum: float) -> float | None:
+    value = _get(obj, key, path, (int, float), default)
+    if value is not None and value < minimum:
+        raise SpecError(f"{path}.{key}", f"must be at least {minimum:g}, got {value}")
+    return None if value is None else float(value)
 
 
 def _autoscaling(role: str, body: dict, path: str) -> AutoscalingSpec:
@@ -377,6 +385,7 @@ def parse_spec(spec: dict) -> Spec:
             service_annotations=_section(service, "annotations", "spec.router.service"),
             api_key=_secret(router, "apiKeySecret", "spec.router", "api-keys"),
             resources=_section(router, "resources", "spec.router"),
+            prefill_overflow=_number(router, "prefillOverflow", "spec.router", None, 0),
         ),
         prefill=_role(spec, "prefill"),
         decode=_role(spec, "decode"),

@@ -32,6 +32,8 @@ def _args(idep: InferenceDeployment) -> list[str]:
     ]
     if idep.spec.model.max_model_length is not None:
         args += ["--max-model-len", str(idep.spec.model.max_model_length)]
+    if router.prefill_overflow is not None:
+        args += ["--prefill-overflow", f"{router.prefill_overflow:g}"]
     if router.api_key is not None:
         args += ["--api-key-file", f"{API_KEYS_DIR}/{router.api_key.key}"]
     return args

@@ -230,6 +230,8 @@ def test_external_redis_password_comes_from_a_secret():
         (lambda s: s["model"].update(dtype="fp8"), "spec.model.dtype"),
         (lambda s: s["decode"].update(kvCache={"memoryFraction": 1.5}), "spec.decode.kvCache.memoryFraction"),
         (lambda s: s.pop("prefill"), "spec.prefill"),
+        (lambda s: s["router"].update(prefillOverflow=-1), "spec.router.prefillOverflow"),
+        (lambda s: s["router"].update(prefillOverflow="2"), "spec.router.prefillOverflow"),
         # a CPU worker's KV cache is sized from its pod's memory limit: there must be one
         (
             lambda s: s["prefill"].update(resources={"requests": {"cpu": 1}}),

@@ -75,6 +75,10 @@ def _api_key_and_auto_dtype(spec: dict) -> None:
     spec["model"].pop("maxModelLength", None)
 
 
+def _prefill_overflow(spec: dict) -> None:
+    spec["router"]["prefillOverflow"] = 1.5
+
+
 def _grpc_transfer_and_small_blocks(spec: dict) -> None:
     spec["kvTransfer"] = {"backend": "grpc"}
     for role in ("prefill", "decode"):
@@ -93,6 +97,7 @@ VARIANTS = {
     "host-path": _host_path,
     "api-key-auto-dtype": _api_key_and_auto_dtype,
     "grpc-transfer": _grpc_transfer_and_small_blocks,
+    "prefill-overflow": _prefill_overflow,
 }
 CASES = [(example, None) for example in EXAMPLES] + [("cpu-tiny.yaml", v) for v in VARIANTS]
 
@@ -540,6 +545,10 @@ def test_router_container_parses_with_the_real_cli_and_agrees_with_the_workers(e
             assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(got)
             assert init["args"][init["args"].index("--local-dir") + 1] == args.model
         assert _mounted_volume(pod, init, args.model)["name"] == model.VOLUME
+
+    # Routing: prefill workers lend themselves to whole requests only when the spec says so.
+    assert args.prefill_overflow == idep.spec.router.prefill_overflow
+    assert (args.prefill_overflow is not None) == (variant == "prefill-overflow")
 
     # The API-key Secret is mounted where --api-key-file points.
     if idep.spec.router.api_key is None:

@@ -167,6 +167,7 @@ SCHEMA_BAD = [
         "spec.kvTransfer.ucxTransports.1",
     ),
     (lambda s: s.update(redis={"external": {"url": "http://cache:6379"}}), "spec.redis.external.url"),
+    (lambda s: s["router"].update(prefillOverflow=-0.5), "spec.router.prefillOverflow"),
     (
         lambda s: (
             s["decode"].pop("replicas")
