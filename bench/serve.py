@@ -4,8 +4,9 @@ Goodput as DistServe defines it: the highest request rate at which >= 90% of req
 a TTFT SLO and a TPOT SLO (mean time between output tokens after the first). For each workload
 (chat: short prompts, long outputs; summarization: long prompts, short outputs) the SLOs are
 multiples ("SLO scale") of the unloaded single-request latency measured first; then each
-deployment -- (a) 2 x `--role both`, (b) 1 prefill + 1 decode, every worker pinned to its own
-core with one torch thread -- is driven by an open-loop Poisson stream at a few rates (doubling,
+deployment -- (a) 2 x `--role both`, (b) 1 prefill + 1 decode, (c) the same 1P+1D whose router
+lends the prefill worker whole requests when the decode worker is busier (`--prefill-overflow`),
+every worker pinned to its own core with one torch thread -- is driven by an open-loop Poisson stream at a few rates (doubling,
 then bisection on the base scale), and the SLO attainment of every rate is printed for every
 scale, with the goodput of each deployment and their ratio. A PNG beside the table plots
 attainment against rate. The planner's prediction (`disagg plan`, from an engine profile
@@ -171,7 +172,9 @@ def summarize(results: list[Result], wall: float, args) -> dict[str, float]:
     return s
 
 
-def deploy(args, name: str, prefill: int, decode: int, both: int) -> Deployment:
+def deploy(
+    args, name: str, prefill: int, decode: int, both: int, overflow: float | None = None
+) -> Deployment:
     # through `disagg up`'s own parser: every setting not named here takes its default there
     up_parser = argparse.ArgumentParser()
     add_arguments(up_parser)
@@ -183,6 +186,7 @@ def deploy(args, name: str, prefill: int, decode: int, both: int) -> Deployment:
         "--run-dir", str(Path(args.run_dir) / name), "--timeout", "600",
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         *(["--prefill-placement", args.prefill_placement] if args.prefill_placement else []),
+        *(["--prefill-overflow", str(overflow)] if overflow is not None else []),
     ])  # fmt: skip
     dep = Deployment(ns)
     dep.plan()
@@ -220,7 +224,21 @@ def _ratio(num: float, den: float) -> float:
 
 
 # ---------------------------------------------------------------------------- goodput sweep
-LAYOUTS = {"colocated": (0, 0, 2), "disaggregated": (1, 1, 0)}  # (prefill, decode, both): same 2 cores
+# (prefill, decode, both, the router's --prefill-overflow margin): the same 2 cores. "overflow" is
+# 1P+1D whose prefill worker also serves whole requests when the decode worker is busier.
+LAYOUTS = {"colocated": (0, 0, 2, None), "disaggregated": (1, 1, 0, None), "overflow": (1, 1, 0, 0.5)}
+
+
+def layouts(args) -> dict[str, tuple[int, int, int, float | None]]:
+    """The layouts to sweep: colocated (the baseline) always, the others as --layouts names them."""
+    names = ["colocated", *(n for n in args.layouts.split(",") if n and n != "colocated")]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"--layouts: unknown {', '.join(unknown)} (choose from {', '.join(LAYOUTS)})")
+    out = {n: LAYOUTS[n] for n in names}
+    if "overflow" in out:
+        out["overflow"] = (*out["overflow"][:3], args.overflow_margin)
+    return out
 
 
 def rate_plan(wl: Workload, rate: float, duration: float, seed: int, vocab: int):
@@ -260,11 +278,13 @@ def measure_unloaded(dep: Deployment, wl: Workload, vocab: int) -> SLO:
     return SLO(float(out.ttft.min()), float(out.tpot.min()))
 
 
-def sweep(args, name: str, wl: Workload, slo: SLO, start: float, vocab: int, field: dict[float, float]):
+def sweep(
+    args, name: str, layout, wl: Workload, slo: SLO, start: float, vocab: int, field: dict[float, float]
+):
     """Attainment at `args.points` rates: doubling (or halving) until the base scale's attainment
     crosses 90%, then bisection. With --aiperf, `field` gets aiperf's attainment at the base scale
     for each rate, from its own run right after ours."""
-    dep = deploy(args, f"{wl.name}-{name}", *LAYOUTS[name])
+    dep = deploy(args, f"{wl.name}-{name}", *layout)
     tried: dict[float, Outcome] = {}
     try:
         dep.start()
@@ -394,8 +414,11 @@ def goodput_main(args) -> int:
             dep.stop()
         print(f"[{wl.name}] unloaded latency (SLO scale 1): {base}", flush=True)
         start = args.start_rate or 0.5 * 2 / (base.ttft + wl.mean_output * base.tpot)
-        field: dict[str, dict[float, float]] = {name: {} for name in LAYOUTS}
-        curves = {name: sweep(args, name, wl, base, start, vocab, field[name]) for name in LAYOUTS}
+        chosen = layouts(args)
+        field: dict[str, dict[float, float]] = {name: {} for name in chosen}
+        curves = {
+            name: sweep(args, name, chosen[name], wl, base, start, vocab, field[name]) for name in chosen
+        }
         png = out_dir / f"goodput-{wl.name}.png"
         plot(png, wl, base, curves)
         print(f"\n[{wl.name}] SLO attainment by rate (req/s); plot: {png}")
@@ -407,9 +430,12 @@ def goodput_main(args) -> int:
                 cells = "  ".join(f"{r:.3f}:{attainment(tried[r], slo):>4.0%}" for r in sorted(tried))
                 found[name] = goodput_of(tried, slo)
                 print(f"    {name:<14} {cells}   goodput {found[name][1]}")
-            ratio = found["disaggregated"][0] / found["colocated"][0] if found["colocated"][0] else math.nan
-            line = f"    disaggregated / colocated goodput: {ratio:.2f}"
-            if prof is not None:
+            ratios = {
+                name: found[name][0] / found["colocated"][0] if found["colocated"][0] else math.nan
+                for name in chosen if name != "colocated"
+            }  # fmt: skip
+            line = "    " + "; ".join(f"{name} / colocated goodput: {r:.2f}" for name, r in ratios.items())
+            if prof is not None and "disaggregated" in found:
                 settings = Settings(
                     max_batch=EngineArgs.max_num_seqs, chunk_tokens=args.max_num_batched_tokens
                 )
@@ -418,16 +444,19 @@ def goodput_main(args) -> int:
                 line += f"; planner predicts 1P+1D {predicted:.3f} req/s (measured/predicted {measured / predicted:.2f})"
             print(line, flush=True)
             if args.aiperf and scale == BASE_SCALE:
-                for name in LAYOUTS:
+                for name in chosen:
                     theirs = crossing(field[name])
                     ours = found[name][0]
                     agree = f"aiperf / ours {theirs[0] / ours:.2f}" if ours and theirs[0] else "not bracketed"
                     cells = "  ".join(f"{r:.3f}:{a:>4.0%}" for r, a in sorted(field[name].items()))
                     print(f"    aiperf {name:<14} {cells}   goodput {theirs[1]} ({agree})", flush=True)
-            summary.append((wl.name, scale, found["colocated"][1], found["disaggregated"][1], ratio))
-    print(f"\n{'workload':<14}{'scale':>6}{'colocated':>12}{'1P+1D':>12}{'ratio':>7}   (goodput, req/s)")
-    for name, scale, a, b, ratio in summary:
-        print(f"{name:<14}{scale:>6g}{a:>12}{b:>12}{ratio:>7.2f}")
+            summary.append((wl.name, scale, {name: found[name][1] for name in chosen}, ratios))
+    others = [name for name in layouts(args) if name != "colocated"]
+    print(f"\n{'workload':<14}{'scale':>6}{'colocated':>12}" + "".join(f"{n:>15}{'ratio':>7}" for n in others)
+          + "   (goodput, req/s)")  # fmt: skip
+    for name, scale, cells, ratios in summary:
+        print(f"{name:<14}{scale:>6g}{cells['colocated']:>12}"
+              + "".join(f"{cells[n]:>15}{ratios[n]:>7.2f}" for n in others))  # fmt: skip
     print(f"\nworkers pinned one per core, torch threads 1, KV transfer {args.kv_transfer}, "
           f"{args.duration:.0f}s per rate, load {os.getloadavg()[0]:.1f} at end")  # fmt: skip
     return 0
@@ -468,6 +497,10 @@ def main(argv=None) -> int:
         "--transfer-gbps", type=float, default=3.0, help="KV transfer bandwidth the planner assumes"
     )
     p.add_argument("--no-prediction", action="store_true", help="skip the planner's prediction")
+    p.add_argument("--layouts", default="colocated,disaggregated,overflow",
+                   help=f"goodput sweep: layouts to compare with colocated ({', '.join(LAYOUTS)})")  # fmt: skip
+    p.add_argument("--overflow-margin", type=float, default=LAYOUTS["overflow"][3],
+                   help="the overflow layout's router --prefill-overflow margin (requests)")  # fmt: skip
     p.add_argument("--aiperf", metavar="PATH",
                    help="the aiperf executable: also drive every rate with it (goodput constraints at the base "
                         "SLO scale) and print its goodput beside ours")  # fmt: skip
