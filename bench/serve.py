@@ -226,7 +226,7 @@ def _ratio(num: float, den: float) -> float:
 # ---------------------------------------------------------------------------- goodput sweep
 # (prefill, decode, both, the router's --prefill-overflow margin): the same 2 cores. "overflow" is
 # 1P+1D whose prefill worker also serves whole requests when the decode worker is busier.
-LAYOUTS = {"colocated": (0, 0, 2, None), "disaggregated": (1, 1, 0, None), "overflow": (1, 1, 0, 0.5)}
+LAYOUTS = {"colocated": (0, 0, 2, None), "disaggregated": (1, 1, 0, None), "overflow": (1, 1, 0, 2.0)}
 
 
 def layouts(args) -> dict[str, tuple[int, int, int, float | None]]:
