@@ -70,9 +70,19 @@ def test_overflow_lends_a_prefill_worker_past_the_margin():
     assert choose_decode([w("d1", running=4), p], overflow_margin=2.0).worker_id == "p1"
     # the router's own in-flight count on the decode worker weighs like its heartbeat
     assert choose_decode([w("d1", inflight=4), p], overflow_margin=2.0).worker_id == "p1"
-    # a prefill worker with queued prompts is no lighter than its queue
-    busy = w("p1", role="prefill", running=1, waiting=2)
-    assert choose_decode([w("d1", running=4), busy], overflow_margin=0.0).worker_id == "d1"
+
+
+def test_overflow_never_lends_a_prefill_worker_with_prompts_to_prefill():
+    # its lent stream's tokens would wait behind every chunk of those prompts
+    waiting = w("p1", role="prefill", waiting=1)
+    prefilling = replace(w("p1", role="prefill", running=1), queued_prefill_tokens=700)
+    for p in (waiting, prefilling):
+        assert choose_decode([w("d1", running=9), p], overflow_margin=0.0).worker_id == "d1"
+        assert choose_decode([p], overflow_margin=0.0) is None
+    assert (
+        choose_decode([w("d1", running=9), w("p2", role="prefill", running=1)], overflow_margin=0.0).worker_id
+        == "p2"
+    )
 
 
 def test_overflow_picks_the_lightest_prefill_worker_and_covers_an_empty_decode_pool():

@@ -3,7 +3,7 @@
 Decode: the least loaded worker, where load counts queued work heavier than running work and a
 nearly full KV cache as more load (a full D preempts); a cached prefix on D lowers its cost, since
 those tokens need neither prefill nor transfer. Overflow (opt-in): when every decode worker is
-busier than a prefill worker by more than a margin, the prefill worker serves the request whole
+busier than an unqueued prefill worker by more than a margin, that worker serves the request whole
 (prefill and decode, as a colocated worker would): a pool whose ratio does not fit the request
 mix lends its spare prefill capacity to decoding instead of idling while decode streams slow.
 Prefill: longest cached prefix first (fewer tokens to compute), then the fewest prompt tokens
@@ -70,9 +70,9 @@ def choose_decode(
 ) -> WorkerView | None:
     """The worker to serve a request (decode, or colocated), or None when there is none.
 
-    With `overflow_margin` set, a prefill worker whose cost (its prefill jobs count as running
-    requests) is lower than the best decode worker's by more than the margin serves the request
-    instead, prefilling it itself; so does one when no decode worker is ready."""
+    With `overflow_margin` set, a prefill worker with no prompt queued whose cost is lower than
+    the best decode worker's by more than the margin serves the request instead, prefilling it
+    itself; so does one when no decode worker is ready."""
     prefix_match = prefix_match or {}
 
     def cost(w: WorkerView) -> tuple[float, str]:
@@ -82,7 +82,9 @@ def choose_decode(
     best = min(decoders, key=cost) if decoders else None
     if overflow_margin is None:
         return best
-    spare = [w for w in workers if w.role == "prefill"]
+    # only a prefill worker with no prompt to prefill is lent: a lent stream's tokens would wait
+    # behind every prompt chunk it computes (long prompts: a second per chunk on a CPU core)
+    spare = [w for w in workers if w.role == "prefill" and not w.queued_prefill_tokens and not w.waiting]
     if not spare:
         return best
     lender = min(spare, key=cost)
