@@ -64,8 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model family's tool-call format, parsed for tool_choice 'auto' (as vLLM's flag)")  # fmt: skip
     p.add_argument("--prefill-overflow", type=float, metavar="MARGIN",
                    default=_env("PREFILL_OVERFLOW") and float(_env("PREFILL_OVERFLOW")),
-                   help="let a prefill worker serve a whole request (prefill and decode) when every decode "
-                        "worker is busier than it by more than MARGIN requests; off when not given")  # fmt: skip
+                   help="let a prefill worker with no prompt queued serve a whole request (prefill and "
+                        "decode) when every decode worker is busier than it by more than MARGIN requests; "
+                        "off when not given")  # fmt: skip
     p.add_argument("--redis-password-file", default=None,
                    help="file with the Redis password (or DISAGG_REDIS_PASSWORD / DISAGG_REDIS_PASSWORD_FILE)")  # fmt: skip
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
