@@ -5,15 +5,18 @@ a TTFT SLO and a TPOT SLO (mean time between output tokens after the first). For
 (chat: short prompts, long outputs; summarization: long prompts, short outputs) the SLOs are
 multiples ("SLO scale") of the unloaded single-request latency measured first; then each
 deployment -- (a) 2 x `--role both`, (b) 1 prefill + 1 decode, (c) the same 1P+1D whose router
-lends the prefill worker whole requests when the decode worker is busier (`--prefill-overflow`),
-every worker pinned to its own core with one torch thread -- is driven by an open-loop Poisson stream at a few rates (doubling,
-then bisection on the base scale), and the SLO attainment of every rate is printed for every
-scale, with the goodput of each deployment and their ratio. A PNG beside the table plots
+lends the unqueued prefill worker whole requests when the decode worker is busier by more than
+`--overflow-margin` requests (`--prefill-overflow`), every worker pinned to its own core with one
+torch thread -- is driven by an open-loop Poisson stream at a few rates (doubling, then bisection
+on the base scale), and the SLO attainment of every rate is printed for every scale, with the
+goodput of each deployment and its ratio to colocated. A PNG beside the table plots
 attainment against rate. The planner's prediction (`disagg plan`, from an engine profile
 measured on one core in the same command) is printed beside the measured 1P+1D goodput.
+Attainment over fewer than ~60 requests per rate moves by tens of points between runs near the
+knee: compare layouts with --duration 80 or more.
 
     python bench/serve.py --preset small                      # both workloads, 4 rates each
-    python bench/serve.py --workloads chat --points 3 --duration 40
+    python bench/serve.py --workloads chat --points 3 --duration 80 --start-rate 0.8
     python bench/serve.py --interference --rate 0.5           # the prefill-interference comparison
 """
 
