@@ -400,6 +400,8 @@ def measure_profile(model: str, transfer_gbps: float) -> Profile:
 def goodput_main(args) -> int:
     from disagg.worker.model.config import ModelConfig
 
+    chosen = layouts(args)  # checked before anything is measured
+    others = [name for name in chosen if name != "colocated"]
     vocab = ModelConfig.from_pretrained(args.model).vocab_size
     out_dir = Path(args.run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -417,7 +419,6 @@ def goodput_main(args) -> int:
             dep.stop()
         print(f"[{wl.name}] unloaded latency (SLO scale 1): {base}", flush=True)
         start = args.start_rate or 0.5 * 2 / (base.ttft + wl.mean_output * base.tpot)
-        chosen = layouts(args)
         field: dict[str, dict[float, float]] = {name: {} for name in chosen}
         curves = {
             name: sweep(args, name, chosen[name], wl, base, start, vocab, field[name]) for name in chosen
@@ -435,8 +436,8 @@ def goodput_main(args) -> int:
                 print(f"    {name:<14} {cells}   goodput {found[name][1]}")
             ratios = {
                 name: found[name][0] / found["colocated"][0] if found["colocated"][0] else math.nan
-                for name in chosen if name != "colocated"
-            }  # fmt: skip
+                for name in others
+            }
             line = "    " + "; ".join(f"{name} / colocated goodput: {r:.2f}" for name, r in ratios.items())
             if prof is not None and "disaggregated" in found:
                 settings = Settings(
@@ -454,7 +455,6 @@ def goodput_main(args) -> int:
                     cells = "  ".join(f"{r:.3f}:{a:>4.0%}" for r, a in sorted(field[name].items()))
                     print(f"    aiperf {name:<14} {cells}   goodput {theirs[1]} ({agree})", flush=True)
             summary.append((wl.name, scale, {name: found[name][1] for name in chosen}, ratios))
-    others = [name for name in layouts(args) if name != "colocated"]
     print(f"\n{'workload':<14}{'scale':>6}{'colocated':>12}" + "".join(f"{n:>15}{'ratio':>7}" for n in others)
           + "   (goodput, req/s)")  # fmt: skip
     for name, scale, cells, ratios in summary:
