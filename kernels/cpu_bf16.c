@@ -24,20 +24,6 @@
 #define HAVE_BF16_DOT 0
 #endif
 
-typedef uint16_t bf16;
-
-static inline float widen(bf16 h) {
-    union { uint32_t i; float f; } u = {.i = (uint32_t)h << 16};
-    return u.f;
-}
-
-/* Round to nearest even; a NaN stays a (quiet) NaN. */
-static inline bf16 narrow(float f) {
-    union { float f; uint32_t i; } u = {.f = f};
-    if ((u.i & 0x7fffffffu) > 0x7f800000u) return (bf16)((u.i >> 16) | 0x40u);
-    return (bf16)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
-}
-
 int64_t bf16_dot_native(void) { return HAVE_BF16_DOT; }
 
 /* ---- matrix-vector products: y[b][r] = W[r] . x[b] (+ bias[r]), W [N][K], x [B][K], y [B][N] ----
@@ -52,7 +38,7 @@ static inline __attribute__((always_inline)) void dot_block_portable(const bf16 
         const bf16 *xb = x + b * xs;
         float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t j = 0; j < k; j++) s += widen(w[j]) * widen(xb[j]);
+        for (int64_t j = 0; j < k; j++) s += bf16_widen(w[j]) * bf16_widen(xb[j]);
         sums[b] = s;
     }
 }
@@ -94,27 +80,38 @@ static inline __attribute__((always_inline)) void dot_block_dp(const bf16 *w, in
         default: FN(w, k, x, xs, sums, 4); break; \
     }
 
+/* Rows [r0, r1) of y = W x (+ bias) (see gemv_rows_bf16 in cpu_kernels.h), with the entry point
+ * NAME that splits all N rows over the threads. */
 #define DEFINE_GEMV(NAME, DOT)                                                                                \
-    void NAME(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64_t batch, int64_t n, int64_t k,   \
-              int64_t num_threads) {                                                                          \
-        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)")        \
-        for (int64_t r0 = 0; r0 < n; r0 += GEMV_CHUNK) {                                                      \
-            const int64_t r1 = r0 + GEMV_CHUNK < n ? r0 + GEMV_CHUNK : n;                                     \
-            for (int64_t r = r0; r < r1; r++) {                                                               \
-                const float add = bias ? widen(bias[r]) : 0.0f;                                               \
-                for (int64_t b = 0; b < batch; b += 4) {                                                      \
-                    const int nb = batch - b < 4 ? (int)(batch - b) : 4;                                      \
-                    float sums[4];                                                                            \
-                    DOT_BLOCK_NB(DOT, w + r * k, k, x + b * k, k, sums, nb)                                   \
-                    for (int i = 0; i < nb; i++) y[(b + i) * n + r] = narrow(sums[i] + add);                  \
+    static void NAME##_rows(const bf16 *w, const bf16 *bias, int64_t k, const bf16 *x, int64_t xs, bf16 *y,    \
+                            float *y_f32, int64_t ys, int64_t batch, int64_t r0, int64_t r1) {                \
+        for (int64_t r = r0; r < r1; r++) {                                                                   \
+            const float add = bias ? bf16_widen(bias[r]) : 0.0f;                                              \
+            for (int64_t b = 0; b < batch; b += 4) {                                                          \
+                const int nb = batch - b < 4 ? (int)(batch - b) : 4;                                          \
+                float sums[4];                                                                                \
+                DOT_BLOCK_NB(DOT, w + r * k, k, x + b * xs, xs, sums, nb)                                     \
+                for (int i = 0; i < nb; i++) {                                                                \
+                    const bf16 v = bf16_narrow(sums[i] + add);                                                \
+                    if (y_f32)                                                                                \
+                        y_f32[(b + i) * ys + r] = bf16_widen(v);                                              \
+                    else                                                                                      \
+                        y[(b + i) * ys + r] = v;                                                              \
                 }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
+    }                                                                                                         \
+    void NAME(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64_t batch, int64_t n, int64_t k,   \
+              int64_t num_threads) {                                                                          \
+        PARALLEL_GEMV_CHUNKS(n, num_threads, r0, r1, NAME##_rows(w, bias, k, x, k, y, 0, n, batch, r0, r1))  \
     }
 
 DEFINE_GEMV(gemv_bf16_portable, dot_block_portable)
 #if HAVE_BF16_DOT
 DEFINE_GEMV(gemv_bf16_dp, dot_block_dp)
+#define GEMV_ROWS_BEST gemv_bf16_dp_rows
+#else
+#define GEMV_ROWS_BEST gemv_bf16_portable_rows
 #endif
 
 void gemv_bf16(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64_t batch, int64_t n, int64_t k,
@@ -124,6 +121,25 @@ void gemv_bf16(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64_t 
 #else
     gemv_bf16_portable(w, bias, x, y, batch, n, k, num_threads);
 #endif
+}
+
+void gemv_rows_bf16(const bf16 *w, const bf16 *bias, int64_t k, const bf16 *x, int64_t x_stride, bf16 *y,
+                    float *y_f32, int64_t y_stride, int64_t batch, int64_t r0, int64_t r1) {
+    GEMV_ROWS_BEST(w, bias, k, x, x_stride, y, y_f32, y_stride, batch, r0, r1);
+}
+
+void gemv_silu_rows_bf16(const bf16 *w, const bf16 *bias, int64_t k, int64_t inter, const bf16 *x, bf16 *out,
+                         int64_t batch, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i += GEMV_CHUNK) {
+        const int64_t n = i1 - i < GEMV_CHUNK ? i1 - i : GEMV_CHUNK;
+        bf16 gate[batch * GEMV_CHUNK], up[batch * GEMV_CHUNK];
+        GEMV_ROWS_BEST(w + i * k, bias ? bias + i : 0, k, x, k, gate, 0, GEMV_CHUNK, batch, 0, n);
+        GEMV_ROWS_BEST(w + (inter + i) * k, bias ? bias + inter + i : 0, k, x, k, up, 0, GEMV_CHUNK, batch, 0, n);
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t t = 0; t < n; t++)
+                out[b * inter + i + t] =
+                    bf16_narrow(silu_mul(bf16_widen(gate[b * GEMV_CHUNK + t]), bf16_widen(up[b * GEMV_CHUNK + t])));
+    }
 }
 
 /* ---- the small per-layer ops ---- */
@@ -141,19 +157,19 @@ void add_rms_norm_bf16(const bf16 *x, bf16 *residual, const bf16 *weight, bf16 *
             bf16 *r = residual + t * hidden;
 #pragma omp simd reduction(+ : sq)
             for (int64_t i = 0; i < hidden; i++) {
-                const bf16 sum = narrow(widen(r[i]) + widen(xt[i]));
+                const bf16 sum = bf16_narrow(bf16_widen(r[i]) + bf16_widen(xt[i]));
                 r[i] = sum;
-                sq += widen(sum) * widen(sum);
+                sq += bf16_widen(sum) * bf16_widen(sum);
             }
             src = r;
         } else {
 #pragma omp simd reduction(+ : sq)
-            for (int64_t i = 0; i < hidden; i++) sq += widen(xt[i]) * widen(xt[i]);
+            for (int64_t i = 0; i < hidden; i++) sq += bf16_widen(xt[i]) * bf16_widen(xt[i]);
         }
         const float inv = 1.0f / sqrtf(sq / (float)hidden + eps);
         bf16 *o = out + t * hidden;
 #pragma omp simd
-        for (int64_t i = 0; i < hidden; i++) o[i] = narrow(widen(src[i]) * inv * widen(weight[i]));
+        for (int64_t i = 0; i < hidden; i++) o[i] = bf16_narrow(bf16_widen(src[i]) * inv * bf16_widen(weight[i]));
     }
 }
 
@@ -163,7 +179,7 @@ void silu_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t inter) {
         const bf16 *gate = x + t * 2 * inter, *up = gate + inter;
         bf16 *o = out + t * inter;
 #pragma omp simd
-        for (int64_t i = 0; i < inter; i++) o[i] = narrow(silu_mul(widen(gate[i]), widen(up[i])));
+        for (int64_t i = 0; i < inter; i++) o[i] = bf16_narrow(silu_mul(bf16_widen(gate[i]), bf16_widen(up[i])));
     }
 }
 
@@ -181,9 +197,9 @@ void rotary_write_kv_bf16(bf16 *qkv, int64_t row_stride, const float *cos_sin, c
             bf16 *a = x + h * head_dim, *b = a + half;
 #pragma omp simd
             for (int64_t i = 0; i < half; i++) {
-                const float lo = widen(a[i]), hi = widen(b[i]);
-                a[i] = narrow(lo * c[i] - hi * s[i]);
-                b[i] = narrow(hi * c[i] + lo * s[i]);
+                const float lo = bf16_widen(a[i]), hi = bf16_widen(b[i]);
+                a[i] = bf16_narrow(lo * c[i] - hi * s[i]);
+                b[i] = bf16_narrow(hi * c[i] + lo * s[i]);
             }
         }
         const int64_t slot = slot_mapping[t];
@@ -210,7 +226,7 @@ static inline __attribute__((always_inline)) void head_attention_bf16(
                 const float *qg = q + g * D;
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; d++) dot += qg[d] * widen(k[d]);
+                for (int64_t d = 0; d < D; d++) dot += qg[d] * bf16_widen(k[d]);
                 scores[g * len + j0 + t] = dot * scale;
             }
     }
@@ -235,7 +251,7 @@ static inline __attribute__((always_inline)) void head_attention_bf16(
                 const float p = scores[g * len + j0 + t];
                 float *o = acc + g * D;
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) o[d] += p * widen(v[d]);
+                for (int64_t d = 0; d < D; d++) o[d] += p * bf16_widen(v[d]);
             }
     }
 }
@@ -247,6 +263,21 @@ static void head_attention_d64(const float *q, const bf16 *kv, const int32_t *ta
 static void head_attention_d128(const float *q, const bf16 *kv, const int32_t *table, int64_t len, int64_t group,
                                 int64_t kv_head, int64_t hkv, int64_t bs, float scale, float *scores, float *acc) {
     head_attention_bf16(q, kv, table, len, group, 128, kv_head, hkv, bs, scale, scores, acc);
+}
+
+void decode_attention_head_bf16(const bf16 *q, const bf16 *kv, const int32_t *table, int64_t len, int64_t group,
+                                int64_t head_dim, int64_t kv_head, int64_t num_kv_heads, int64_t block_size,
+                                float scale, float *scratch, bf16 *out) {
+    float *scores = scratch, *qf = scores + group * len, *acc = qf + group * head_dim;
+    for (int64_t i = 0; i < group * head_dim; i++) qf[i] = bf16_widen(q[i]);
+    if (head_dim == 64)
+        head_attention_d64(qf, kv, table, len, group, kv_head, num_kv_heads, block_size, scale, scores, acc);
+    else if (head_dim == 128)
+        head_attention_d128(qf, kv, table, len, group, kv_head, num_kv_heads, block_size, scale, scores, acc);
+    else
+        head_attention_bf16(qf, kv, table, len, group, head_dim, kv_head, num_kv_heads, block_size, scale, scores,
+                            acc);
+    for (int64_t i = 0; i < group * head_dim; i++) out[i] = bf16_narrow(acc[i]);
 }
 
 /* Paged decode attention of B sequences over a bf16 cache; q rows of Hq * D bf16, q_row_stride
@@ -267,25 +298,14 @@ int paged_decode_attention_bf16(const bf16 *q, int64_t q_row_stride, const bf16 
             continue;
         }
 #ifdef _OPENMP
-        float *scores = scratch + omp_get_thread_num() * per_thread;
+        float *thread_scratch = scratch + omp_get_thread_num() * per_thread;
 #else
-        float *scores = scratch;
+        float *thread_scratch = scratch;
 #endif
-        float *qf = scores + group * max_len, *acc = qf + group * head_dim;
-        const int32_t *table = block_tables + b * table_stride;
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            const bf16 *qh = q + b * q_row_stride + h * group * head_dim;
-            for (int64_t i = 0; i < group * head_dim; i++) qf[i] = widen(qh[i]);
-            if (head_dim == 64)
-                head_attention_d64(qf, kv, table, len, group, h, num_kv_heads, block_size, scale, scores, acc);
-            else if (head_dim == 128)
-                head_attention_d128(qf, kv, table, len, group, h, num_kv_heads, block_size, scale, scores, acc);
-            else
-                head_attention_bf16(qf, kv, table, len, group, head_dim, h, num_kv_heads, block_size, scale, scores,
-                                    acc);
-            bf16 *o = out + (b * num_q_heads + h * group) * head_dim;
-            for (int64_t i = 0; i < group * head_dim; i++) o[i] = narrow(acc[i]);
-        }
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            decode_attention_head_bf16(q + b * q_row_stride + h * group * head_dim, kv, block_tables + b * table_stride,
+                                       len, group, head_dim, h, num_kv_heads, block_size, scale, thread_scratch,
+                                       out + (b * num_q_heads + h * group) * head_dim);
     }
     return bad ? -1 : 0;
 }

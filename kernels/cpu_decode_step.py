@@ -1,6 +1,7 @@
-"""A whole decode step of a float32 Llama-family model in one native call (`cpu_decode_step.c`).
-Its four matmuls per layer and the LM head take float32 or 8-bit weights (`QuantizedWeight`: int8
-or fp8 e4m3, one kind per model).
+"""A whole decode step of a Llama-family model in one native call (`cpu_decode_step.c`): float32,
+whose four matmuls per layer and LM head take float32 or 8-bit weights (`QuantizedWeight`: int8 or
+fp8 e4m3, one kind per model), or bfloat16 throughout (weights, activations and cache; the same
+rounding as the per-op bf16 kernels, `cpu_bf16.c`).
 
 For small batches only: there a step is bound by reading the weights once, and the per-layer
 torch matmuls and small ops cost more than the reading (dispatch, temporaries, threads idling
@@ -55,6 +56,7 @@ class _Model(ctypes.Structure):
 
 
 _WEIGHT_KINDS = {"int8": 1, "fp8": 2}  # WEIGHTS_INT8, WEIGHTS_FP8 in cpu_decode_step.c
+_BF16_MODEL = 3  # WEIGHTS_BF16
 
 
 MATMULS = ("qkv", "o", "gate_up", "down")
@@ -62,8 +64,8 @@ MATMULS = ("qkv", "o", "gate_up", "down")
 
 @dataclass
 class DecodeLayer:
-    """One layer's float32 weights, torch Linear layout; gate_up is [gate; up]. The matmul weights
-    may be int8 `QuantizedWeight`s."""
+    """One layer's weights (float32 or bf16), torch Linear layout; gate_up is [gate; up]. A float32
+    model's matmul weights may be 8-bit `QuantizedWeight`s."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor | QuantizedWeight
@@ -77,11 +79,12 @@ class DecodeLayer:
     down_bias: torch.Tensor | None
 
 
-def supports(weight: torch.Tensor | QuantizedWeight) -> bool:
-    """Whether the native step takes this matmul weight: float32, or int8 / fp8 with per-row scales."""
+def supports(weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the native step of a `dtype` model takes this matmul weight: in a float32 model
+    float32, or int8 / fp8 with per-row scales; in a bf16 model bf16."""
     if isinstance(weight, QuantizedWeight):
-        return weight.scheme in _WEIGHT_KINDS
-    return weight.dtype == torch.float32
+        return dtype == torch.float32 and weight.scheme in _WEIGHT_KINDS
+    return weight.dtype == dtype and dtype in (torch.float32, torch.bfloat16)
 
 
 def _ptr(t: torch.Tensor | QuantizedWeight | None) -> int | None:
@@ -100,18 +103,22 @@ def _layer_struct(layer: DecodeLayer) -> _Layer:
     return _Layer(**values)
 
 
-def _flatten(t: torch.Tensor | QuantizedWeight) -> list[tuple[str, torch.Tensor]]:
-    """The tensors behind a weight with the kind the C code reads them as."""
+def _flatten(t: torch.Tensor | QuantizedWeight, dense: str = "f32") -> list[tuple[str, torch.Tensor]]:
+    """The tensors behind a weight with the kind the C code reads them as (`dense`: the model's
+    own dtype, f32 or bf16)."""
     if isinstance(t, QuantizedWeight):
         if not t.data.is_contiguous() or t.device.type != "cpu":
             raise ValueError("8-bit weights must be contiguous CPU tensors")
         return [("f32", t.scale), (t.scheme, t.data)]
-    return [("f32", t)]
+    return [(dense, t)]
 
 
 class NativeDecodeStep:
     """The model's weights bound once (pointers into tensors this object keeps alive); each call
-    runs one decode step of up to MAX_BATCH sequences and returns float32 logits [B, vocab]."""
+    runs one decode step of up to MAX_BATCH sequences and returns float32 logits [B, vocab]. The
+    model's dtype is its final norm's: float32, or bfloat16 (then every tensor but the rotary table
+    is bf16, and so are the residual stream and the cache; logits are rounded to bf16, as the per-op
+    bf16 path's LM head rounds them)."""
 
     def __init__(
         self,
@@ -141,7 +148,11 @@ class NativeDecodeStep:
             "input_norm": (hidden,),
             "post_norm": (hidden,),
         }
-        tensors = [*_flatten(final_norm), *_flatten(lm_head), *_flatten(cos_sin_cache)]
+        self.dtype = final_norm.dtype
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the native decode step runs float32 or bfloat16 models, not {self.dtype}")
+        dense = "bf16" if self.dtype == torch.bfloat16 else "f32"
+        tensors = [*_flatten(final_norm, dense), *_flatten(lm_head, dense), *_flatten(cos_sin_cache)]
         for i, layer in enumerate(layers):
             for name, shape in expect.items():
                 t = getattr(layer, name)
@@ -152,11 +163,16 @@ class NativeDecodeStep:
                     raise ValueError(
                         f"layer {i} {name}_bias: shape {tuple(bias.shape)}, expected {shape[:1]}"
                     )
-            tensors += [kt for t in vars(layer).values() if t is not None for kt in _flatten(t)]
+            tensors += [kt for t in vars(layer).values() if t is not None for kt in _flatten(t, dense)]
         if lm_head.shape[1] != hidden:
             raise ValueError(f"lm_head: shape {tuple(lm_head.shape)} does not match hidden size {hidden}")
         cpu_native._check_f32(**{f"weight {i}": t for i, (kind, t) in enumerate(tensors) if kind == "f32"})
-        kinds = {kind for kind, _ in tensors if kind != "f32"}
+        cpu_native.check_cpu(
+            torch.bfloat16, **{f"weight {i}": t for i, (kind, t) in enumerate(tensors) if kind == "bf16"}
+        )
+        kinds = {kind for kind, _ in tensors if kind not in ("f32", "bf16")}
+        if dense == "bf16" and kinds:
+            raise ValueError(f"a bfloat16 model's native decode step takes bf16 weights, got {sorted(kinds)}")
         if len(kinds) > 1:
             raise ValueError(
                 f"the native decode step takes one kind of 8-bit weights per model, got {sorted(kinds)}"
@@ -166,7 +182,7 @@ class NativeDecodeStep:
         self._model = _Model(
             len(layers), hidden, inter, num_q_heads, num_kv_heads, head_dim, lm_head.shape[0], eps, scale,
             self._layers, final_norm.data_ptr(), _ptr(lm_head), cos_sin_cache.data_ptr(), _scale_ptr(lm_head),
-            _WEIGHT_KINDS.get(next(iter(kinds), ""), 0),
+            _BF16_MODEL if dense == "bf16" else _WEIGHT_KINDS.get(next(iter(kinds), ""), 0),
         )  # fmt: skip
         self.vocab_size = lm_head.shape[0]
         self.hidden = hidden
@@ -185,17 +201,20 @@ class NativeDecodeStep:
         seq_lens: torch.Tensor,
         kv_format: KVQuantFormat | None = None,
     ) -> torch.Tensor:
-        """hidden [B, H]: the tokens' embeddings (overwritten: the residual stream). kv_caches:
-        the whole model's cache [layers, blocks, 2, block_size, Hkv, D], contiguous float32, or
-        with `kv_format` a quantized cache [layers, blocks, region_bytes] of that format.
+        """hidden [B, H]: the tokens' embeddings in the model's dtype (overwritten: the residual
+        stream). kv_caches: the whole model's cache [layers, blocks, 2, block_size, Hkv, D],
+        contiguous, in the model's dtype, or (float32 models) with `kv_format` a quantized cache
+        [layers, blocks, region_bytes] of that format.
         block_tables [B, W] and seq_lens [B] as for decode attention (any int dtype)."""
-        cpu_native._check_f32(hidden=hidden)
+        cpu_native.check_cpu(self.dtype, hidden=hidden)
         b = hidden.shape[0]
         if hidden.shape[1] != self.hidden or not 0 < b <= MAX_BATCH:
             raise ValueError(f"hidden {tuple(hidden.shape)}: need [1..{MAX_BATCH}, {self.hidden}]")
         m = self._model
+        if kv_format is not None and self.dtype != torch.float32:
+            raise ValueError("a quantized KV cache needs a float32 model in the native decode step")
         if kv_format is None:
-            cpu_native._check_f32(kv_caches=kv_caches)
+            cpu_native.check_cpu(self.dtype, kv_caches=kv_caches)
             if kv_caches.shape[0] != m.num_layers or kv_caches.shape[4:] != (m.num_kv_heads, m.head_dim):
                 raise ValueError(f"kv_caches {tuple(kv_caches.shape)} do not match the model")
             num_blocks, block_size = kv_caches.shape[1], kv_caches.shape[3]
@@ -233,7 +252,11 @@ class NativeDecodeStep:
         head = (ctypes.byref(m), hidden.data_ptr(), b, positions.data_ptr(), slot_mapping.data_ptr())
         tail = (tables.data_ptr(), tables.stride(0), lens.data_ptr(), max_len, logits.data_ptr(),
                 self._work.data_ptr(), threads, phases)  # fmt: skip
-        if kv_format is None:
+        if self.dtype == torch.bfloat16:
+            code = self._lib.decode_step_bf16(
+                *head, kv_caches.data_ptr(), kv_caches.stride(0), block_size, *tail
+            )
+        elif kv_format is None:
             code = self._lib.decode_step_f32(
                 *head, kv_caches.data_ptr(), kv_caches.stride(0), block_size, *tail
             )

@@ -111,15 +111,11 @@ int64_t gemv_chunk_rows(void) { return GEMV_CHUNK; }
 /* The whole product over num_threads threads, rows handed out GEMV_CHUNK at a time. */
 void gemv_f32(const float *w, const float *bias, const float *x, float *y, int64_t batch, int64_t n,
               int64_t k, int64_t num_threads) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t r = 0; r < n; r += GEMV_CHUNK)
-        gemv_rows_f32(w, bias, k, x, k, y, n, batch, r, r + GEMV_CHUNK < n ? r + GEMV_CHUNK : n);
+    PARALLEL_GEMV_CHUNKS(n, num_threads, r0, r1, gemv_rows_f32(w, bias, k, x, k, y, n, batch, r0, r1))
 }
 
 /* out [batch][inter] = silu(x W_gate^T + b_gate) * (x W_up^T + b_up), W = [gate; up] [2 inter][k]. */
 void gemv_silu_f32(const float *w, const float *bias, const float *x, float *out, int64_t batch,
                    int64_t inter, int64_t k, int64_t num_threads) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t i = 0; i < inter; i += GEMV_CHUNK)
-        gemv_silu_rows_f32(w, bias, k, inter, x, out, batch, i, i + GEMV_CHUNK < inter ? i + GEMV_CHUNK : inter);
+    PARALLEL_GEMV_CHUNKS(inter, num_threads, i0, i1, gemv_silu_rows_f32(w, bias, k, inter, x, out, batch, i0, i1))
 }

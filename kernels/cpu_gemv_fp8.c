@@ -105,11 +105,7 @@ void gemv_silu_rows_fp8(const uint8_t *w, const float *scale, const float *bias,
 
 void gemv_fp8(const uint8_t *w, const float *scale, const float *bias, const float *x, float *y, int64_t batch,
               int64_t n, int64_t k, int64_t num_threads) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t r = 0; r < n; r += GEMV_CHUNK) {
-        const int64_t r1 = r + GEMV_CHUNK < n ? r + GEMV_CHUNK : n;
-        gemv_rows_fp8(w, scale, bias, k, x, k, y, n, batch, r, r1);
-    }
+    PARALLEL_GEMV_CHUNKS(n, num_threads, r0, r1, gemv_rows_fp8(w, scale, bias, k, x, k, y, n, batch, r0, r1))
 }
 
 /* out[i] = the float value of e4m3 byte w[i] (n of them), for products with many rows, where one

@@ -240,12 +240,8 @@ int gemv_i8(const int8_t *w, const float *scale, const float *bias, const float 
     void *buf = malloc(inputs_bytes(batch, k));
     if (!buf) return -1;
     const inputs_i8 in = prepare_inputs(x, k, batch, k, buf);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t r = 0; r < n; r += GEMV_CHUNK) {
-        const int64_t r1 = r + GEMV_CHUNK < n ? r + GEMV_CHUNK : n;
-        rows_q(w, scale, k, in, y, n, batch, r, r1);
-        add_bias(bias, y, n, batch, r, r1);
-    }
+    PARALLEL_GEMV_CHUNKS(n, num_threads, r0, r1, rows_q(w, scale, k, in, y, n, batch, r0, r1);
+                         add_bias(bias, y, n, batch, r0, r1))
     free(buf);
     return 0;
 }
@@ -256,9 +252,7 @@ int gemv_silu_i8(const int8_t *w, const float *scale, const float *bias, const f
     void *buf = malloc(inputs_bytes(batch, k));
     if (!buf) return -1;
     const inputs_i8 in = prepare_inputs(x, k, batch, k, buf);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t i = 0; i < inter; i += GEMV_CHUNK)
-        silu_rows_q(w, scale, bias, k, inter, in, out, batch, i, i + GEMV_CHUNK < inter ? i + GEMV_CHUNK : inter);
+    PARALLEL_GEMV_CHUNKS(inter, num_threads, i0, i1, silu_rows_q(w, scale, bias, k, inter, in, out, batch, i0, i1))
     free(buf);
     return 0;
 }

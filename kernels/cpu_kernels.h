@@ -4,6 +4,10 @@
 #define DISAGG_CPU_KERNELS_H
 
 #include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* exp for the vectorized loops (a call to expf would keep them scalar): 2^n * e^r with
  * |r| <= ln2/2 and a degree-6 polynomial, relative error below 1e-6; x is clamped to [-87, 88]. */
@@ -23,6 +27,21 @@ static inline float exp_approx(float x) {
 }
 
 static inline float silu_mul(float gate, float up) { return gate / (1.0f + exp_approx(-gate)) * up; }
+
+/* bfloat16 values as stored (the top half of a float32). */
+typedef uint16_t bf16;
+
+static inline float bf16_widen(bf16 h) {
+    union { uint32_t i; float f; } u = {.i = (uint32_t)h << 16};
+    return u.f;
+}
+
+/* Round to nearest even; a NaN stays a (quiet) NaN. */
+static inline bf16 bf16_narrow(float f) {
+    union { float f; uint32_t i; } u = {.f = f};
+    if ((u.i & 0x7fffffffu) > 0x7f800000u) return (bf16)((u.i >> 16) | 0x40u);
+    return (bf16)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
+}
 
 void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows,
                       int64_t hidden, float eps);
@@ -48,6 +67,79 @@ void kv_q8_quantize_head(const float *x, int64_t head_dim, int fp8, uint8_t *dst
  * shared machine, large enough that taking one (an atomic increment) costs nothing next to
  * reading the rows. */
 #define GEMV_CHUNK 32
+
+/* Handing out a GEMV's chunks of rows inside a parallel region. Each thread owns a contiguous span
+ * of chunks and takes them front to back, so that its reads are one sequential stream; a thread
+ * done with its own span takes chunks from the back of the others', so that a thread the machine
+ * delays is caught up on. (OpenMP's dynamic schedule interleaves the threads' chunks: two threads
+ * read a 256 MiB bf16 weight at 31-33 GB/s that way against 45-51 GB/s in contiguous spans, here.)
+ * A span is one 64-bit word, generation | front | back (16 | 24 | 24 bits), changed by
+ * compare-and-swap; the generation is the walk's number, so that whoever first meets a span left
+ * from an earlier walk resets it. All threads start the same walks in the same order, with a
+ * barrier between two walks (a span is only reset once every claim of the last walk is done). */
+#define CHUNK_SPAN_STRIDE 8 /* uint64 words per span: one cache line each */
+
+typedef struct {
+    uint64_t *spans; /* threads * CHUNK_SPAN_STRIDE words, zeroed before the first walk */
+    int64_t chunks;
+    uint64_t generation; /* 1..65535 */
+    int thread, threads, victim;
+} chunk_walk;
+
+static inline chunk_walk chunk_walk_start(uint64_t *spans, int64_t chunks, int thread, int threads,
+                                          int64_t *walks_begun) {
+    const uint64_t generation = (uint64_t)(*walks_begun % 65535) + 1;
+    ++*walks_begun;
+    return (chunk_walk){spans, chunks, generation, thread, threads, 0};
+}
+
+/* The next chunk this thread computes (its own span first, then the others'); 0 when none is left. */
+static inline int chunk_walk_next(chunk_walk *walk, int64_t *chunk) {
+    for (; walk->victim < walk->threads; walk->victim++) {
+        const int t = (walk->thread + walk->victim) % walk->threads, from_back = walk->victim > 0;
+        uint64_t *word = walk->spans + t * CHUNK_SPAN_STRIDE;
+        uint64_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+        for (;;) {
+            uint64_t front = (seen >> 24) & 0xffffff, back = seen & 0xffffff;
+            if (seen >> 48 != walk->generation) { /* left from an earlier walk: this walk's span of t */
+                front = walk->chunks * t / walk->threads;
+                back = walk->chunks * (t + 1) / walk->threads;
+            }
+            if (front >= back) break;
+            const uint64_t taken = from_back ? back - 1 : front;
+            const uint64_t next = walk->generation << 48 | (from_back ? front << 24 | (back - 1) : (front + 1) << 24 | back);
+            if (__atomic_compare_exchange_n(word, &seen, next, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+                *chunk = (int64_t)taken;
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* A GEMV's chunks of GEMV_CHUNK rows over n rows, split by chunk_walk over num_threads threads in a
+ * parallel region of its own: the statement after it runs for each chunk [r0, r1). */
+#ifdef _OPENMP
+#define WALK_THREAD omp_get_thread_num()
+#define WALK_THREADS omp_get_num_threads()
+#else
+#define WALK_THREAD 0
+#define WALK_THREADS 1
+#endif
+#define PARALLEL_GEMV_CHUNKS(n, num_threads, r0, r1, ...)                                                   \
+    {                                                                                                       \
+        uint64_t spans_[(num_threads) * CHUNK_SPAN_STRIDE];                                                 \
+        memset(spans_, 0, sizeof spans_);                                                                   \
+        _Pragma("omp parallel num_threads(num_threads) if (num_threads > 1)") {                            \
+            int64_t walks_ = 0, c_;                                                                         \
+            chunk_walk walk_ =                                                                              \
+                chunk_walk_start(spans_, ((n) + GEMV_CHUNK - 1) / GEMV_CHUNK, WALK_THREAD, WALK_THREADS, &walks_); \
+            while (chunk_walk_next(&walk_, &c_)) {                                                          \
+                const int64_t r0 = c_ * GEMV_CHUNK, r1 = r0 + GEMV_CHUNK < (n) ? r0 + GEMV_CHUNK : (n);     \
+                __VA_ARGS__;                                                                                \
+            }                                                                                               \
+        }                                                                                                   \
+    }
 
 /* From this many inputs (up to 6) the GEMV takes gemv_tiled_rows_f32 (cpu_gemm.c: tiles of 4
  * weight rows by up to 6 inputs in registers) instead of one weight row at a time: one row against
@@ -78,5 +170,20 @@ void gemv_rows_fp8(const uint8_t *w, const float *scale, const float *bias, int6
                    int64_t x_stride, float *y, int64_t y_stride, int64_t batch, int64_t r0, int64_t r1);
 void gemv_silu_rows_fp8(const uint8_t *w, const float *scale, const float *bias, int64_t k, int64_t inter,
                         const float *x, float *out, int64_t batch, int64_t i0, int64_t i1);
+
+/* The bf16 kernels of the whole-step decode (cpu_bf16.c; sums in float32, each result rounded to
+ * bf16 once, as the per-op bf16 kernels do). Rows [r0, r1) of y = W x (+ bias), stored as bf16 in
+ * y, or (y_f32 not NULL) rounded to bf16 and stored widened in y_f32 (logits). */
+void gemv_rows_bf16(const bf16 *w, const bf16 *bias, int64_t k, const bf16 *x, int64_t x_stride, bf16 *y,
+                    float *y_f32, int64_t y_stride, int64_t batch, int64_t r0, int64_t r1);
+/* For W = [gate; up] [2I][K]: out[b][i] = silu(gate_i . x[b]) * (up_i . x[b]), each product rounded to
+ * bf16 before the SiLU as the per-op path rounds its gate_up output. */
+void gemv_silu_rows_bf16(const bf16 *w, const bf16 *bias, int64_t k, int64_t inter, const bf16 *x, bf16 *out,
+                         int64_t batch, int64_t i0, int64_t i1);
+/* Decode attention of one sequence and one KV head of a bf16 cache (q, out: the group's heads, bf16);
+ * scratch holds group * (len + 2 D) floats. */
+void decode_attention_head_bf16(const bf16 *q, const bf16 *kv, const int32_t *table, int64_t len, int64_t group,
+                                int64_t head_dim, int64_t kv_head, int64_t num_kv_heads, int64_t block_size,
+                                float scale, float *scratch, bf16 *out);
 
 #endif

@@ -182,6 +182,7 @@ def _load() -> ctypes.CDLL:
         "gemv_fp8": ([p, p, p, p, p, i64, i64, i64, i64], None),
         "fp8_to_f32": ([p, p, i64, i64], None),
         "decode_step_f32": ([p, p, i64, p, p, p, i64, i64, p, i64, p, i64, p, p, i64, p], ctypes.c_int),
+        "decode_step_bf16": ([p, p, i64, p, p, p, i64, i64, p, i64, p, i64, p, p, i64, p], ctypes.c_int),
         "decode_step_kvq8": (
             [p, p, i64, p, p, p, i64, i64, i64, ctypes.c_int, p, i64, p, i64, p, p, i64, p],
             ctypes.c_int,

@@ -41,7 +41,9 @@ def test_gemv_silu_matches_linear_then_silu_and_mul(batch, inter, k, bias):
 
 
 def test_gemv_split_over_threads_equals_one_thread():
-    """Rows are handed to threads whole, so the split cannot change a single sum."""
+    """Rows are handed to threads whole, so the split cannot change a single sum; with more
+    threads than cores some are descheduled mid-span and the others take chunks from the back of
+    their spans (cpu_kernels.h, chunk_walk): every row is still computed exactly once."""
     g = torch.Generator().manual_seed(7)
     x, w, b = (
         torch.randn(3, 200, generator=g),
@@ -52,9 +54,11 @@ def test_gemv_split_over_threads_equals_one_thread():
     try:
         torch.set_num_threads(1)
         one, one_silu = cpu_native.gemv(x, w, b), cpu_native.gemv_silu(x, w, b)
-        torch.set_num_threads(3)
-        assert torch.equal(cpu_native.gemv(x, w, b), one)
-        assert torch.equal(cpu_native.gemv_silu(x, w, b), one_silu)
+        for n in (3, 8, 40):  # 40 threads: more than the 32 chunks, some own no chunk at all
+            torch.set_num_threads(n)
+            for _ in range(5):
+                assert torch.equal(cpu_native.gemv(x, w, b), one)
+                assert torch.equal(cpu_native.gemv_silu(x, w, b), one_silu)
     finally:
         torch.set_num_threads(threads)
 
@@ -77,10 +81,22 @@ def head_dim_64_dir(tmp_path_factory):
     return save_hf_model(config, tmp_path_factory.mktemp("llama-d64"), seed=3)
 
 
-def decode_both_ways(model_dir, paged, monkeypatch, num_seqs: int, steps: int = 4, block: int = 4):
+def decode_both_ways(
+    model_dir,
+    paged,
+    monkeypatch,
+    num_seqs: int,
+    steps: int = 4,
+    block: int = 4,
+    dtype="float32",
+    per_op=False,
+):
     """Prefill num_seqs prompts, then decode `steps` tokens each through the whole-step kernel and
-    through the torch path, each with its own cache; returns both paths' logits per step, and the caches."""
-    model, config = load_model(model_dir)
+    through the torch path (`per_op`: the per-layer native kernels), each with its own cache;
+    returns both paths' logits per step, and the caches."""
+    model, config = load_model(model_dir, dtype=dtype)
+    whole_step = model._whole_step_native
+    assert whole_step
     g = torch.Generator().manual_seed(num_seqs)
     prompts = [
         torch.randint(10, config.vocab_size, (3 + 5 * i,), generator=g).tolist() for i in range(num_seqs)
@@ -96,8 +112,12 @@ def decode_both_ways(model_dir, paged, monkeypatch, num_seqs: int, steps: int = 
         step = list(enumerate(logits.argmax(-1).tolist()))
         monkeypatch.setenv("DISAGG_CPU_NATIVE", "1")
         native = model.forward(seqs[0].decode(step), caches[0])
-        monkeypatch.setenv("DISAGG_CPU_NATIVE", "0")
+        if per_op:
+            model._whole_step_native = False
+        else:
+            monkeypatch.setenv("DISAGG_CPU_NATIVE", "0")
         logits = model.forward(seqs[1].decode(step), caches[1])
+        model._whole_step_native = whole_step
         steps_out.append((native, logits))
     return steps_out, caches, model
 
@@ -118,6 +138,49 @@ def test_decode_step_with_head_dim_64_and_one_kv_head(head_dim_64_dir, paged, mo
     for native, torch_path in steps:
         torch.testing.assert_close(native, torch_path, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[0], caches[1], **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, cpu_decode_step.MAX_BATCH], ids=case_id)
+def test_bf16_decode_step_rounds_where_the_per_op_bf16_kernels_do(
+    tiny_model_dir, paged, monkeypatch, num_seqs
+):
+    """A bf16 model's whole step against its per-layer native bf16 kernels (the same GEMV, norm,
+    rotary and attention arithmetic, rounded to bf16 at the same points): equal logits and cache."""
+    steps, caches, _ = decode_both_ways(
+        tiny_model_dir, paged, monkeypatch, num_seqs, dtype="bfloat16", per_op=True
+    )
+    for native, per_op in steps:
+        assert native.dtype == torch.float32
+        assert torch.equal(native, per_op)
+    assert torch.equal(caches[0], caches[1])
+
+
+def test_bf16_decode_step_over_more_threads_than_cores(tiny_llama_dir, paged, monkeypatch):
+    """Five threads on a smaller machine: descheduled threads' chunks are taken by the others
+    (chunk_walk), each GEMV row still computed once, so the result is the per-op path's exactly."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(5)
+        steps, caches, _ = decode_both_ways(
+            tiny_llama_dir, paged, monkeypatch, 4, dtype="bfloat16", per_op=True
+        )
+    finally:
+        torch.set_num_threads(threads)
+    for native, per_op in steps:
+        assert torch.equal(native, per_op)
+    assert torch.equal(caches[0], caches[1])
+
+
+def test_bf16_decode_step_with_head_dim_64_and_one_kv_head(head_dim_64_dir, paged, monkeypatch):
+    """The unrolled D = 64 attention, a group of four query heads, q/k/v biases, 16-token blocks.
+    (How far bf16 rounding takes the per-op kernels from float32 is their own tests' business:
+    tests/kernels/test_cpu_bf16.py, and the model-level bounds in tests/engine/test_bf16.py.)"""
+    steps, caches, _ = decode_both_ways(
+        head_dim_64_dir, paged, monkeypatch, num_seqs=3, block=16, dtype="bfloat16", per_op=True
+    )
+    for native, per_op in steps:
+        assert torch.equal(native, per_op)
+    assert torch.equal(caches[0], caches[1])
 
 
 def test_decode_step_runs_whole_in_the_kernel_for_small_batches_only(tiny_llama_dir, paged, monkeypatch):

@@ -187,9 +187,10 @@ class LlamaForCausalLM:
         self._native_decode_step: cpu_decode_step.NativeDecodeStep | None = None
         first = weights.layers[0].qkv if weights.layers else None
         self.quantization = first.scheme if isinstance(first, QuantizedWeight) else "none"
-        # the native whole-step decode takes float32 and 8-bit (int8 / fp8) matmul weights
+        # the native whole-step decode takes float32 models (with float32 or 8-bit matmul weights)
+        # and bf16 ones
         mats = [getattr(layer, name) for layer in weights.layers for name in cpu_decode_step.MATMULS]
-        self._whole_step_native = all(cpu_decode_step.supports(t) for t in (*mats, weights.lm_head))
+        self._whole_step_native = all(cpu_decode_step.supports(t, dtype) for t in (*mats, weights.lm_head))
         self.kv_cache_dtype = "auto"  # the model's dtype; int8 / fp8: `use_kv_cache_dtype`
         self.kv_format: KVQuantFormat | None = None  # set when a quantized cache is allocated
 
