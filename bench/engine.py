@@ -120,10 +120,13 @@ def run_transformers(args, model_dir: Path, work) -> tuple[float, int]:
     return time.perf_counter() - t, tokens
 
 
-def decode_step_times(*llms, steps: int = 48, batch: int = 1) -> list[tuple[float, float, float]]:
+def decode_step_times(
+    *llms, steps: int = 48, batch: int = 1, probe: memory_floor.CopyProbe | None = None
+) -> list[tuple[float, float, float, float | None]]:
     """Per engine: median and shortest time of a step decoding `batch` sequences (prompts of 128
-    tokens), and the load average after them. Several engines take their steps in turn, so that
-    a shared machine's changing load falls on all of them alike."""
+    tokens), the load average after them, and with `probe` the median over steps of step time ÷
+    the copy floor of its weights sampled just before it (None without). Several engines take
+    their steps in turn, so that a shared machine's changing load falls on all of them alike."""
     from disagg.worker import SamplingParams
 
     engines = [llm.engine for llm in llms]
@@ -135,18 +138,26 @@ def decode_step_times(*llms, steps: int = 48, batch: int = 1) -> list[tuple[floa
                 SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True),
             )
     times: list[list[float]] = [[] for _ in engines]
+    ratios: list[list[float]] = [[] for _ in engines]
+    weights = [weight_bytes_per_decode_step(e.model) for e in engines]
     while any(e.has_unfinished() for e in engines):
-        for engine, mine in zip(engines, times, strict=True):
+        floor = probe.seconds_per_byte() if probe else 0.0
+        for engine, mine, ratio, w in zip(engines, times, ratios, weights, strict=True):
             if not engine.has_unfinished():
                 continue
             t = time.perf_counter()
             engine.step()
             if not engine.scheduled.is_prefill and len(engine.scheduled.chunks) == batch:
                 mine.append(time.perf_counter() - t)
+                if probe:
+                    ratio.append(mine[-1] / (w * floor))
     out = []
-    for mine in times:
+    for mine, ratio in zip(times, ratios, strict=True):
         mine.sort()
-        out.append((mine[len(mine) // 2], mine[0], os.getloadavg()[0]))
+        ratio.sort()
+        out.append(
+            (mine[len(mine) // 2], mine[0], os.getloadavg()[0], ratio[len(ratio) // 2] if ratio else None)
+        )
     return out
 
 
@@ -223,11 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         base_weights = weight_bytes_per_decode_step(base_llm.engine.model)
     log("decode step at batch 1" + (", steps taken in turn with the float32 engine's" if baseline else ""))
     engines = (llm, base_llm) if baseline else (llm,)
-    (step_s, best_step_s, step_load), *base = decode_step_times(*engines)
+    (step_s, best_step_s, step_load, paired), *base = decode_step_times(
+        *engines, probe=memory_floor.CopyProbe()
+    )
     if baseline:
-        ((base_step_s, base_best_s, _),) = base
+        ((base_step_s, base_best_s, _, base_paired),) = base
     log(f"decode step at batch {args.decode_batch}")
-    (wide_s, _, wide_load), *base_wide = decode_step_times(*engines, steps=16, batch=args.decode_batch)
+    (wide_s, _, wide_load, _), *base_wide = decode_step_times(*engines, steps=16, batch=args.decode_batch)
     if baseline:
         del base_llm
     model = llm.engine.model
@@ -301,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         ("read floor", f"{read_floor * 1e3:.2f} ms", "weights / read bandwidth"),
         ("decode step / copy floor", f"{step_s / copy_floor:.2f}x", "target <= 1.2x (best step: "
          f"{best_step_s / copy_floor:.2f}x)" + ("; int8 / bf16 target <= 1.3x" if args.quantization == "int8" or dt == "bfloat16" else "")),
+        ("decode step / copy floor, paired", f"{paired:.2f}x",
+         "median over steps of step ÷ floor at a 256 MiB copy sampled just before it"
+         + (f"; float32 {base_paired:.2f}x" if baseline else "")),
         ("decode step / read floor", f"{step_s / read_floor:.2f}x", ""),
         (f"batch-{args.decode_batch} step / copy floor", f"{wide_s / copy_floor:.2f}x",
          "the weights are still read once; KV reads and compute come on top"),

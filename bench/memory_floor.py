@@ -59,6 +59,23 @@ def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> Bandwidth:
     return Bandwidth(2 * src.numel() * src.element_size() / t, os.getloadavg()[0])
 
 
+class CopyProbe:
+    """A quick bandwidth sample (one copy of 256 MiB of random data, ~10 ms) to take beside each
+    measurement: this machine's memory bandwidth moves by up to 2x within seconds (other tenants),
+    so a floor measured a minute away from a step says little about that step."""
+
+    def __init__(self, nbytes: int = 256 << 20):
+        self._src = random_buffer(nbytes, seed=3)
+        self._dst = torch.empty_like(self._src)
+        self._dst.copy_(self._src)  # first-touch page faults
+
+    def seconds_per_byte(self) -> float:
+        """Seconds per byte read + written (the STREAM convention, as `copy_bandwidth`)."""
+        t = time.perf_counter()
+        self._dst.copy_(self._src)
+        return (time.perf_counter() - t) / (2 * self._src.numel() * self._src.element_size())
+
+
 def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> Bandwidth:
     """Bytes read per second by a sum over random data."""
     src = random_buffer(nbytes, seed=1)
