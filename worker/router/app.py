@@ -365,6 +365,12 @@ class Router:
                 views = self.pool.views()
                 decode = choose_decode(views, matches[p], len(hashes[p]), self.config.prefill_overflow)
                 if decode is None:
+                    # a worker leaves rotation for a poll or two (restarting, one failed poll): wait
+                    # for the next poll of the pool before answering 503
+                    await self.pool.next_refresh(timeout=2 * self.pool.refresh_seconds + 1)
+                    views = self.pool.views()
+                    decode = choose_decode(views, matches[p], len(hashes[p]), self.config.prefill_overflow)
+                if decode is None:
                     raise APIError(503, "No decode worker is ready; retry shortly.", code="no_workers",
                                    retry_after=2)  # fmt: skip
                 targets = [

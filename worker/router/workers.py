@@ -80,6 +80,18 @@ class WorkerPool:
             except Exception:  # the loop must survive anything a worker or Redis does
                 log.exception("worker refresh failed")
 
+    async def next_refresh(self, timeout: float) -> None:
+        """Wait for the next poll of every worker to finish (at most `timeout` seconds)."""
+        self._refreshed.clear()
+        try:
+            await asyncio.wait_for(self._refreshed.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    @property
+    def refresh_seconds(self) -> float:
+        return self._refresh
+
     # ---- membership and load ----------------------------------------------------------------
     async def _registry_members(self) -> list[tuple[str, str, str]] | None:
         if self._source is None:
@@ -121,10 +133,9 @@ class WorkerPool:
             # a refused connection is a dead worker; a slow answer is usually a busy one, which
             # stays in rotation until it has been silent for a few polls
             if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or m.failures >= _SLOW_POLLS_TOLERATED:
-                m.ready = False
+                self._set_ready(m, False, f"poll failed ({e.code().name}: {e.details()})")
             return
         m.failures = 0
-        m.ready = health.ready and not health.draining and (not self._model or health.model == self._model)
         m.view = WorkerView(
             worker_id=load.worker_id,
             role=load.role,
@@ -137,6 +148,24 @@ class WorkerPool:
             prefill_tokens_per_s=load.prefill_tokens_per_s,
             quantization=health.quantization,
         )
+        if not health.ready:
+            self._set_ready(m, False, "not ready")
+        elif health.draining:
+            self._set_ready(m, False, "draining")
+        elif self._model and health.model != self._model:
+            self._set_ready(m, False, f"serves model {health.model!r}, not {self._model!r}")
+        else:
+            self._set_ready(m, True, "ready")
+
+    @staticmethod
+    def _set_ready(m: _Member, ready: bool, why: str) -> None:
+        """Every change of a worker's rotation state is logged with its reason: a worker that leaves
+        rotation is what a 503 "no worker is ready" comes from."""
+        if ready != m.ready:
+            name = m.view.worker_id if m.view else "worker"
+            log.log(logging.INFO if ready else logging.WARNING, "%s at %s %s rotation: %s",
+                    name, m.address, "joins" if ready else "leaves", why)  # fmt: skip
+        m.ready = ready
 
     async def _drop(self, addr: str) -> None:
         self._members.pop(addr, None)
@@ -146,7 +175,7 @@ class WorkerPool:
         """A call to the worker failed: stop routing to it until its next successful poll."""
         for m in self._members.values():
             if m.view and m.view.worker_id == worker_id:
-                m.ready = False
+                self._set_ready(m, False, "a call to it failed")
 
     def views(self) -> list[WorkerView]:
         out = []
