@@ -71,8 +71,10 @@ void kv_q8_quantize_head(const float *x, int64_t head_dim, int fp8, uint8_t *dst
 /* Handing out a GEMV's chunks of rows inside a parallel region. Each thread owns a contiguous span
  * of chunks and takes them front to back, so that its reads are one sequential stream; a thread
  * done with its own span takes chunks from the back of the others', so that a thread the machine
- * delays is caught up on. (OpenMP's dynamic schedule interleaves the threads' chunks: two threads
- * read a 256 MiB bf16 weight at 31-33 GB/s that way against 45-51 GB/s in contiguous spans, here.)
+ * delays is caught up on. (OpenMP's dynamic schedule interleaves the threads' chunks. Two threads
+ * reading a 256 MiB bf16 weight here, the two schedules taken in turn for a minute: at moments when
+ * the machine's memory is fast, 31-35 GB/s that way against 45-57 GB/s in contiguous spans; at the
+ * others both 28-35 GB/s, the spans a few percent ahead.)
  * A span is one 64-bit word, generation | front | back (16 | 24 | 24 bits), changed by
  * compare-and-swap; the generation is the walk's number, so that whoever first meets a span left
  * from an earlier walk resets it. All threads start the same walks in the same order, with a
