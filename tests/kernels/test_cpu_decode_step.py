@@ -171,6 +171,35 @@ def test_bf16_decode_step_over_more_threads_than_cores(tiny_llama_dir, paged, mo
     assert torch.equal(caches[0], caches[1])
 
 
+def test_bf16_decode_step_refuses_what_it_cannot_run(tiny_llama_dir):
+    """A bf16 step takes bf16 embeddings and a bf16 cache, no quantized cache, no 8-bit weights."""
+    from disagg.kernels.kv_quant import KVQuantFormat
+    from disagg.worker.model.quantization import quantize
+
+    model, _ = load_model(tiny_llama_dir, dtype="bfloat16")
+    step = model.native_decode_step()
+    cache = model.allocate_kv_cache(num_blocks=4, block_size=4)
+    hidden = torch.randn(1, model.config.hidden_size, dtype=torch.bfloat16)
+    pos, slots = torch.tensor([2]), torch.tensor([2])
+    tables, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="bfloat16"):
+        step(hidden.float(), pos, slots, cache, tables, lens)
+    with pytest.raises(ValueError, match="bfloat16"):
+        step(hidden.clone(), pos, slots, cache.float(), tables, lens)
+    kv_format = KVQuantFormat("int8", 4, model.num_kv_heads, model.head_dim)
+    with pytest.raises(ValueError, match="needs a float32 model"):
+        step(hidden.clone(), pos, slots, cache, tables, lens, kv_format)
+    assert torch.isfinite(step(hidden.clone(), pos, slots, cache, tables, lens)).all()
+    layers = [cpu_decode_step.DecodeLayer(**vars(layer)) for layer in model.weights.layers]
+    layers[0].o = quantize(layers[0].o.float(), "int8")
+    assert not cpu_decode_step.supports(layers[0].o, torch.bfloat16)
+    with pytest.raises(ValueError, match="takes bf16 weights"):
+        cpu_decode_step.NativeDecodeStep(
+            layers, model.weights.norm, model.weights.lm_head, model.cos_sin_cache,
+            num_q_heads=model.num_heads, num_kv_heads=model.num_kv_heads, eps=1e-6, scale=model.scale,
+        )  # fmt: skip
+
+
 def test_bf16_decode_step_with_head_dim_64_and_one_kv_head(head_dim_64_dir, paged, monkeypatch):
     """The unrolled D = 64 attention, a group of four query heads, q/k/v biases, 16-token blocks.
     (How far bf16 rounding takes the per-op kernels from float32 is their own tests' business:
