@@ -183,13 +183,7 @@ static void rotary_write_kv_head_bf16(bf16 *qkv_row, const float *cos_sin, int64
     const float *c = cos_sin + position * d, *s = c + half;
     for (int64_t i = 0; i <= group; i++) {
         const int64_t head = i < group ? kvh * group + i : hq + kvh;
-        bf16 *a = qkv_row + head * d, *b = a + half;
-#pragma omp simd
-        for (int64_t j = 0; j < half; j++) {
-            const float lo = bf16_widen(a[j]), hi = bf16_widen(b[j]);
-            a[j] = bf16_narrow(lo * c[j] - hi * s[j]);
-            b[j] = bf16_narrow(hi * c[j] + lo * s[j]);
-        }
+        rotary_head_bf16(qkv_row + head * d, c, s, half);
     }
     if (slot < 0) return;
     const int64_t row = hkv * d;

@@ -43,6 +43,18 @@ static inline bf16 bf16_narrow(float f) {
     return (bf16)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
 }
 
+/* Rotary embedding (rotate-half form) of one bf16 head of D = 2 half values in place, angles c
+ * (cos) and s (sin) in float32; each rotated value rounded to bf16 once. */
+static inline void rotary_head_bf16(bf16 *head, const float *c, const float *s, int64_t half) {
+    bf16 *b = head + half;
+#pragma omp simd
+    for (int64_t j = 0; j < half; j++) {
+        const float lo = bf16_widen(head[j]), hi = bf16_widen(b[j]);
+        head[j] = bf16_narrow(lo * c[j] - hi * s[j]);
+        b[j] = bf16_narrow(hi * c[j] + lo * s[j]);
+    }
+}
+
 void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int64_t rows,
                       int64_t hidden, float eps);
 void rotary_write_kv_f32(float *qkv, int64_t row_stride, const float *cos_sin, const int64_t *positions,
