@@ -2,7 +2,8 @@
 
 Plain C with no Python or torch headers, so building takes about a second with the system C
 compiler and needs nothing else installed. The shared object is cached per source, compiler,
-flags and CPU (it is built with -march=native), in `$DISAGG_CACHE_DIR`, else
+flags and CPU (it is built with -march=native, or for the target `$DISAGG_CPU_NATIVE_ARCH` names,
+which must be one this CPU can run), in `$DISAGG_CACHE_DIR`, else
 `$XDG_CACHE_HOME/disagg` or `~/.cache/disagg`, else `disagg-cache-<uid>` in the temp directory
 (read-only root file systems). Code is loaded from there, so a cache directory must be private:
 owned by this user, a real directory, mode 0700 (one of ours that is wider is tightened; anyone
@@ -18,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import stat
 import subprocess
@@ -46,12 +48,25 @@ _SOURCES = tuple(
 )
 _HEADER = Path(__file__).with_name("cpu_kernels.h")
 _BASE_FLAGS = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared"]
-# The whole cache streams through once per layer, so the widest vectors pay (x86: AVX-512 where present).
-_TUNE_FLAGS = {
-    "x86_64": ["-march=native", "-mprefer-vector-width=512"],
-    "aarch64": ["-mcpu=native"],
-}
-_FLAGS = _BASE_FLAGS + _TUNE_FLAGS.get(platform.machine(), [])
+# The CPU the kernels are built for: this one unless DISAGG_CPU_NATIVE_ARCH names another target
+# of the compiler (x86: -march, e.g. x86-64-v3 for AVX2 without AVX-512; aarch64: -mcpu), for
+# a cache shared by different machines or to run another CPU's code path here.
+ARCH_ENV = "DISAGG_CPU_NATIVE_ARCH"
+_ARCH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+
+
+def _flags() -> list[str]:
+    arch = os.environ.get(ARCH_ENV, "native")
+    if not _ARCH_NAME.fullmatch(arch):
+        raise ValueError(f"{ARCH_ENV}={arch!r} is not a compiler target name")
+    # The whole cache streams through once per layer, so the widest vectors pay (x86: AVX-512 where present).
+    tune = {
+        "x86_64": [f"-march={arch}", "-mprefer-vector-width=512"],
+        "aarch64": [f"-mcpu={arch}"],
+    }
+    return _BASE_FLAGS + tune.get(platform.machine(), [])
+
+
 # Below this many (query head x cached token) visits a call is too short to split over threads.
 _PARALLEL_MIN_WORK = 8192
 
@@ -121,9 +136,10 @@ def _cpu_signature() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    flags = _flags()
     key = hashlib.sha256(
         "\0".join(
-            [*(f.read_text() for f in (*_SOURCES, _HEADER)), compiler, version, *_FLAGS, _cpu_signature()]
+            [*(f.read_text() for f in (*_SOURCES, _HEADER)), compiler, version, *flags, _cpu_signature()]
         ).encode()
     ).hexdigest()[:16]
     last_error: Exception | None = None
@@ -138,7 +154,7 @@ def _build(compiler: str) -> Path:
             os.close(fd)
             try:
                 subprocess.run(
-                    [compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES), "-lm"],
+                    [compiler, *flags, "-o", tmp, *map(str, _SOURCES), "-lm"],
                     capture_output=True,
                     text=True,
                     check=True,
@@ -175,6 +191,7 @@ def _load() -> ctypes.CDLL:
         "gemv_f32": ([p, p, p, p, i64, i64, i64, i64], None),
         "gemv_silu_f32": ([p, p, p, p, i64, i64, i64, i64], None),
         "gemm_f32": ([p, p, p, p, i64, i64, i64, i64], None),
+        "gemm_vector_floats": ([], i64),
         "gemv_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_silu_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemm_i8": ([p, p, p, p, p, p, i64, i64, i64, i64, i64], ctypes.c_int),
@@ -307,6 +324,12 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         torch.get_num_threads(),
     )  # fmt: skip
     return y
+
+
+def gemm_vector_floats() -> int:
+    """Floats per vector register the GEMM's tiles were built for: 16 with AVX-512, 8 elsewhere
+    (where its tiles are a third the size and torch's GEMM takes over at fewer rows)."""
+    return int(_require().gemm_vector_floats())
 
 
 def gemv_silu(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,7 +6,8 @@ scale is constant along a row it factors out of every dot product: y = (x . data
 which is what every implementation below computes.
 
 `linear(x, w, bias)` takes a plain tensor (then it is `F.linear`, through the native float32 GEMM
-on CPU up to `GEMM_NATIVE_MAX_ROWS` rows, the native bf16 GEMV up to `BF16_GEMV_MAX_ROWS`) or a `QuantizedWeight` and picks: for int8 and float32
+on CPU up to `GEMM_NATIVE_MAX_ROWS` rows (`GEMM_NATIVE_MAX_ROWS_AVX2` without AVX-512), the native
+bf16 GEMV up to `BF16_GEMV_MAX_ROWS`) or a `QuantizedWeight` and picks: for int8 and float32
 inputs on CPU, below `W8A8_MIN_ROWS` rows the native int8 GEMV (decode: reading a quarter of the
 bytes is the point; with AVX-512 VNNI it rounds the inputs to int16 per row, a relative 3e-5,
 below bfloat16's own rounding), from there W8A8 (each input row rounded to int8 with its own scale,
@@ -44,11 +45,15 @@ GEMM_INT8_MAX_ROWS = 1024
 # beyond, the weight is widened once per call (natively) for torch's GEMM.
 FP8_NATIVE_MAX_ROWS = 16
 # Up to this many rows the native float32 GEMM (register tiles of 4 weight rows by up to 6 inputs)
-# beats torch's on this CPU (measured with bench/small_gemm.py, 2 threads, on the small preset's
+# beats torch's on an AVX-512 CPU (measured with bench/small_gemm.py, 2 threads, on the small preset's
 # five matmul shapes: 1.5-3x at 8-32 rows (weights read from memory, as in decode), 1.3-1.7x at
 # 64, 1.1-1.3x at 256, 1.0-1.2x at 512-1024 (prefill chunks; the LM head 0.96x, but prefill
 # projects only the sampled rows), par or behind from 2048.
 GEMM_NATIVE_MAX_ROWS = 1024
+# The same without AVX-512 (AVX2: 16 registers of 8 floats, tiles of 4 by 3): 1.1-4x torch up to 32
+# rows, behind from 64 (0.8-0.9x), about 0.55x at 512-1024, where torch's packed GEMM runs at twice
+# the tiles' 65-73 GFLOP/s (Zen 3, 2 threads, quiet).
+GEMM_NATIVE_MAX_ROWS_AVX2 = 32
 # Up to this many rows of bf16 inputs the native bf16 GEMV (`vdpbf16ps`, one weight row against up
 # to four inputs) beats torch's bf16 GEMM (oneDNN): 1.5-5x at 1-4 rows, 1.1-3.5x at 8 (cold weights,
 # `bench/small_gemm.py --dtype bfloat16`, 2 threads, under load); from 12-16 rows oneDNN's
@@ -133,6 +138,13 @@ def scaled_linear_torch(
     return y if bias is None else y + bias
 
 
+def _gemm_native_max_rows() -> int:
+    """Rows up to which the native float32 GEMM beats torch's: by the width its tiles were built for."""
+    if not cpu_native.available():
+        return 0
+    return GEMM_NATIVE_MAX_ROWS if cpu_native.gemm_vector_floats() >= 16 else GEMM_NATIVE_MAX_ROWS_AVX2
+
+
 def _w8a8_rows(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Float32 CPU products of W8A8_MIN_ROWS rows or more: int8 weights take them as W8A8."""
     return (
@@ -168,7 +180,7 @@ def linear(
     W8A8 speed): for heavy-tailed inputs (the MLP's down projection), whose int8 grid, set by the
     largest value, rounds the typical ones coarsely."""
     if not isinstance(w, QuantizedWeight):
-        if _native_fits(x, w, bias, torch.float32, GEMM_NATIVE_MAX_ROWS):
+        if _native_fits(x, w, bias, torch.float32, _gemm_native_max_rows()):
             return cpu_native.gemm(x.contiguous(), w, bias)
         if _native_fits(x, w, bias, torch.bfloat16, BF16_GEMV_MAX_ROWS):
             return cpu_bf16.gemv(x.contiguous(), w, bias)
