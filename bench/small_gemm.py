@@ -13,8 +13,10 @@ copies of the weight that together exceed the L3; `--hot` times one copy, cache-
 absolute figures.
 
 `--int8` times the int8-weight products instead, each against the native float32 GEMM on the same
-shape (ratio = float32 time / int8 time): the W8A8 GEMM (`cpu_native.gemm_int8`, VPDPBUSD), the
-same GEMM with 16-bit inputs as two byte planes (A16x2: `input_bits=16`) and the int8 GEMV (W8A16).
+shape (ratio = float32 time / int8 time): the W8A8 GEMM (`cpu_native.gemm_int8`, VPDPBUSD; where
+the CPU has AVX-512 VNNI), the same GEMM with 16-bit inputs as two byte planes (A16x2:
+`input_bits=16`), the int8 GEMV (W8A16), the weight widened to float32 for torch's GEMM on each
+call (widen: the torch twin), and torch's GEMM on float32 weights (torch).
 """
 
 from __future__ import annotations
@@ -54,14 +56,19 @@ def loop_seconds(fn, weights: list[torch.Tensor], x: torch.Tensor, flops: float)
 
 
 def int8_table(cpu_native, rows: list[int], wanted: set[str], args, gen: torch.Generator) -> None:
+    from disagg.kernels.quantized import QuantizedWeight, scaled_linear_torch
+
+    vnni = cpu_native.gemm_int8_is_fast()
     print(
         f"int8 weights, float32 inputs, {torch.get_num_threads()} threads, weights "
-        f"{'hot' if args.hot else 'cold'}; VNNI {cpu_native.gemm_int8_is_fast()}; "
+        f"{'hot' if args.hot else 'cold'}; VNNI {vnni}; "
         f"1-min load average {os.getloadavg()[0]:.2f}"
     )
-    print(
-        f"  {'matmul':<8} {'N x K':>11} {'M':>4} {'f32 GF/s':>9}   x f32: {'W8A8':>5} {'A16x2':>6} {'GEMV':>5}"
-    )
+    # without VNNI the W8A8 GEMM sums in plain loops (not a path `linear` takes): not timed there
+    columns = [("W8A8", 5), ("A16x2", 6)] if vnni else []
+    columns += [("GEMV", 5), ("widen", 5), ("torch", 5)]
+    head = " ".join(f"{key:>{width}}" for key, width in columns)
+    print(f"  {'matmul':<8} {'N x K':>11} {'M':>4} {'f32 GF/s':>9}   x f32: {head}")
     for name, n, k in SHAPES:
         if name not in wanted:
             continue
@@ -71,25 +78,26 @@ def int8_table(cpu_native, rows: list[int], wanted: set[str], args, gen: torch.G
         scale = torch.rand(n, generator=gen) / 127
         sums = {id(w): w.sum(1, dtype=torch.int32) for w in ints}
         kernels = {
-            "W8A8": lambda x, w, s=scale, sums=sums: cpu_native.gemm_int8(x, w, s, sums[id(w)]),
-            "A16x2": lambda x, w, s=scale, sums=sums: cpu_native.gemm_int8(
-                x, w, s, sums[id(w)], input_bits=16
+            "W8A8": (ints, lambda x, w, s=scale, sums=sums: cpu_native.gemm_int8(x, w, s, sums[id(w)])),
+            "A16x2": (
+                ints,
+                lambda x, w, s=scale, sums=sums: cpu_native.gemm_int8(x, w, s, sums[id(w)], input_bits=16),
             ),
-            "GEMV": lambda x, w, s=scale: cpu_native.gemv_int8(x, w, s),
+            "GEMV": (ints, lambda x, w, s=scale: cpu_native.gemv_int8(x, w, s)),
+            # the twin: the int8 weight widened to float32 for torch's GEMM on every call
+            "widen": (ints, lambda x, w, s=scale: scaled_linear_torch(x, QuantizedWeight(w, s))),
+            "torch": (floats, F.linear),  # float32 weights through torch's GEMM
         }
+        kernels = {key: kernels[key] for key, _ in columns}
         for m in rows:
             x = torch.randn(m, k, generator=gen)
             flops = 2.0 * m * n * k
             best = dict.fromkeys(["f32", *kernels], float("inf"))
             for _ in range(args.repeats):  # interleaved: a burst of load hits all alike
                 best["f32"] = min(best["f32"], loop_seconds(cpu_native.gemm, floats, x, flops))
-                for key, fn in kernels.items():
-                    if key != "GEMV" or m <= 256:
-                        best[key] = min(best[key], loop_seconds(fn, ints, x, flops))
-            ratios = " ".join(
-                f"{best['f32'] / best[key]:>{width}.2f}" if best[key] < float("inf") else f"{'-':>{width}}"
-                for key, width in (("W8A8", 5), ("A16x2", 6), ("GEMV", 5))
-            )
+                for key, (weights, fn) in kernels.items():
+                    best[key] = min(best[key], loop_seconds(fn, weights, x, flops))
+            ratios = " ".join(f"{best['f32'] / best[key]:>{width}.2f}" for key, width in columns)
             print(f"  {name:<8} {f'{n}x{k}':>11} {m:>4} {flops / best['f32'] / 1e9:>9.1f}   x f32: {ratios}")
 
 

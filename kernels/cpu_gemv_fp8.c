@@ -17,6 +17,9 @@
 #if defined(__AVX512F__) && defined(__F16C__)
 #include <immintrin.h>
 #define FP8_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define FP8_AVX2 1 /* the same conversion, 8 weights at a time */
 #endif
 
 #define FP8_UNSCALE 256.0f /* 2^8: float16 field value -> e4m3 value */
@@ -33,6 +36,13 @@ static inline __m512 load16_fp8(const uint8_t *p) {
     const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7),
                                        _mm256_set1_epi16((short)0xBF80));
     return _mm512_cvtph_ps(h);
+}
+#endif
+#ifdef FP8_AVX2
+static inline __m256 load8_fp8(const uint8_t *p) {
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7),
+                                    _mm_set1_epi16((short)0xBF80));
+    return _mm256_cvtph_ps(h);
 }
 #endif
 
@@ -56,6 +66,24 @@ static inline __attribute__((always_inline)) void gemv_block_fp8(const uint8_t *
     }
 #pragma GCC unroll 4
     for (int b = 0; b < nb; b++) s[b] = _mm512_reduce_add_ps(_mm512_add_ps(acc[b][0], acc[b][1]));
+#elif defined(FP8_AVX2)
+    __m256 acc[4][2];
+#pragma GCC unroll 4
+    for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
+    for (; j + 16 <= k; j += 16) {
+        const __m256 w0 = load8_fp8(w + j), w1 = load8_fp8(w + j + 8);
+#pragma GCC unroll 4
+        for (int b = 0; b < nb; b++) {
+            acc[b][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + b * xs + j), acc[b][0]);
+            acc[b][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + b * xs + j + 8), acc[b][1]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int b = 0; b < nb; b++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, _mm256_add_ps(acc[b][0], acc[b][1]));
+        for (int l = 0; l < 8; l++) s[b] += lanes[l];
+    }
 #endif
 #pragma GCC unroll 4
     for (int b = 0; b < nb; b++) {
@@ -118,6 +146,9 @@ void fp8_to_f32(const uint8_t *w, float *out, int64_t n, int64_t num_threads) {
 #ifdef FP8_AVX512
         const __m512 unscale = _mm512_set1_ps(FP8_UNSCALE);
         for (; i + 16 <= i1; i += 16) _mm512_storeu_ps(out + i, _mm512_mul_ps(load16_fp8(w + i), unscale));
+#elif defined(FP8_AVX2)
+        const __m256 unscale = _mm256_set1_ps(FP8_UNSCALE);
+        for (; i + 8 <= i1; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(load8_fp8(w + i), unscale));
 #endif
         for (; i < i1; i++) out[i] = fp8_scaled(w[i]) * FP8_UNSCALE;
     }

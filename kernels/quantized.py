@@ -9,11 +9,12 @@ which is what every implementation below computes.
 on CPU up to `GEMM_NATIVE_MAX_ROWS` rows (`GEMM_NATIVE_MAX_ROWS_AVX2` without AVX-512), the native
 bf16 GEMV up to `BF16_GEMV_MAX_ROWS`) or a `QuantizedWeight` and picks: for int8 and float32
 inputs on CPU, below `W8A8_MIN_ROWS` rows the native int8 GEMV (decode: reading a quarter of the
-bytes is the point; with AVX-512 VNNI it rounds the inputs to int16 per row, a relative 3e-5,
-below bfloat16's own rounding), from there W8A8 (each input row rounded to int8 with its own scale,
-integer products: the native VNNI GEMM up to `GEMM_INT8_MAX_ROWS`, else its torch twin
+bytes is the point; it rounds the inputs to int16 per row, a relative 3e-5, below bfloat16's own
+rounding), from there, on a CPU with AVX-512 VNNI, W8A8 (each input row rounded to int8 with its
+own scale, integer products: the native VNNI GEMM up to `GEMM_INT8_MAX_ROWS`, else its torch twin
 `scaled_linear_w8a8_torch`) unless the caller keeps 16-bit inputs (`w8a8=False`: the same GEMM
-with rows rounded to 16 bits, else the GEMV or the twin as below); the native fp8
+with rows rounded to 16 bits, else the twin as below); without VNNI the int8 GEMV up to
+`GEMV_INT8_MAX_ROWS_NO_VNNI` rows (16-bit inputs at any row count); the native fp8
 GEMV (e4m3 widened in registers); the Triton scaled matmul on CUDA (fp8 and int8); else the torch
 twin (`scaled_linear_torch`: widen the weight on the fly, matmul, scale).
 """
@@ -54,6 +55,12 @@ GEMM_NATIVE_MAX_ROWS = 1024
 # rows, behind from 64 (0.8-0.9x), about 0.55x at 512-1024, where torch's packed GEMM runs at twice
 # the tiles' 65-73 GFLOP/s (Zen 3, 2 threads, quiet).
 GEMM_NATIVE_MAX_ROWS_AVX2 = 32
+# Without VNNI (AVX2) W8A8 has no fast instruction, and the int8 GEMV (16-bit inputs, VPMADDWD: 16
+# products per instruction, the weight row widened once per four inputs, inputs in blocks of 64)
+# is the fastest int8 product up to this many rows: 1.4-3.3x the native float32 GEMM at 1-2048
+# rows, ahead of widening the weight for torch's GEMM below ~1024 rows, level there; beyond, the
+# widening twin (Zen 3, 2 threads, weights from memory).
+GEMV_INT8_MAX_ROWS_NO_VNNI = 1024
 # Up to this many rows of bf16 inputs the native bf16 GEMV (`vdpbf16ps`, one weight row against up
 # to four inputs) beats torch's bf16 GEMM (oneDNN): 1.5-5x at 1-4 rows, 1.1-3.5x at 8 (cold weights,
 # `bench/small_gemm.py --dtype bfloat16`, 2 threads, under load); from 12-16 rows oneDNN's
@@ -186,8 +193,9 @@ def linear(
             return cpu_bf16.gemv(x.contiguous(), w, bias)
         return F.linear(x, w, bias)
     if x.device.type == "cpu":
-        if w.scheme == "int8" and _w8a8_rows(x, bias):
-            if x.shape[0] <= GEMM_INT8_MAX_ROWS and cpu_native.available() and cpu_native.gemm_int8_is_fast():
+        vnni = cpu_native.available() and cpu_native.gemm_int8_is_fast()
+        if w.scheme == "int8" and vnni and _w8a8_rows(x, bias):
+            if x.shape[0] <= GEMM_INT8_MAX_ROWS:
                 bits = 8 if w8a8 else 16
                 return cpu_native.gemm_int8(
                     x.contiguous(), w.data, w.scale, w.row_sums, bias, input_bits=bits
@@ -198,7 +206,7 @@ def linear(
             w.scheme == "int8"
             and x.dtype == torch.float32
             and x.dim() == 2
-            and x.shape[0] <= NATIVE_MAX_ROWS
+            and x.shape[0] <= (NATIVE_MAX_ROWS if vnni else GEMV_INT8_MAX_ROWS_NO_VNNI)
             and (bias is None or bias.dtype == torch.float32)
             and cpu_native.available()
         ):

@@ -289,6 +289,21 @@ def test_gemv_int8_matches_linear_of_the_dequantized_weight(batch, n, k, bias):
     torch.testing.assert_close(got2, want2, atol=atol, rtol=1e-4)
 
 
+def test_gemv_int8_is_exact_at_the_integer_extremes_of_long_rows():
+    """Every weight +-127 and every input its row's largest value (rounded to 16383): each int32 lane
+    sums its largest products. Rows of 20000 weights pass AVX2's 8192-weight integer blocks (one
+    lane would overflow int32 over the whole row), 70 inputs pass one input block (64)."""
+    k = 20000
+    x = torch.ones(70, k)
+    x[1::2] *= -1.0
+    w = torch.full((3, k), 127, dtype=torch.int8)
+    w[1] = -127
+    w[2, ::3] = -127
+    scale = torch.ones(3)
+    want = x.double() @ w.double().t()  # inputs rounded to exactly +-16383 * (1 / 16383)
+    torch.testing.assert_close(cpu_native.gemv_int8(x, w, scale).double(), want, atol=0.0, rtol=1e-6)
+
+
 def test_gemv_int8_refuses_bad_parts():
     x, w, s = torch.randn(2, 8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4)
     with pytest.raises(ValueError, match="int8"):

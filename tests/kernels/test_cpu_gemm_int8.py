@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from triton_cases import case_id
 
 from disagg.kernels import cpu_native, quantized
-from disagg.kernels.quantized import QuantizedWeight, scaled_linear_w8a8_torch
+from disagg.kernels.quantized import QuantizedWeight, scaled_linear_torch, scaled_linear_w8a8_torch
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
 
@@ -119,7 +119,7 @@ def test_bad_inputs_are_refused():
 
 
 def test_linear_takes_w8a8_from_its_row_threshold(monkeypatch):
-    x, w, bias = _operands(quantized.GEMM_INT8_MAX_ROWS + 1, 40, 48, seed=3)
+    x, w, bias = _operands(quantized.GEMV_INT8_MAX_ROWS_NO_VNNI + 1, 40, 48, seed=3)
     low, high = quantized.W8A8_MIN_ROWS, quantized.GEMM_INT8_MAX_ROWS
     # below the threshold: the W8A16 GEMV
     assert torch.equal(
@@ -131,10 +131,18 @@ def test_linear_takes_w8a8_from_its_row_threshold(monkeypatch):
             assert torch.equal(
                 quantized.linear(x[:rows], w, bias, w8a8=False), _native(x[:rows], w, bias, input_bits=16)
             )
-    # beyond the native GEMM's rows, and wherever it would run without VNNI: the twin, W8A8 too
-    assert torch.equal(quantized.linear(x, w, bias), scaled_linear_w8a8_torch(x, w, bias))
+        # beyond the native GEMM's rows: the twin, W8A8 too
+        assert torch.equal(
+            quantized.linear(x[: high + 1], w, bias), scaled_linear_w8a8_torch(x[: high + 1], w, bias)
+        )
+    # without VNNI no W8A8: the GEMV up to its row limit, then the weight widened for torch's GEMM
     monkeypatch.setattr(cpu_native, "gemm_int8_is_fast", lambda: False)
-    assert torch.equal(quantized.linear(x[:low], w, bias), scaled_linear_w8a8_torch(x[:low], w, bias))
+    limit = quantized.GEMV_INT8_MAX_ROWS_NO_VNNI
+    for rows in (low, limit):
+        for w8a8 in (True, False):
+            got = quantized.linear(x[:rows], w, bias, w8a8=w8a8)
+            assert torch.equal(got, cpu_native.gemv_int8(x[:rows], w.data, w.scale, bias))
+    assert torch.equal(quantized.linear(x, w, bias), scaled_linear_torch(x, w, bias))
 
 
 # the generic target of the compiler (no -march=native), and on x86 no VNNI whatever it defaults to
