@@ -1,7 +1,7 @@
 """The native small-M GEMM (`cpu_native.gemm`) against torch's `F.linear`, float32, on this CPU.
 
     python bench/small_gemm.py [--threads 2] [--rows 1,4,5,8,16,32,64] [--repeats 7] [--hot] [--int8]
-    python bench/small_gemm.py --dtype bfloat16   # the native bf16 GEMV against torch's bf16 GEMM
+    python bench/small_gemm.py --dtype bfloat16   # the native bf16 GEMV and GEMM against torch's bf16 GEMM
 
 For each matmul of the `small` preset (qkv, o, gate/up, down, LM head: y = x W^T, W [N, K]) and
 each row count M, prints GFLOP/s of both (and of the native GEMV, `cpu_native.gemv`, for a few
@@ -119,10 +119,17 @@ def main(argv: list[str] | None = None) -> int:
         print("native CPU kernels unavailable here (no C compiler?)")
         return 1
     dtype = getattr(torch, args.dtype)
-    # bf16: the native GEMV (`cpu_bf16.gemv`) at every M is the "native" column, no GEMV column
-    native_fn, gemv_max_rows = (
-        (cpu_native.gemm, GEMV_MAX_ROWS) if args.dtype == "float32" else (cpu_bf16.gemv, 0)
-    )
+    # bf16: the native GEMV (`cpu_bf16.gemv`) at every M is the "native" column, and the last column
+    # the native bf16 GEMM (`cpu_bf16.gemm`, what CPUs without bf16 products take beyond 8 rows)
+    if args.dtype == "float32":
+        native_fn, third_fn, third_max_rows, third_name = (
+            cpu_native.gemm,
+            cpu_native.gemv,
+            GEMV_MAX_ROWS,
+            "GEMV",
+        )
+    else:
+        native_fn, third_fn, third_max_rows, third_name = cpu_bf16.gemv, cpu_bf16.gemm, 1 << 30, "GEMM"
     rows = [int(r) for r in args.rows.split(",")]
     wanted = set(args.shapes.split(","))
     gen = torch.Generator().manual_seed(0)
@@ -136,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"  {'matmul':<8} {'N x K':>11} {'M':>4} {'native GF/s':>12} {'torch GF/s':>11} {'ratio':>6} "
-        f"{'GEMV GF/s':>10}"
+        f"{third_name + ' GF/s':>10}"
     )
     for name, n, k in SHAPES:
         if name not in wanted:
@@ -146,16 +153,16 @@ def main(argv: list[str] | None = None) -> int:
         for m in rows:
             x = torch.randn(m, k, generator=gen).to(dtype)
             flops = 2.0 * m * n * k
-            native = torch_ = gemv = float("inf")
+            native = torch_ = third = float("inf")
             for _ in range(args.repeats):
                 native = min(native, loop_seconds(native_fn, weights, x, flops))
                 torch_ = min(torch_, loop_seconds(F.linear, weights, x, flops))
-                if m <= gemv_max_rows:
-                    gemv = min(gemv, loop_seconds(cpu_native.gemv, weights, x, flops))
+                if m <= third_max_rows:
+                    third = min(third, loop_seconds(third_fn, weights, x, flops))
             print(
                 f"  {name:<8} {f'{n}x{k}':>11} {m:>4} {flops / native / 1e9:>12.1f} "
                 f"{flops / torch_ / 1e9:>11.1f} {torch_ / native:>6.2f} "
-                + (f"{flops / gemv / 1e9:>10.1f}" if m <= gemv_max_rows else f"{'-':>10}")
+                + (f"{flops / third / 1e9:>10.1f}" if m <= third_max_rows else f"{'-':>10}")
             )
     print(f"1-min load average after: {os.getloadavg()[0]:.2f}")
     return 0

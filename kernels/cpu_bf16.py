@@ -5,7 +5,8 @@ is rounded to bf16 once.
 
 The GEMV multiplies bf16 values directly with AVX-512 BF16 (`vdpbf16ps`) where the CPU has it
 (`dot_native()`), else widens them to float32 (exact): both are correct everywhere, only speed
-differs. Built and loaded with the other native kernels (`cpu_native.available()`).
+differs. Where the CPU has no bf16 products, `gemm` serves the products of more rows (prefill
+chunks, batched decode) with the float32 GEMM's tiles, the weights widened in registers. Built and loaded with the other native kernels (`cpu_native.available()`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def _lib() -> ctypes.CDLL:
                 "bf16_dot_native": ([], i64),
                 "gemv_bf16": ([p, p, p, p, i64, i64, i64, i64], None),
                 "gemv_bf16_portable": ([p, p, p, p, i64, i64, i64, i64], None),
+                "gemm_bf16w": ([p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
                 "add_rms_norm_bf16": ([p, p, p, p, i64, i64, f32], None),
                 "silu_and_mul_bf16": ([p, p, i64, i64], None),
                 "rotary_write_kv_bf16": ([p, i64, p, p, p, p, i64, i64, i64, i64, i64], None),
@@ -71,6 +73,23 @@ def gemv(
         weight.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr(), b, n, k,
         torch.get_num_threads(),
     )  # fmt: skip
+    return y
+
+
+def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for bf16 x [M, K] and weight [N, K] of any row count, for CPUs that
+    cannot multiply bf16 themselves (`dot_native()` False): the float32 GEMM's register tiles with
+    the weights widened in registers, float32 sums, each output rounded to bf16 once."""
+    _check_bf16(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
+    (m, k), n = x.shape, weight.shape[0]
+    if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: shapes do not match")
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    if _lib().gemm_bf16w(
+        weight.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k,
+        torch.get_num_threads(),
+    ):  # fmt: skip
+        raise MemoryError("gemm (bf16): no memory for the widened inputs")
     return y
 
 

@@ -9,7 +9,10 @@
  * operands run along K (dot-product form), so each accumulator is summed across its lanes once,
  * at the end. Threads take GEMM_CHUNK weight rows at a time, as the GEMV does.
  */
+#include "cpu_kernels.h"
+
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -58,6 +61,34 @@ static inline vf load_tail(const float *p, int64_t n) {
     return v;
 }
 
+/* bf16 weights (for CPUs that cannot multiply bf16 themselves) are widened to float32 in
+ * registers, exactly: a bf16 is the top half of a float32. */
+typedef uint16_t vh __attribute__((vector_size(VL * 2), aligned(2)));
+typedef uint32_t vw __attribute__((vector_size(VL * 4)));
+
+static inline vf widen_bf16(const uint16_t *p) { return (vf)(__builtin_convertvector(*(const vh *)p, vw) << 16); }
+
+static inline vf widen_bf16_tail(const uint16_t *p, int64_t n) {
+    uint16_t h[VL] = {0};
+    memcpy(h, p, (size_t)n * sizeof(uint16_t));
+    return widen_bf16(h);
+}
+
+/* Weight element i of a float32 (wbf16 0) or bf16 (1) matrix, and the vectors that start there. */
+static inline const void *w_at(const void *w, int64_t i, const int wbf16) {
+    return (const char *)w + i * (wbf16 ? 2 : 4);
+}
+static inline vf load_w(const void *w, int64_t i, const int wbf16) {
+    return wbf16 ? widen_bf16((const uint16_t *)w + i) : loadv((const float *)w + i);
+}
+static inline vf load_w_tail(const void *w, int64_t i, int64_t n, const int wbf16) {
+    return wbf16 ? widen_bf16_tail((const uint16_t *)w + i, n) : load_tail((const float *)w + i, n);
+}
+
+/* Weights and inputs are read the same way: float32, or bf16 widened. */
+#define load_x load_w
+#define load_x_tail load_w_tail
+
 /* Lane sums of VL vectors, out[i] = sum of a[i], in 15 steps of two shuffles and one add (summing
  * each vector on its own takes about ten operations per vector). Each step halves the lanes a
  * vector keeps per input and doubles the inputs a vector holds: 16 -> 8 -> 4 -> 2 -> 1 lanes. */
@@ -96,12 +127,13 @@ static inline void sum_lanes(const vf *a, float *out) {
 }
 #endif
 
-/* y[m * ys + r] = w[r] . x[m] for nr weight rows (k floats each, consecutive) and mr inputs (xs
- * apart); nr <= NR and mr <= MR, constant at each call site. With `prefetch`, the next nr rows
- * (the floats after these) are fetched into L2 meanwhile, one cache line per row and step. */
-static inline __attribute__((always_inline)) void gemm_tile(const float *w, int64_t k, const float *x,
-                                                            int64_t xs, float *y, int64_t ys, const int nr,
-                                                            const int mr, int prefetch) {
+/* y[m * ys + r] = w[r] . x[m] for nr weight rows (k values each, consecutive; float32, or bf16 when
+ * wbf16) and mr inputs (xs values apart; float32, or bf16 when xbf16); nr <= NR, mr <= MR, wbf16
+ * and xbf16 constant at each call site. With `prefetch`, the next nr rows (the values after these)
+ * are fetched into L2 meanwhile, one cache line per row and step. */
+static inline __attribute__((always_inline)) void gemm_tile(const void *w, const int wbf16, int64_t k,
+                                                            const void *x, const int xbf16, int64_t xs, float *y,
+                                                            int64_t ys, const int nr, const int mr, int prefetch) {
     vf acc[NR][MR];
 #pragma GCC unroll 4
     for (int r = 0; r < nr; r++)
@@ -111,13 +143,13 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *w, int6
     for (; j + VL <= k; j += VL) {
         vf wv[NR];
 #pragma GCC unroll 4
-        for (int r = 0; r < nr; r++) wv[r] = loadv(w + r * k + j);
+        for (int r = 0; r < nr; r++) wv[r] = load_w(w, r * k + j, wbf16);
         if (prefetch)
 #pragma GCC unroll 4
-            for (int r = 0; r < nr; r++) __builtin_prefetch(w + (nr + r) * k + j, 0, PREFETCH_LOCALITY);
+            for (int r = 0; r < nr; r++) __builtin_prefetch(w_at(w, (nr + r) * k + j, wbf16), 0, PREFETCH_LOCALITY);
 #pragma GCC unroll 6
         for (int m = 0; m < mr; m++) {
-            vf xv = loadv(x + m * xs + j);
+            vf xv = load_x(x, m * xs + j, xbf16);
             IN_REGISTER(xv);
 #pragma GCC unroll 4
             for (int r = 0; r < nr; r++) acc[r][m] += wv[r] * xv;
@@ -126,10 +158,10 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *w, int6
     if (j < k) {
         vf wv[NR];
 #pragma GCC unroll 4
-        for (int r = 0; r < nr; r++) wv[r] = load_tail(w + r * k + j, k - j);
+        for (int r = 0; r < nr; r++) wv[r] = load_w_tail(w, r * k + j, k - j, wbf16);
 #pragma GCC unroll 6
         for (int m = 0; m < mr; m++) {
-            const vf xv = load_tail(x + m * xs + j, k - j);
+            const vf xv = load_x_tail(x, m * xs + j, k - j, xbf16);
 #pragma GCC unroll 4
             for (int r = 0; r < nr; r++) acc[r][m] += wv[r] * xv;
         }
@@ -147,90 +179,151 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *w, int6
         for (int r = 0; r < nr; r++) y[m * ys + r] = sums[m * nr + r];
 }
 
-/* gemm_tile for a run-time mr in [1, MR]: each case its own specialised loop. */
+/* gemm_tile for a run-time mr in [1, MR] and nr in [1, NR]: each case its own specialised loop. */
 #if MR == 6
-#define GEMM_TILE_MR(w, k, x, xs, y, ys, nr, mr, pf)                \
-    switch (mr) {                                                   \
-        case 1: gemm_tile(w, k, x, xs, y, ys, nr, 1, pf); break;    \
-        case 2: gemm_tile(w, k, x, xs, y, ys, nr, 2, pf); break;    \
-        case 3: gemm_tile(w, k, x, xs, y, ys, nr, 3, pf); break;    \
-        case 4: gemm_tile(w, k, x, xs, y, ys, nr, 4, pf); break;    \
-        case 5: gemm_tile(w, k, x, xs, y, ys, nr, 5, pf); break;    \
-        default: gemm_tile(w, k, x, xs, y, ys, nr, 6, pf); break;   \
+#define GEMM_TILE_MR(w, wb, k, x, xb, xs, y, ys, nr, mr, pf)                \
+    switch (mr) {                                                           \
+        case 1: gemm_tile(w, wb, k, x, xb, xs, y, ys, nr, 1, pf); break;    \
+        case 2: gemm_tile(w, wb, k, x, xb, xs, y, ys, nr, 2, pf); break;    \
+        case 3: gemm_tile(w, wb, k, x, xb, xs, y, ys, nr, 3, pf); break;    \
+        case 4: gemm_tile(w, wb, k, x, xb, xs, y, ys, nr, 4, pf); break;    \
+        case 5: gemm_tile(w, wb, k, x, xb, xs, y, ys, nr, 5, pf); break;    \
+        default: gemm_tile(w, wb, k, x, xb, xs, y, ys, nr, 6, pf); break;   \
     }
 #else /* MR == 3 */
-#define GEMM_TILE_MR(w, k, x, xs, y, ys, nr, mr, pf)                \
-    switch (mr) {                                                   \
-        case 1: gemm_tile(w, k, x, xs, y, ys, nr, 1, pf); break;    \
-        case 2: gemm_tile(w, k, x, xs, y, ys, nr, 2, pf); break;    \
-        default: gemm_tile(w, k, x, xs, y, ys, nr, 3, pf); break;   \
+#define GEMM_TILE_MR(w, wb, k, x, xb, xs, y, ys, nr, mr, pf)                \
+    switch (mr) {                                                           \
+        case 1: gemm_tile(w, wb, k, x, xb, xs, y, ys, nr, 1, pf); break;    \
+        case 2: gemm_tile(w, wb, k, x, xb, xs, y, ys, nr, 2, pf); break;    \
+        default: gemm_tile(w, wb, k, x, xb, xs, y, ys, nr, 3, pf); break;   \
     }
 #endif
 
-static void gemm_tile_rows(const float *w, int64_t k, const float *x, int64_t xs, float *y, int64_t ys,
-                           int nr, int mr, int prefetch) {
-    switch (nr) {
-        case 1: GEMM_TILE_MR(w, k, x, xs, y, ys, 1, mr, prefetch) break;
-        case 2: GEMM_TILE_MR(w, k, x, xs, y, ys, 2, mr, prefetch) break;
-        case 3: GEMM_TILE_MR(w, k, x, xs, y, ys, 3, mr, prefetch) break;
-        default: GEMM_TILE_MR(w, k, x, xs, y, ys, 4, mr, prefetch) break;
+#define GEMM_TILE_NR(w, wb, k, x, xb, xs, y, ys, nr, mr, pf)                   \
+    switch (nr) {                                                              \
+        case 1: GEMM_TILE_MR(w, wb, k, x, xb, xs, y, ys, 1, mr, pf) break;     \
+        case 2: GEMM_TILE_MR(w, wb, k, x, xb, xs, y, ys, 2, mr, pf) break;     \
+        case 3: GEMM_TILE_MR(w, wb, k, x, xb, xs, y, ys, 3, mr, pf) break;     \
+        default: GEMM_TILE_MR(w, wb, k, x, xb, xs, y, ys, 4, mr, pf) break;    \
     }
+
+/* Weights and inputs both float32 (kind 0), bf16 weights and float32 inputs (1), or both bf16 (2). */
+enum { TILE_F32 = 0, TILE_BF16_W = 1, TILE_BF16 = 2 };
+
+static void gemm_tile_rows(const void *w, int kind, int64_t k, const void *x, int64_t xs, float *y, int64_t ys,
+                           int nr, int mr, int prefetch) {
+    if (kind == TILE_BF16)
+        GEMM_TILE_NR(w, 1, k, x, 1, xs, y, ys, nr, mr, prefetch)
+    else if (kind == TILE_BF16_W)
+        GEMM_TILE_NR(w, 1, k, x, 0, xs, y, ys, nr, mr, prefetch)
+    else
+        GEMM_TILE_NR(w, 0, k, x, 0, xs, y, ys, nr, mr, prefetch)
 }
 
-/* Weight rows [r0, r1) against inputs [0, m): tiles of nearly equal size (32 rows: 6 6 5 5 5 5,
- * not 6 6 6 6 6 2, whose last tile would be bound by its loads). */
-static void gemm_block_f32(const float *w, int64_t k, const float *x, float *y, int64_t n, int64_t m,
-                           int64_t r0, int64_t r1) {
+/* Weight rows [r0, r1) against inputs [0, m), into y[i * ys + r - r_base]: tiles of nearly equal
+ * size (32 rows: 6 6 5 5 5 5, not 6 6 6 6 6 2, whose last tile would be bound by its loads). */
+static void gemm_block(const void *w, int wbf16, int64_t k, const float *x, float *y, int64_t ys,
+                       int64_t r_base, int64_t m, int64_t r0, int64_t r1) {
     const int64_t tiles = (m + MR - 1) / MR;
     for (int64_t r = r0; r < r1; r += NR) {
         const int nr = r1 - r < NR ? (int)(r1 - r) : NR;
         int64_t m0 = 0;
         for (int64_t t = 0; t < tiles; t++) {
             const int mr = (int)((m - m0) / (tiles - t)) + ((m - m0) % (tiles - t) ? 1 : 0);
-            gemm_tile_rows(w + r * k, k, x + m0 * k, k, y + m0 * n + r, n, nr, mr, t == 0);
+            gemm_tile_rows(w_at(w, r * k, wbf16), wbf16 ? TILE_BF16_W : TILE_F32, k, x + m0 * k, k,
+                           y + m0 * ys + r - r_base, ys, nr, mr, t == 0);
             m0 += mr;
         }
     }
 }
 
-/* y[b * ys + r] = W[r] . x[b] for weight rows [r0, r1) and m <= 6 inputs (xs apart): the register
- * tiles for the GEMV's few-input case (see gemv_tiled_rows_f32 in cpu_kernels.h); inputs beyond MR
- * take a second tile of the same rows, of nearly equal size. */
+/* y[b * ys + r] = W[r] . x[b] for weight rows [r0, r1) and m inputs (xs apart), in register tiles
+ * of up to MR inputs of nearly equal size: for the GEMV's few-input case (see gemv_tiled_rows_f32
+ * in cpu_kernels.h), float32 or (kind TILE_BF16) bf16 weights and inputs. */
+static void tiled_rows(const void *w, int kind, int64_t k, const void *x, int64_t xs, float *y, int64_t ys,
+                       int64_t m, int64_t r0, int64_t r1) {
+    const int bf = kind == TILE_BF16;
+    const int64_t tiles = (m + MR - 1) / MR;
+    for (int64_t r = r0; r < r1; r += NR) {
+        const int nr = r1 - r < NR ? (int)(r1 - r) : NR;
+        int64_t m0 = 0;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int mr = (int)((m - m0) / (tiles - t)) + ((m - m0) % (tiles - t) ? 1 : 0);
+            gemm_tile_rows(w_at(w, r * k, bf), kind, k, w_at(x, m0 * xs, bf), xs, y + m0 * ys + r, ys, nr, mr, t == 0);
+            m0 += mr;
+        }
+    }
+}
+
 void gemv_tiled_rows_f32(const float *w, int64_t k, const float *x, int64_t xs, float *y, int64_t ys, int64_t m,
                          int64_t r0, int64_t r1) {
-    const int64_t tiles = (m + MR - 1) / MR;
-    for (int64_t r = r0; r < r1; r += NR) {
-        const int nr = r1 - r < NR ? (int)(r1 - r) : NR;
-        int64_t m0 = 0;
-        for (int64_t t = 0; t < tiles; t++) {
-            const int mr = (int)((m - m0) / (tiles - t)) + ((m - m0) % (tiles - t) ? 1 : 0);
-            gemm_tile_rows(w + r * k, k, x + m0 * xs, xs, y + m0 * ys + r, ys, nr, mr, t == 0);
-            m0 += mr;
-        }
-    }
+    tiled_rows(w, TILE_F32, k, x, xs, y, ys, m, r0, r1);
 }
 
-/* Weight rows [r0, r1) against all m inputs, GEMM_M_BLOCK inputs at a time: a block of inputs
- * stays in L2 while it passes over the rows, which stay there too for the next block. */
-static void gemm_rows_f32(const float *w, const float *bias, int64_t k, const float *x, float *y, int64_t n,
+void gemv_tiled_rows_bf16(const uint16_t *w, int64_t k, const uint16_t *x, int64_t xs, float *y, int64_t ys,
                           int64_t m, int64_t r0, int64_t r1) {
+    tiled_rows(w, TILE_BF16, k, x, xs, y, ys, m, r0, r1);
+}
+
+/* Weight rows [r0, r1) against all m inputs into y[i * ys + r - r_base], GEMM_M_BLOCK inputs at a
+ * time: a block of inputs stays in L2 while it passes over the rows, which stay there too for the
+ * next block. */
+static void gemm_rows(const void *w, int wbf16, int64_t k, const float *x, float *y, int64_t ys, int64_t r_base,
+                      int64_t m, int64_t r0, int64_t r1) {
     const int64_t blocks = (m + GEMM_M_BLOCK - 1) / GEMM_M_BLOCK;
     for (int64_t b = 0, m0 = 0; b < blocks; b++) {
         const int64_t mb = (m - m0) / (blocks - b) + ((m - m0) % (blocks - b) ? 1 : 0);
-        gemm_block_f32(w, k, x + m0 * k, y + m0 * n, n, mb, r0, r1);
+        gemm_block(w, wbf16, k, x + m0 * k, y + m0 * ys, ys, r_base, mb, r0, r1);
         m0 += mb;
     }
-    if (bias)
-        for (int64_t i = 0; i < m; i++)
-            for (int64_t r = r0; r < r1; r++) y[i * n + r] += bias[r];
 }
 
 /* y [m][n] = x [m][k] W^T (+ bias) over num_threads threads, weight rows GEMM_CHUNK at a time. */
 void gemm_f32(const float *w, const float *bias, const float *x, float *y, int64_t m, int64_t n, int64_t k,
               int64_t num_threads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t r = 0; r < n; r += GEMM_CHUNK)
-        gemm_rows_f32(w, bias, k, x, y, n, m, r, r + GEMM_CHUNK < n ? r + GEMM_CHUNK : n);
+    for (int64_t r = 0; r < n; r += GEMM_CHUNK) {
+        const int64_t r1 = r + GEMM_CHUNK < n ? r + GEMM_CHUNK : n;
+        gemm_rows(w, 0, k, x, y, n, 0, m, r, r1);
+        if (bias)
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t c = r; c < r1; c++) y[i * n + c] += bias[c];
+    }
+}
+
+/* The same for bf16 x [m][k], W [n][k], bias and y, on CPUs that cannot multiply bf16 themselves:
+ * the inputs widened to float32 once, the weights in registers (both exact), float32 sums, each
+ * output (bias added) rounded to bf16 once, as torch's bf16 matmul does. Without it torch's bf16
+ * GEMM ran at 15-19 GFLOP/s on such a CPU (AVX2, Zen 3, 2 threads), an eighth of its float32 one.
+ * Returns -1 when out of memory. */
+int gemm_bf16w(const uint16_t *w, const uint16_t *bias, const uint16_t *x, uint16_t *y, int64_t m, int64_t n,
+               int64_t k, int64_t num_threads) {
+    float *xf = malloc((size_t)(m * k) * sizeof(float));
+    if (!xf) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < m * k; i++) xf[i] = bf16_widen(x[i]);
+        /* each thread's GEMM_CHUNK columns of all m rows, in float32 until they are rounded */
+        float *part = malloc((size_t)(m * GEMM_CHUNK) * sizeof(float));
+        if (!part) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < n; r += GEMM_CHUNK) {
+            if (!part) continue;
+            const int64_t r1 = r + GEMM_CHUNK < n ? r + GEMM_CHUNK : n;
+            gemm_rows(w, 1, k, xf, part, GEMM_CHUNK, r, m, r, r1);
+            for (int64_t i = 0; i < m; i++)
+                for (int64_t c = r; c < r1; c++)
+                    y[i * n + c] = bf16_narrow(part[i * GEMM_CHUNK + c - r] + (bias ? bf16_widen(bias[c]) : 0.0f));
+        }
+        free(part);
+    }
+    free(xf);
+    return failed ? -1 : 0;
 }
 
 /* Floats per vector register the tiles were built for: 16 with AVX-512, 8 elsewhere. */

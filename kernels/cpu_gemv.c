@@ -6,8 +6,8 @@
  * reads are one sequential stream, the pattern the hardware prefetcher follows best (measured
  * here: 1.7x the bandwidth of four rows read side by side, which are four streams). Up to four
  * inputs share each row load; larger batches reuse the row from L1 for every group of four.
- * GCC's generic vectors (16 floats) become AVX-512 registers under -march=native here and
- * whatever the target has elsewhere.
+ * GCC's generic vectors of one register's width (NATIVE_FLOATS) become AVX-512 or AVX2
+ * registers under -march=native.
  */
 #include "cpu_kernels.h"
 
@@ -16,44 +16,33 @@
 #include <omp.h>
 #endif
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4))); /* unaligned loads */
-
-static inline v16 load16(const float *p) { return *(const v16u *)p; }
-
-static inline float hsum16(v16 v) {
-    float s = 0.0f;
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
-}
-
 /* y[b * ys] = w . x[b] for one row w of k floats and NB inputs (x rows xs apart); NB <= 4 and
  * constant at each call site. Two partial sums per input (even and odd vectors) keep the
  * additions off one dependency chain. */
 static inline __attribute__((always_inline)) void gemv_block(const float *w, int64_t k, const float *x,
                                                              int64_t xs, float *y, int64_t ys, const int nb) {
-    v16 even[4], odd[4];
+    enum { V = NATIVE_FLOATS };
+    vnat even[4], odd[4];
 #pragma GCC unroll 4
-    for (int b = 0; b < nb; b++) even[b] = odd[b] = (v16){0};
+    for (int b = 0; b < nb; b++) even[b] = odd[b] = (vnat){0};
     int64_t j = 0;
-    for (; j + 32 <= k; j += 32) {
-        const v16 w0 = load16(w + j), w1 = load16(w + j + 16);
+    for (; j + 2 * V <= k; j += 2 * V) {
+        const vnat w0 = load_vnat(w + j), w1 = load_vnat(w + j + V);
 #pragma GCC unroll 4
         for (int b = 0; b < nb; b++) {
-            even[b] += w0 * load16(x + b * xs + j);
-            odd[b] += w1 * load16(x + b * xs + j + 16);
+            even[b] += w0 * load_vnat(x + b * xs + j);
+            odd[b] += w1 * load_vnat(x + b * xs + j + V);
         }
     }
-    if (j + 16 <= k) {
-        const v16 w0 = load16(w + j);
+    if (j + V <= k) {
+        const vnat w0 = load_vnat(w + j);
 #pragma GCC unroll 4
-        for (int b = 0; b < nb; b++) even[b] += w0 * load16(x + b * xs + j);
-        j += 16;
+        for (int b = 0; b < nb; b++) even[b] += w0 * load_vnat(x + b * xs + j);
+        j += V;
     }
 #pragma GCC unroll 4
     for (int b = 0; b < nb; b++) {
-        float s = hsum16(even[b] + odd[b]);
+        float s = hsum_vnat(even[b] + odd[b]);
         for (int64_t t = j; t < k; t++) s += w[t] * x[b * xs + t];
         y[b * ys] = s;
     }

@@ -9,6 +9,26 @@
 #include <omp.h>
 #endif
 
+/* Floats in one vector register. GCC's generic vectors of this width are single registers; wider
+ * ones are split on AVX2, and arrays of them (a GEMV's accumulators) went through the stack there:
+ * the bf16 GEMV ran at 7 GB/s from cache on such a CPU with 16-float vectors. */
+#if defined(__AVX512F__)
+#define NATIVE_FLOATS 16
+#else
+#define NATIVE_FLOATS 8
+#endif
+typedef float vnat __attribute__((vector_size(NATIVE_FLOATS * 4)));
+typedef float vnat_u __attribute__((vector_size(NATIVE_FLOATS * 4), aligned(4))); /* unaligned loads */
+
+static inline vnat load_vnat(const float *p) { return *(const vnat_u *)p; }
+
+static inline float hsum_vnat(vnat v) {
+    float s = 0.0f;
+#pragma GCC unroll 16
+    for (int i = 0; i < NATIVE_FLOATS; i++) s += v[i];
+    return s;
+}
+
 /* exp for the vectorized loops (a call to expf would keep them scalar): 2^n * e^r with
  * |r| <= ln2/2 and a degree-6 polynomial, relative error below 1e-6; x is clamped to [-87, 88]. */
 static inline float exp_approx(float x) {
@@ -164,6 +184,10 @@ static inline int chunk_walk_next(chunk_walk *walk, int64_t *chunk) {
 /* y[b * ys + r] = W[r] . x[b] for weight rows [r0, r1) and batch <= 6 inputs (xs apart). */
 void gemv_tiled_rows_f32(const float *w, int64_t k, const float *x, int64_t xs, float *y, int64_t ys,
                          int64_t batch, int64_t r0, int64_t r1);
+
+/* The same tiles for bf16 weights and inputs (widened in registers, float32 sums, y float32). */
+void gemv_tiled_rows_bf16(const bf16 *w, int64_t k, const bf16 *x, int64_t xs, float *y, int64_t ys, int64_t batch,
+                          int64_t r0, int64_t r1);
 
 /* y[b][r] = W[r] . x[b] (+ bias[r]) for weight rows [r0, r1) of W [N][K] and `batch` inputs
  * x [batch][K] (rows x_stride apart; y rows y_stride apart). Called from inside a parallel region

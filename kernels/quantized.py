@@ -7,7 +7,8 @@ which is what every implementation below computes.
 
 `linear(x, w, bias)` takes a plain tensor (then it is `F.linear`, through the native float32 GEMM
 on CPU up to `GEMM_NATIVE_MAX_ROWS` rows (`GEMM_NATIVE_MAX_ROWS_AVX2` without AVX-512), the native
-bf16 GEMV up to `BF16_GEMV_MAX_ROWS`) or a `QuantizedWeight` and picks: for int8 and float32
+bf16 GEMV up to `BF16_GEMV_MAX_ROWS`, beyond that the native bf16 GEMM where the CPU has no bf16
+products) or a `QuantizedWeight` and picks: for int8 and float32
 inputs on CPU, below `W8A8_MIN_ROWS` rows the native int8 GEMV (decode: reading a quarter of the
 bytes is the point; it rounds the inputs to int16 per row, a relative 3e-5, below bfloat16's own
 rounding), from there, on a CPU with AVX-512 VNNI, W8A8 (each input row rounded to int8 with its
@@ -65,6 +66,9 @@ GEMV_INT8_MAX_ROWS_NO_VNNI = 1024
 # to four inputs) beats torch's bf16 GEMM (oneDNN): 1.5-5x at 1-4 rows, 1.1-3.5x at 8 (cold weights,
 # `bench/small_gemm.py --dtype bfloat16`, 2 threads, under load); from 12-16 rows oneDNN's
 # register-tiled kernels are level or ahead (compute, not the weight bytes, bounds the product).
+# On a CPU without AVX-512 BF16 torch's bf16 GEMM converts as it goes, at an eighth of its float32
+# speed (15-19 GFLOP/s, AVX2, Zen 3, 2 threads): there, beyond these rows, the native bf16 GEMM
+# (`cpu_bf16.gemm`: the float32 tiles, weights widened in registers) at every row count.
 BF16_GEMV_MAX_ROWS = 8
 
 
@@ -191,6 +195,8 @@ def linear(
             return cpu_native.gemm(x.contiguous(), w, bias)
         if _native_fits(x, w, bias, torch.bfloat16, BF16_GEMV_MAX_ROWS):
             return cpu_bf16.gemv(x.contiguous(), w, bias)
+        if _native_fits(x, w, bias, torch.bfloat16, 1 << 62) and not cpu_bf16.dot_native():
+            return cpu_bf16.gemm(x.contiguous(), w, bias)
         return F.linear(x, w, bias)
     if x.device.type == "cpu":
         vnni = cpu_native.available() and cpu_native.gemm_int8_is_fast()

@@ -73,12 +73,40 @@ def test_gemv_refuses_bad_inputs():
         cpu_bf16.gemv(_bf16(16, 2, gen=gen).t(), w)
 
 
-def test_linear_takes_the_bf16_gemv_up_to_its_row_limit():
+# M: below, at and past the register tiles' 3 / 6 inputs and one block of inputs (128 / 256 rows);
+# N: past the 4-row tiles and a thread's 64 rows; K: past the 8 / 16-value vectors, with a tail.
+@pytest.mark.parametrize("m", [1, 7, 300], ids=case_id)
+@pytest.mark.parametrize("n,k", [(3, 5), (67, 33), (130, 781)], ids=case_id)
+def test_gemm_matches_float32_on_ragged_shapes(m, n, k):
+    gen = torch.Generator().manual_seed(m * 7 + n * 1000 + k)
+    w, bias, x = _bf16(n, k, gen=gen, scale=k**-0.5), _bf16(n, gen=gen), _bf16(m, k, gen=gen)
+    atol = k**0.5 * 2**-20
+    _close(cpu_bf16.gemm(x, w), F.linear(x.float(), w.float()), atol)
+    _close(cpu_bf16.gemm(x, w, bias), F.linear(x.float(), w.float(), bias.float()), atol)
+
+
+def test_gemm_refuses_bad_inputs():
+    gen = torch.Generator().manual_seed(4)
+    w, x = _bf16(8, 16, gen=gen), _bf16(20, 16, gen=gen)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        cpu_bf16.gemm(x, w[:, :15].contiguous())
+    with pytest.raises(ValueError, match="shapes do not match"):
+        cpu_bf16.gemm(x, w, _bf16(7, gen=gen))
+    with pytest.raises(ValueError, match="x: .*bfloat16"):
+        cpu_bf16.gemm(x.float(), w)
+
+
+def test_linear_takes_the_bf16_gemv_up_to_its_row_limit(monkeypatch):
     limit = quantized.BF16_GEMV_MAX_ROWS
     gen = torch.Generator().manual_seed(3)
     w, bias, x = _bf16(40, 48, gen=gen), _bf16(40, gen=gen), _bf16(limit + 1, 48, gen=gen)
     assert torch.equal(quantized.linear(x[:limit], w, bias), cpu_bf16.gemv(x[:limit].contiguous(), w, bias))
-    assert torch.equal(quantized.linear(x, w, bias), F.linear(x, w, bias))
+    # beyond: oneDNN where the CPU multiplies bf16 itself, else the native GEMM (torch's converts
+    # as it goes, an eighth of its float32 speed)
+    for native_dot in (True, False):
+        monkeypatch.setattr(cpu_bf16, "dot_native", lambda native_dot=native_dot: native_dot)
+        want = F.linear(x, w, bias) if native_dot else cpu_bf16.gemm(x, w, bias)
+        assert torch.equal(quantized.linear(x, w, bias), want)
 
 
 def test_add_rms_norm_matches_float32_and_rounds_the_residual_like_torch():
