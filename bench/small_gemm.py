@@ -3,6 +3,9 @@
     python bench/small_gemm.py [--threads 2] [--rows 1,4,5,8,16,32,64] [--repeats 7] [--hot] [--int8]
     python bench/small_gemm.py --dtype bfloat16   # the native bf16 GEMV and GEMM against torch's bf16 GEMM
 
+Without AVX-512 the float32 table's last column is the packed-panel GEMM (`cpu_native.gemm_packed`,
+what `linear` takes beyond 32 rows there) instead of the GEMV.
+
 For each matmul of the `small` preset (qkv, o, gate/up, down, LM head: y = x W^T, W [N, K]) and
 each row count M, prints GFLOP/s of both (and of the native GEMV, `cpu_native.gemv`, for a few
 rows) and their ratio; each figure is the best of `--repeats` timed loops, the two interleaved
@@ -15,7 +18,7 @@ absolute figures.
 `--int8` times the int8-weight products instead, each against the native float32 GEMM on the same
 shape (ratio = float32 time / int8 time): the W8A8 GEMM (`cpu_native.gemm_int8`, VPDPBUSD; where
 the CPU has AVX-512 VNNI), the same GEMM with 16-bit inputs as two byte planes (A16x2:
-`input_bits=16`), the int8 GEMV (W8A16), the weight widened to float32 for torch's GEMM on each
+`input_bits=16`), the int8 GEMV (W8A16), the packed-panel GEMM (without AVX-512), the weight widened to float32 for torch's GEMM on each
 call (widen: the torch twin), and torch's GEMM on float32 weights (torch).
 """
 
@@ -66,7 +69,10 @@ def int8_table(cpu_native, rows: list[int], wanted: set[str], args, gen: torch.G
     )
     # without VNNI the W8A8 GEMM sums in plain loops (not a path `linear` takes): not timed there
     columns = [("W8A8", 5), ("A16x2", 6)] if vnni else []
-    columns += [("GEMV", 5), ("widen", 5), ("torch", 5)]
+    columns += [("GEMV", 5)]
+    if cpu_native.gemm_vector_floats() < 16:  # without AVX-512: the packed-panel GEMM, int8 widened as packed
+        columns += [("packed", 6)]
+    columns += [("widen", 5), ("torch", 5)]
     head = " ".join(f"{key:>{width}}" for key, width in columns)
     print(f"  {'matmul':<8} {'N x K':>11} {'M':>4} {'f32 GF/s':>9}   x f32: {head}")
     for name, n, k in SHAPES:
@@ -84,6 +90,7 @@ def int8_table(cpu_native, rows: list[int], wanted: set[str], args, gen: torch.G
                 lambda x, w, s=scale, sums=sums: cpu_native.gemm_int8(x, w, s, sums[id(w)], input_bits=16),
             ),
             "GEMV": (ints, lambda x, w, s=scale: cpu_native.gemv_int8(x, w, s)),
+            "packed": (ints, lambda x, w, s=scale: cpu_native.gemm_packed(x, w, scale=s)),
             # the twin: the int8 weight widened to float32 for torch's GEMM on every call
             "widen": (ints, lambda x, w, s=scale: scaled_linear_torch(x, QuantizedWeight(w, s))),
             "torch": (floats, F.linear),  # float32 weights through torch's GEMM
@@ -121,7 +128,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     # bf16: the native GEMV (`cpu_bf16.gemv`) at every M is the "native" column, and the last column
     # the native bf16 GEMM (`cpu_bf16.gemm`, what CPUs without bf16 products take beyond 8 rows)
-    if args.dtype == "float32":
+    if args.dtype == "float32" and cpu_native.gemm_vector_floats() < 16:
+        # without AVX-512 many rows take the packed-panel GEMM: the last column
+        native_fn, third_fn, third_max_rows, third_name = (
+            cpu_native.gemm,
+            cpu_native.gemm_packed,
+            1 << 30,
+            "packed",
+        )
+    elif args.dtype == "float32":
         native_fn, third_fn, third_max_rows, third_name = (
             cpu_native.gemm,
             cpu_native.gemv,
@@ -143,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"  {'matmul':<8} {'N x K':>11} {'M':>4} {'native GF/s':>12} {'torch GF/s':>11} {'ratio':>6} "
-        f"{third_name + ' GF/s':>10}"
+        f"{third_name + ' GF/s':>11}"
     )
     for name, n, k in SHAPES:
         if name not in wanted:
@@ -162,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  {name:<8} {f'{n}x{k}':>11} {m:>4} {flops / native / 1e9:>12.1f} "
                 f"{flops / torch_ / 1e9:>11.1f} {torch_ / native:>6.2f} "
-                + (f"{flops / third / 1e9:>10.1f}" if m <= third_max_rows else f"{'-':>10}")
+                + (f"{flops / third / 1e9:>11.1f}" if m <= third_max_rows else f"{'-':>11}")
             )
     print(f"1-min load average after: {os.getloadavg()[0]:.2f}")
     return 0

@@ -38,6 +38,7 @@ _SOURCES = tuple(
         "cpu_kernels.c",
         "cpu_gemv.c",
         "cpu_gemm.c",
+        "cpu_gemm_packed.c",
         "cpu_gemv_int8.c",
         "cpu_gemm_int8.c",
         "cpu_gemv_fp8.c",
@@ -192,6 +193,7 @@ def _load() -> ctypes.CDLL:
         "gemv_silu_f32": ([p, p, p, p, i64, i64, i64, i64], None),
         "gemm_f32": ([p, p, p, p, i64, i64, i64, i64], None),
         "gemm_vector_floats": ([], i64),
+        "gemm_packed": ([p, i64, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_silu_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemm_i8": ([p, p, p, p, p, p, i64, i64, i64, i64, i64], ctypes.c_int),
@@ -323,6 +325,36 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         weight.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k,
         torch.get_num_threads(),
     )  # fmt: skip
+    return y
+
+
+_PACKED_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
+def gemm_packed(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight * scale[:, None], bias)` for float32 x [M, K] of many rows and weight [N, K]
+    float32, bf16 or int8 (int8 with one float32 `scale` per row): weight panels packed (and
+    widened) once per call, an outer-product micro-kernel over them (cpu_gemm_packed.c). For CPUs
+    without AVX-512, where it runs at torch's float32 GEMM speed and twice the tiles of `gemm`."""
+    _check_f32(x=x, **({} if bias is None else {"bias": bias}), **({} if scale is None else {"scale": scale}))
+    kind = _PACKED_KINDS.get(weight.dtype)
+    if kind is None or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise ValueError(
+            f"weight: a contiguous float32, bfloat16 or int8 CPU tensor, got {weight.dtype} {weight.device}"
+        )
+    (m, k), n = x.shape, weight.shape[0]
+    if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: shapes do not match")
+    if (weight.dtype == torch.int8) != (scale is not None) or (scale is not None and scale.shape != (n,)):
+        raise ValueError("scale: int8 weights need one float32 scale per row, other weights none")
+    y = torch.empty(m, n, dtype=torch.float32)
+    if _require().gemm_packed(
+        weight.data_ptr(), kind, None if scale is None else scale.data_ptr(),
+        None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads(),
+    ):  # fmt: skip
+        raise MemoryError("gemm_packed: no memory for the weight panels")
     return y
 
 

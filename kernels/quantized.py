@@ -56,6 +56,10 @@ GEMM_NATIVE_MAX_ROWS = 1024
 # rows, behind from 64 (0.8-0.9x), about 0.55x at 512-1024, where torch's packed GEMM runs at twice
 # the tiles' 65-73 GFLOP/s (Zen 3, 2 threads, quiet).
 GEMM_NATIVE_MAX_ROWS_AVX2 = 32
+# Without AVX-512, products of more rows than that take the packed-panel GEMM
+# (`cpu_native.gemm_packed`: weight panels packed once per call, an outer-product micro-kernel):
+# float32, bf16 (widened as packed) and int8 weights alike.
+GEMM_PACKED_MIN_ROWS = GEMM_NATIVE_MAX_ROWS_AVX2 + 1
 # Without VNNI (AVX2) W8A8 has no fast instruction, and the int8 GEMV (16-bit inputs, VPMADDWD: 16
 # products per instruction, the weight row widened once per four inputs, inputs in blocks of 64)
 # is the fastest int8 product up to this many rows: 1.4-3.3x the native float32 GEMM at 1-2048
@@ -149,6 +153,11 @@ def scaled_linear_torch(
     return y if bias is None else y + bias
 
 
+def _narrow_tiles() -> bool:
+    """Whether the native GEMM's tiles are AVX2's (8 floats): the packed GEMM then takes many rows."""
+    return cpu_native.available() and cpu_native.gemm_vector_floats() < 16
+
+
 def _gemm_native_max_rows() -> int:
     """Rows up to which the native float32 GEMM beats torch's: by the width its tiles were built for."""
     if not cpu_native.available():
@@ -193,6 +202,8 @@ def linear(
     if not isinstance(w, QuantizedWeight):
         if _native_fits(x, w, bias, torch.float32, _gemm_native_max_rows()):
             return cpu_native.gemm(x.contiguous(), w, bias)
+        if _narrow_tiles() and _native_fits(x, w, bias, torch.float32, 1 << 62):
+            return cpu_native.gemm_packed(x.contiguous(), w, bias)
         if _native_fits(x, w, bias, torch.bfloat16, BF16_GEMV_MAX_ROWS):
             return cpu_bf16.gemv(x.contiguous(), w, bias)
         if _native_fits(x, w, bias, torch.bfloat16, 1 << 62) and not cpu_bf16.dot_native():
@@ -217,6 +228,9 @@ def linear(
             and cpu_native.available()
         ):
             return cpu_native.gemv_int8(x.contiguous(), w.data, w.scale, bias)
+        if w.scheme == "int8" and not vnni and _narrow_tiles() and x.dtype == torch.float32 and x.dim() == 2:
+            b = None if bias is None else bias.float().contiguous()
+            return cpu_native.gemm_packed(x.contiguous(), w.data, b, w.scale)
         if w.scheme == "fp8" and cpu_native.available():
             if (
                 x.dtype == torch.float32

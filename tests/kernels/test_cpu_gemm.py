@@ -65,7 +65,65 @@ def test_linear_takes_the_native_gemm_up_to_its_row_limit():
     limit = quantized._gemm_native_max_rows()
     x, w, bias = _operands(limit + 1, 40, 48, seed=3)
     assert torch.equal(quantized.linear(x[:limit], w, bias), cpu_native.gemm(x[:limit], w, bias))
-    assert torch.equal(quantized.linear(x, w, bias), F.linear(x, w, bias))
+    # beyond: torch's GEMM, or without AVX-512 the packed-panel GEMM (tested below)
+    narrow = cpu_native.gemm_vector_floats() < 16
+    want = cpu_native.gemm_packed(x, w, bias) if narrow else F.linear(x, w, bias)
+    assert torch.equal(quantized.linear(x, w, bias), want)
     # other dtypes keep torch's path
     xd, wd = x[:8].double(), w.double()
     assert torch.equal(quantized.linear(xd, wd), F.linear(xd, wd))
+
+
+# ---- the packed-panel GEMM (many rows without AVX-512) -------------------------------------------
+# K: past one KC block of 256 steps with a tail; N: a row, past a 16 / 32-column panel; M: a
+# micro-kernel's 6 rows, their remainders.
+@pytest.mark.parametrize("k", [1, 17, 300, 781], ids=case_id)
+@pytest.mark.parametrize("n", [1, 19, 67], ids=case_id)
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_packed_matches_f_linear_of_the_widened_weight(n, k, kind):
+    gen = torch.Generator().manual_seed(n * 10 + k)
+    for m in (1, 5, 6, 7, 40):
+        x, w, bias = _operands(m, n, k, seed=m * 1000 + n * 10 + k)
+        scale = None
+        if kind == "bfloat16":
+            w = w.bfloat16()
+        elif kind == "int8":
+            w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+            scale = torch.rand(n, generator=gen) / 127 * k**-0.5
+        wide = w.float() if scale is None else w.float() * scale[:, None]
+        for b in (None, bias):
+            got = cpu_native.gemm_packed(x, w, b, scale)
+            torch.testing.assert_close(got, F.linear(x, wide, b), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_with_no_products_is_the_bias_and_splits_over_threads_exactly(monkeypatch):
+    x, w, bias = torch.zeros(3, 0), torch.zeros(5, 0), torch.randn(5)
+    assert torch.equal(cpu_native.gemm_packed(x, w, bias), bias.expand(3, 5))
+    x, w, bias = _operands(29, 300, 96, seed=6)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    one = cpu_native.gemm_packed(x, w, bias)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert torch.equal(cpu_native.gemm_packed(x, w, bias), one)
+
+
+def test_packed_refuses_bad_inputs():
+    x, w, bias = _operands(4, 8, 16, seed=7)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        cpu_native.gemm_packed(x, w[:, :15].contiguous())
+    with pytest.raises(ValueError, match="weight"):
+        cpu_native.gemm_packed(x, w.double())
+    with pytest.raises(ValueError, match="scale"):
+        cpu_native.gemm_packed(x, w.to(torch.int8))
+    with pytest.raises(ValueError, match="scale"):
+        cpu_native.gemm_packed(x, w, scale=torch.ones(8))
+    with pytest.raises(ValueError, match="x"):
+        cpu_native.gemm_packed(x.t(), w)
+
+
+def test_linear_takes_the_packed_gemm_beyond_the_tiles_without_avx512(monkeypatch):
+    x, w, bias = _operands(quantized.GEMM_PACKED_MIN_ROWS, 40, 48, seed=8)
+    for floats in (8, 16):
+        monkeypatch.setattr(cpu_native, "gemm_vector_floats", lambda floats=floats: floats)
+        want = cpu_native.gemm_packed(x, w, bias) if floats == 8 else cpu_native.gemm(x, w, bias)
+        assert torch.equal(quantized.linear(x, w, bias), want)
+        assert torch.equal(quantized.linear(x[:-1], w, bias), cpu_native.gemm(x[:-1], w, bias))
