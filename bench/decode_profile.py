@@ -1,8 +1,8 @@
 """Where one decode step (batch 1 unless `--batch N`) of the engine spends its time, op by op.
 
-    python bench/decode_profile.py [--steps 32] [--threads 2] [--batch 32] [--dtype bfloat16]
+    python bench/decode_profile.py [--steps 32] [--threads 2] [--batch 32] [--dtype bfloat16] [--quantization int8]
 
-Runs the `small` preset (float32 unless `--dtype`) through `LLMEngine.step()` with one sequence and the torch
+Runs the `small` preset (float32 unless `--dtype`; 8-bit weights with `--quantization`) through `LLMEngine.step()` with one sequence and the torch
 profiler on: torch ops are recorded as they are; the engine's phases (schedule, batch building,
 forward, sampling, output) and the native kernels' ctypes calls are wrapped in named ranges here; the whole-step native decode
 kernel, when it runs, also reports its own phases (qkv, attention, ... LM head).
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=25, help="table rows printed")
     ap.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--quantization", default="none", choices=("none", "int8", "fp8"))
     ap.add_argument(
         "--per-op",
         action="store_true",
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from disagg.worker.tools.make_model import make_model
 
     make_model(args.model, preset=args.preset, seed=0)
-    engine = LLM(model=str(args.model), dtype=args.dtype).engine
+    engine = LLM(model=str(args.model), dtype=args.dtype, quantization=args.quantization).engine
     params = SamplingParams(temperature=0.0, max_tokens=2 * args.steps + 8, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"profile-{i}", list(range(10 + i, 138 + i)), params)

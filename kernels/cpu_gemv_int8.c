@@ -116,6 +116,10 @@ static inline __attribute__((always_inline)) void gemv_block_i8(const int8_t *w,
  * at most 16383 * 127 per lane, exact in int32 up to K = 16K. Longer rows are summed in blocks of
  * I8_K_BLOCK, each block's integers added as floats. */
 #define I8_K_BLOCK 8192
+/* Bytes ahead of the loads that are prefetched, one line per 64 weights (past a row's end: the
+ * next row's, which follows it): the hardware prefetcher alone left the stream at 12.5-13.8 GB/s
+ * on 2 threads (Zen 3), this at 14.7-16 (a standalone loop over 256 MiB, taken in turn). */
+#define I8_PREFETCH 1024
 static inline __attribute__((always_inline)) void gemv_block_i8(const int8_t *w, float scale, int64_t k,
                                                                 const int16_t *xq, const float *sx, float *y,
                                                                 int64_t ys, const int nb) {
@@ -129,6 +133,7 @@ static inline __attribute__((always_inline)) void gemv_block_i8(const int8_t *w,
 #pragma GCC unroll 4
         for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = _mm256_setzero_si256();
         for (j = j0; j + 32 <= j1; j += 32) {
+            if (!(j & 32)) _mm_prefetch((const char *)(w + j + I8_PREFETCH), _MM_HINT_T0);
             const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + j)));
             const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + j + 16)));
 #pragma GCC unroll 4
