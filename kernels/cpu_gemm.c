@@ -298,6 +298,10 @@ void gemm_f32(const float *w, const float *bias, const float *x, float *y, int64
  * Returns -1 when out of memory. */
 int gemm_bf16w(const uint16_t *w, const uint16_t *bias, const uint16_t *x, uint16_t *y, int64_t m, int64_t n,
                int64_t k, int64_t num_threads) {
+    if (m == 0 || k == 0) { /* no products: the bias alone */
+        for (int64_t i = 0; i < m * n; i++) y[i] = bias ? bias[i % n] : 0;
+        return 0;
+    }
     float *xf = malloc((size_t)(m * k) * sizeof(float));
     if (!xf) return -1;
     int failed = 0;

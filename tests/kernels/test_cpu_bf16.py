@@ -85,6 +85,13 @@ def test_gemm_matches_float32_on_ragged_shapes(m, n, k):
     _close(cpu_bf16.gemm(x, w, bias), F.linear(x.float(), w.float(), bias.float()), atol)
 
 
+def test_gemm_of_no_products_is_the_bias():
+    gen = torch.Generator().manual_seed(5)
+    bias = _bf16(5, gen=gen)
+    assert torch.equal(cpu_bf16.gemm(_bf16(3, 0, gen=gen), _bf16(5, 0, gen=gen), bias), bias.expand(3, 5))
+    assert cpu_bf16.gemm(_bf16(0, 4, gen=gen), _bf16(5, 4, gen=gen)).shape == (0, 5)
+
+
 def test_gemm_refuses_bad_inputs():
     gen = torch.Generator().manual_seed(4)
     w, x = _bf16(8, 16, gen=gen), _bf16(20, 16, gen=gen)
