@@ -36,6 +36,9 @@ CHILD_RESOURCES = (
 )
 
 
+TIMER_EXIT_POLL_SECONDS = 1.0
+
+
 def default_login(**kwargs) -> kopf.ConnectionInfo:
     """In-cluster service account first, then a kubeconfig (KUBECONFIG or ~/.kube/config)."""
     conn = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
@@ -52,6 +55,9 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
         prefix=c.GROUP, key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING
+    # A deletion that lands during an autoscaler tick waits for the tick to return; kopf looks
+    # again only after this many seconds (60 by default: a minute added to every such deletion).
+    settings.background.cancellation_polling = TIMER_EXIT_POLL_SECONDS
 
 
 def _owner(body: dict) -> tuple[str, str, str] | None:

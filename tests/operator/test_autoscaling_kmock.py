@@ -176,3 +176,24 @@ async def test_operator_and_autoscaler_share_the_replica_count(cluster, router_m
         cluster.live(STS, "tiny-prefill")["spec"]["replicas"]
         == autoscaling_status(cluster, "prefill")["desiredReplicas"]
     )
+
+
+async def test_a_deletion_during_a_tick_waits_for_the_tick_not_a_minute(monkeypatch):
+    # kopf keeps the finalizer until a running timer returns, then polls for it (every 60 s by
+    # default): a deletion that lands mid-tick must finish soon after the tick does.
+    ticking = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    async def slow_tick(tick, memo):
+        loop.call_soon_threadsafe(ticking.set)  # kopf runs in its own thread and loop
+        await asyncio.sleep(2.0)
+
+    monkeypatch.setattr(autoscaler, "autoscale", slow_tick)
+    settings = autoscaler.Settings(interval_seconds=0.3, tuning=Tuning(window_seconds=1.0), metrics_port=0)
+    async with running_operator(settings) as cluster:
+        await cluster.api.apply(autoscaled_example(), field_manager="user")
+        await cluster.eventually(lambda: cluster.live(STS, "tiny-decode"), what="the decode StatefulSet")
+        ticking.clear()
+        await asyncio.wait_for(ticking.wait(), 10)
+        await cluster.api.delete("disagg.dev/v1alpha1", "InferenceDeployment", "default", "tiny")
+        await cluster.eventually(lambda: cluster.live(IDEP, "tiny") is None, timeout=20, what="deleted")
