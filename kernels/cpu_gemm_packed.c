@@ -1,12 +1,13 @@
 /* Matrix products of many rows (prefill chunks, large decode batches) on CPUs without AVX-512:
- * y[m][n] = x[m] . W[n] (* scale[n]) (+ bias[n]), W [N][K] row-major (float32, bf16, or int8 with
- * one scale per row), x [M][K] float32.
+ * y[m][n] = x[m] . W[n] (* scale[n]) (+ bias[n]), W [N][K] row-major (float32, bf16, or int8 or fp8
+ * e4m3 with one scale per row), x [M][K] float32.
  *
  * cpu_gemm.c's tiles take weights and inputs along K (dot products, summed across lanes at the
  * end); with AVX2's 16 registers a tile is 4 weight rows by 3 inputs, and it reached 65-73 GFLOP/s
  * on 2 threads (Zen 3), half of torch's GEMM. Here the weights of PW output columns are packed
  * once per call into a panel [K][PW] (widened to float32 as they are packed: bf16 exactly, int8
- * to its integer value, the row's scale applied to the finished sums), and a micro-kernel keeps
+ * to its integer value, fp8 to its value through a 256-entry table, the row's scale applied to the
+ * finished sums), and a micro-kernel keeps
  * PM inputs by PW columns of y in registers (6 x 2 vectors: 12 of 16 AVX2 registers), each step of
  * K one broadcast input value and two panel vectors for 12 multiply-adds: an outer product, no
  * lane sums. The panel's KC steps (KC x PW floats, 16 KiB) stay in L1 while every group of PM
@@ -26,10 +27,10 @@
 #define PM 6             /* inputs per micro-kernel */
 #define KC 256           /* steps of K per pass over the inputs */
 
-enum { PACKED_F32 = 0, PACKED_BF16 = 1, PACKED_INT8 = 2 };
+enum { PACKED_F32 = 0, PACKED_BF16 = 1, PACKED_INT8 = 2, PACKED_FP8 = 3 };
 
-/* p[j][c] = W[n0 + c][j] as float32 for c < cols (zeros after), j < k. */
-static void pack_panel(const void *w, int kind, int64_t n0, int cols, int64_t k, float *p) {
+/* p[j][c] = W[n0 + c][j] as float32 for c < cols (zeros after), j < k; fp8: every byte's value. */
+static void pack_panel(const void *w, int kind, const float *fp8, int64_t n0, int cols, int64_t k, float *p) {
     for (int c = 0; c < PW; c++) {
         if (c >= cols) {
             for (int64_t j = 0; j < k; j++) p[j * PW + c] = 0.0f;
@@ -40,6 +41,8 @@ static void pack_panel(const void *w, int kind, int64_t n0, int cols, int64_t k,
             for (int64_t j = 0; j < k; j++) p[j * PW + c] = bf16_widen(((const bf16 *)w)[row + j]);
         else if (kind == PACKED_INT8)
             for (int64_t j = 0; j < k; j++) p[j * PW + c] = (float)((const int8_t *)w)[row + j];
+        else if (kind == PACKED_FP8)
+            for (int64_t j = 0; j < k; j++) p[j * PW + c] = fp8[((const uint8_t *)w)[row + j]];
         else
             for (int64_t j = 0; j < k; j++) p[j * PW + c] = ((const float *)w)[row + j];
     }
@@ -92,8 +95,9 @@ static void micro_rows(const float *p, const float *x, int64_t xs, int64_t kc, f
     }
 }
 
-/* y [m][n] = x [m][k] W^T (* scale) (+ bias) over num_threads threads; kind: PACKED_F32, PACKED_BF16
- * or PACKED_INT8 (then scale[n] is required, else ignored). Returns -1 when out of memory. */
+/* y [m][n] = x [m][k] W^T (* scale) (+ bias) over num_threads threads; kind: PACKED_F32, PACKED_BF16,
+ * PACKED_INT8 or PACKED_FP8 (the last two need scale[n]; others ignore it). Returns -1 when out of
+ * memory. */
 int gemm_packed(const void *w, int64_t kind, const float *scale, const float *bias, const float *x, float *y,
                 int64_t m, int64_t n, int64_t k, int64_t num_threads) {
     const int64_t panels = (n + PW - 1) / PW;
@@ -102,6 +106,9 @@ int gemm_packed(const void *w, int64_t kind, const float *scale, const float *bi
             for (int64_t c = 0; c < n; c++) y[i * n + c] = bias ? bias[c] : 0.0f;
         return 0;
     }
+    const int scaled = kind == PACKED_INT8 || kind == PACKED_FP8;
+    float fp8[256];
+    for (int v = 0; v < 256; v++) fp8[v] = fp8_e4m3_value((uint8_t)v);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
@@ -115,7 +122,7 @@ int gemm_packed(const void *w, int64_t kind, const float *scale, const float *bi
             if (!p) continue;
             const int64_t n0 = panel * PW;
             const int cols = n - n0 < PW ? (int)(n - n0) : PW;
-            pack_panel(w, (int)kind, n0, cols, k, p);
+            pack_panel(w, (int)kind, fp8, n0, cols, k, p);
             for (int64_t k0 = 0; k0 < k; k0 += KC) {
                 const int64_t kc = k - k0 < KC ? k - k0 : KC;
                 for (int64_t m0 = 0; m0 < m; m0 += PM) {
@@ -123,11 +130,11 @@ int gemm_packed(const void *w, int64_t kind, const float *scale, const float *bi
                     micro_rows(p + k0 * PW, x + m0 * k + k0, k, kc, y + m0 * n + n0, n, k0 == 0, mr, cols);
                 }
             }
-            if (kind == PACKED_INT8 || bias)
+            if (scaled || bias)
                 for (int64_t i = 0; i < m; i++)
                     for (int c = 0; c < cols; c++) {
                         float *v = y + i * n + n0 + c;
-                        if (kind == PACKED_INT8) *v *= scale[n0 + c];
+                        if (scaled) *v *= scale[n0 + c];
                         if (bias) *v += bias[n0 + c];
                     }
         }

@@ -5,7 +5,7 @@
  * (sign to bit 15, the other seven bits to bits 7-13) is a float16 of the same value times 2^-8
  * (float16's exponent bias is 15), subnormals included; so 16 weights become floats with a sign
  * extension, a shift, a mask and the hardware float16 conversion, and the 2^8 is folded into the
- * row's scale. (0x7f / 0xff, e4m3fn's NaN, would read as 480: quantizers never write it.)
+ * row's scale.
  * Rows are handed to threads as in cpu_gemv.c.
  */
 #include "cpu_kernels.h"
@@ -25,11 +25,7 @@
 #define FP8_UNSCALE 256.0f /* 2^8: float16 field value -> e4m3 value */
 
 /* One e4m3 byte as its float value / 256 (portable form of the vector conversion). */
-static inline float fp8_scaled(uint8_t v) {
-    const int e = (v >> 3) & 15, m = v & 7;
-    const float mag = e ? (1.0f + m / 8.0f) * (float)(1 << e) / 128.0f : m / 8.0f / 64.0f; /* e4m3 value */
-    return (v & 0x80 ? -mag : mag) / FP8_UNSCALE;
-}
+static inline float fp8_scaled(uint8_t v) { return fp8_e4m3_value(v) / FP8_UNSCALE; }
 
 #ifdef FP8_AVX512
 static inline __m512 load16_fp8(const uint8_t *p) {

@@ -56,6 +56,14 @@ static inline float bf16_widen(bf16 h) {
     return u.f;
 }
 
+/* One float8_e4m3fn byte's value: sign, 4 exponent bits of bias 7 (0: subnormal), 3 mantissa bits.
+ * (0x7f / 0xff, e4m3fn's NaN, reads as 480: quantizers never write it.) */
+static inline float fp8_e4m3_value(uint8_t v) {
+    const int e = (v >> 3) & 15, m = v & 7;
+    const float mag = e ? (1.0f + m / 8.0f) * (float)(1 << e) / 128.0f : m / 8.0f / 64.0f;
+    return v & 0x80 ? -mag : mag;
+}
+
 /* Round to nearest even; a NaN stays a (quiet) NaN. */
 static inline bf16 bf16_narrow(float f) {
     union { float f; uint32_t i; } u = {.f = f};

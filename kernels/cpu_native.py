@@ -328,27 +328,30 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return y
 
 
-_PACKED_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_PACKED_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
+_SCALED_KINDS = (torch.int8, torch.float8_e4m3fn)
 
 
 def gemm_packed(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`F.linear(x, weight * scale[:, None], bias)` for float32 x [M, K] of many rows and weight [N, K]
-    float32, bf16 or int8 (int8 with one float32 `scale` per row): weight panels packed (and
-    widened) once per call, an outer-product micro-kernel over them (cpu_gemm_packed.c). For CPUs
-    without AVX-512, where it runs at torch's float32 GEMM speed and twice the tiles of `gemm`."""
+    float32, bf16, int8 or float8_e4m3fn (the 8-bit ones with one float32 `scale` per row): weight
+    panels packed (and widened) once per call, an outer-product micro-kernel over them
+    (cpu_gemm_packed.c). For CPUs without AVX-512, where it runs at torch's float32 GEMM speed and
+    twice the tiles of `gemm`."""
     _check_f32(x=x, **({} if bias is None else {"bias": bias}), **({} if scale is None else {"scale": scale}))
     kind = _PACKED_KINDS.get(weight.dtype)
     if kind is None or not weight.is_contiguous() or weight.device.type != "cpu":
         raise ValueError(
-            f"weight: a contiguous float32, bfloat16 or int8 CPU tensor, got {weight.dtype} {weight.device}"
+            "weight: a contiguous float32, bfloat16, int8 or float8_e4m3fn CPU tensor, "
+            f"got {weight.dtype} {weight.device}"
         )
     (m, k), n = x.shape, weight.shape[0]
     if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: shapes do not match")
-    if (weight.dtype == torch.int8) != (scale is not None) or (scale is not None and scale.shape != (n,)):
-        raise ValueError("scale: int8 weights need one float32 scale per row, other weights none")
+    if (weight.dtype in _SCALED_KINDS) != (scale is not None) or (scale is not None and scale.shape != (n,)):
+        raise ValueError("scale: int8 and fp8 weights need one float32 scale per row, other weights none")
     y = torch.empty(m, n, dtype=torch.float32)
     if _require().gemm_packed(
         weight.data_ptr(), kind, None if scale is None else scale.data_ptr(),

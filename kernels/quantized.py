@@ -44,7 +44,8 @@ W8A8_MIN_ROWS = 5
 # Up to this many rows the native W8A8 GEMM; beyond, the torch twin (rounded rows, widened weight).
 GEMM_INT8_MAX_ROWS = 1024
 # fp8 widens every weight in float (no integer dot product): par with the float32 GEMM at 16 rows;
-# beyond, the weight is widened once per call (natively) for torch's GEMM.
+# beyond, without AVX-512 the packed GEMM (weights widened as they are packed), with it the weight
+# widened once per call (natively) for torch's GEMM.
 FP8_NATIVE_MAX_ROWS = 16
 # Up to this many rows the native float32 GEMM (register tiles of 4 weight rows by up to 6 inputs)
 # beats torch's on an AVX-512 CPU (measured with bench/small_gemm.py, 2 threads, on the small preset's
@@ -239,6 +240,9 @@ def linear(
                 and (bias is None or bias.dtype == torch.float32)
             ):
                 return cpu_native.gemv_fp8(x.contiguous(), w.data, w.scale, bias)
+            if _narrow_tiles() and x.dtype == torch.float32 and x.dim() == 2:
+                b = None if bias is None else bias.float().contiguous()
+                return cpu_native.gemm_packed(x.contiguous(), w.data, b, w.scale)
             # many rows: widen the weight once, natively (torch's e4m3 conversion is scalar)
             y = F.linear(x, cpu_native.fp8_to_float32(w.data).to(x.dtype)) * w.scale.to(x.dtype)
             return y if bias is None else y + bias

@@ -79,7 +79,7 @@ def test_linear_takes_the_native_gemm_up_to_its_row_limit():
 # micro-kernel's 6 rows, their remainders.
 @pytest.mark.parametrize("k", [1, 17, 300, 781], ids=case_id)
 @pytest.mark.parametrize("n", [1, 19, 67], ids=case_id)
-@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "fp8"])
 def test_packed_matches_f_linear_of_the_widened_weight(n, k, kind):
     gen = torch.Generator().manual_seed(n * 10 + k)
     for m in (1, 5, 6, 7, 40):
@@ -90,6 +90,11 @@ def test_packed_matches_f_linear_of_the_widened_weight(n, k, kind):
         elif kind == "int8":
             w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
             scale = torch.rand(n, generator=gen) / 127 * k**-0.5
+        elif kind == "fp8":  # every byte but e4m3fn's two NaNs, in turn
+            codes = torch.arange(n * k) % 256
+            codes = torch.where((codes & 0x7F) == 0x7F, 0, codes).to(torch.uint8)
+            w = codes.view(torch.float8_e4m3fn).reshape(n, k)
+            scale = torch.rand(n, generator=gen) / 448 * k**-0.5
         wide = w.float() if scale is None else w.float() * scale[:, None]
         for b in (None, bias):
             got = cpu_native.gemm_packed(x, w, b, scale)
@@ -127,3 +132,13 @@ def test_linear_takes_the_packed_gemm_beyond_the_tiles_without_avx512(monkeypatc
         want = cpu_native.gemm_packed(x, w, bias) if floats == 8 else cpu_native.gemm(x, w, bias)
         assert torch.equal(quantized.linear(x, w, bias), want)
         assert torch.equal(quantized.linear(x[:-1], w, bias), cpu_native.gemm(x[:-1], w, bias))
+
+
+def test_fp8_weights_of_many_rows_take_the_packed_gemm_without_avx512(monkeypatch):
+    x, w, bias = _operands(quantized.FP8_NATIVE_MAX_ROWS + 1, 40, 48, seed=9)
+    scale = w.abs().amax(1) / 448
+    q = quantized.QuantizedWeight((w / scale[:, None]).to(torch.float8_e4m3fn), scale)
+    monkeypatch.setattr(cpu_native, "gemm_vector_floats", lambda: 8)
+    assert torch.equal(quantized.linear(x, q, bias), cpu_native.gemm_packed(x, q.data, bias, q.scale))
+    few = x[: quantized.FP8_NATIVE_MAX_ROWS]
+    assert torch.equal(quantized.linear(few, q, bias), cpu_native.gemv_fp8(few, q.data, q.scale, bias))
