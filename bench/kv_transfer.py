@@ -30,6 +30,9 @@ right before every transfer: "vs copy_" is the median of these paired ratios, so
 machine whose load drifts. Figures are medians over --reps (plus the best run); the receiver
 checks the bytes (a hash of its destination blocks against the sender's source blocks) after
 every transfer. The scattered pattern copied in-process by tensor indexing is shown for reference.
+Caches and the copy_ baseline's buffers are allocated as a worker allocates its KV cache
+(`disagg.worker.model.kv_memory`: transparent huge pages); `--pages small` gives them torch's
+4 KiB pages instead, the layout before huge pages, to compare.
 """
 
 from __future__ import annotations
@@ -46,9 +49,21 @@ import time
 
 import torch
 
+from disagg.worker.model import kv_memory
+
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE, MODEL = 12, 4, 64, "bfloat16", "small"
 QUANTIZED = ("int8", "fp8")
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+PAGES_ENV = "DISAGG_BENCH_KV_PAGES"  # --pages, for the spawned receiver too
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Memory as a worker allocates its KV cache (`kv_memory.zeros`: huge pages), or, with
+    `--pages small`, torch's own (4 KiB pages). Read from the environment: the receiver is a
+    spawned process."""
+    if os.environ.get(PAGES_ENV, "huge") == "small":
+        return torch.zeros(shape, dtype=dtype)
+    return kv_memory.zeros(shape, dtype)
 
 
 def _cache(num_blocks: int, block_size: int, seed: int, kv_dtype: str = DTYPE) -> torch.Tensor:
@@ -58,13 +73,12 @@ def _cache(num_blocks: int, block_size: int, seed: int, kv_dtype: str = DTYPE) -
     g = torch.Generator().manual_seed(seed)
     if kv_dtype in QUANTIZED:
         shape = (LAYERS, num_blocks, region_bytes(block_size, KV_HEADS, HEAD_DIM))
-        return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+        return _zeros(shape, torch.uint8).copy_(torch.randint(0, 256, shape, generator=g, dtype=torch.uint8))
     dtype = getattr(torch, kv_dtype)
     shape = (LAYERS, num_blocks, 2, block_size, KV_HEADS, HEAD_DIM)
     bits = _BITS[dtype.itemsize]
-    return torch.randint(torch.iinfo(bits).min, torch.iinfo(bits).max, shape, generator=g, dtype=bits).view(
-        dtype
-    )
+    noise = torch.randint(torch.iinfo(bits).min, torch.iinfo(bits).max, shape, generator=g, dtype=bits)
+    return _zeros(shape, dtype).view(bits).copy_(noise).view(dtype)
 
 
 def _layout(cache: torch.Tensor, block_size: int, kv_dtype: str):
@@ -127,8 +141,8 @@ class _Copier:
     as the transports' caches are."""
 
     def __init__(self, nbytes: int):
-        self.src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        self.dst = torch.empty_like(self.src)
+        self.src = _zeros((nbytes,), torch.uint8).copy_(torch.randint(0, 255, (nbytes,), dtype=torch.uint8))
+        self.dst = _zeros((nbytes,), torch.uint8)
         self.dst.copy_(self.src)
 
     def seconds(self, threads: int | None = None) -> float:
@@ -294,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-dtypes", default=None, help="per-request figures for these KV dtypes, e.g. "
                         "float32,bfloat16,int8 (fp8 too); see the module doc")  # fmt: skip
     parser.add_argument("--prompt-tokens", default="512,2048", help="with --kv-dtypes: prompt lengths")
+    parser.add_argument("--pages", choices=("huge", "small"), default="huge",
+                        help="the caches' memory: as workers allocate it (huge pages), or 4 KiB pages")  # fmt: skip
     args = parser.parse_args(argv)
+    os.environ[PAGES_ENV] = args.pages
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -336,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         del copier
 
     print(f"\nKV transfer bandwidth, median of {args.reps} (torch threads: {torch.get_num_threads()}, "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")  # fmt: skip
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {args.pages} pages)")  # fmt: skip
     print(f"{'size':>8} {'transport':>17} {'block ids':>11} {'sends':>10} {'runs/send':>9} {'desc/send':>9} "
           f"{'ms':>8} {'GiB/s':>7} {'best':>6} {'vs copy_':>9}")  # fmt: skip
     for nbytes, kind, pattern, mode, (median, best, ratio, descs, runs) in rows:
@@ -371,7 +388,7 @@ def per_request(args, log) -> int:
     reference = {(r[0], r[1], r[2], r[3]): r for r in rows if r[4] == "float32"}
     print(f"\nKV per request, median of {args.reps} (torch threads: {torch.get_num_threads()}, load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {LAYERS} layers, {KV_HEADS} KV heads, head dim "
-          f"{HEAD_DIM}, block size {args.block_size})")  # fmt: skip
+          f"{HEAD_DIM}, block size {args.block_size}; {args.pages} pages)")  # fmt: skip
     print(f"{'tokens':>6} {'transport':>9} {'block ids':>10} {'sends':>9} {'KV':>8} {'bytes':>10} {'B/token':>8} "
           f"{'ms':>8} {'best':>7} {'bytes vs f32':>12} {'time vs f32':>11}")  # fmt: skip
     for tokens, kind, pattern, mode, kv_dtype, nbytes, median, best in rows:

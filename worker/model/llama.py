@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from disagg.kernels import cpu_bf16, cpu_decode_step, cpu_kv_quant, cpu_native, get_ops, torch_ops
 from disagg.kernels.kv_quant import KVQuantFormat, QuantizedKVStep
 from disagg.kernels.quantized import QuantizedWeight, linear
+from disagg.worker.model import kv_memory
 from disagg.worker.model.config import ModelConfig, RopeConfig
 from disagg.worker.model.forward_batch import ForwardBatch
 from disagg.worker.model.parallel import TensorParallel
@@ -219,10 +220,10 @@ class LlamaForCausalLM:
         return math.prod(self.kv_cache_shape(1, block_size)) * itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        """The zeroed cache; in host RAM on huge pages (`kv_memory`: faster KV transfer)."""
         self.kv_format = self.kv_cache_format(block_size)
-        if self.kv_format is not None:
-            return self.kv_format.allocate(self.num_layers, num_blocks, self.device)
-        return torch.zeros(self.kv_cache_shape(num_blocks, block_size), dtype=self.dtype, device=self.device)
+        dtype = self.dtype if self.kv_format is None else torch.uint8
+        return kv_memory.zeros(self.kv_cache_shape(num_blocks, block_size), dtype, self.device)
 
     @torch.inference_mode()
     def forward(
