@@ -25,6 +25,11 @@ def test_an_idle_decode_worker_never_pays_the_trip_on_equal_hardware():
     d = decide()
     assert not d.remote and d.reason == "idle_local_faster"
     assert d.remote_s == pytest.approx(d.local_s + 0.01)
+    # rates measured apart are a few percent off: a remote estimate a little under the local one
+    # is noise, and going remote on it would lose TTFT to a colocated worker
+    slightly = decide(remote=PrefillSite(0, RATE * 1.08), extra=0.0)
+    assert slightly.remote_s < slightly.local_s and not slightly.remote
+    assert decide(remote=PrefillSite(0, RATE * 1.15), extra=0.0).remote
 
 
 def test_an_idle_decode_worker_uses_a_faster_or_less_loaded_prefill_site():
