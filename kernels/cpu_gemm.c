@@ -220,49 +220,34 @@ static void gemm_tile_rows(const void *w, int kind, int64_t k, const void *x, in
         GEMM_TILE_NR(w, 0, k, x, 0, xs, y, ys, nr, mr, prefetch)
 }
 
-/* Weight rows [r0, r1) against inputs [0, m), into y[i * ys + r - r_base]: tiles of nearly equal
- * size (32 rows: 6 6 5 5 5 5, not 6 6 6 6 6 2, whose last tile would be bound by its loads). */
-static void gemm_block(const void *w, int wbf16, int64_t k, const float *x, float *y, int64_t ys,
-                       int64_t r_base, int64_t m, int64_t r0, int64_t r1) {
-    const int64_t tiles = (m + MR - 1) / MR;
-    for (int64_t r = r0; r < r1; r += NR) {
-        const int nr = r1 - r < NR ? (int)(r1 - r) : NR;
-        int64_t m0 = 0;
-        for (int64_t t = 0; t < tiles; t++) {
-            const int mr = (int)((m - m0) / (tiles - t)) + ((m - m0) % (tiles - t) ? 1 : 0);
-            gemm_tile_rows(w_at(w, r * k, wbf16), wbf16 ? TILE_BF16_W : TILE_F32, k, x + m0 * k, k,
-                           y + m0 * ys + r - r_base, ys, nr, mr, t == 0);
-            m0 += mr;
-        }
-    }
-}
-
-/* y[b * ys + r] = W[r] . x[b] for weight rows [r0, r1) and m inputs (xs apart), in register tiles
- * of up to MR inputs of nearly equal size: for the GEMV's few-input case (see gemv_tiled_rows_f32
- * in cpu_kernels.h), float32 or (kind TILE_BF16) bf16 weights and inputs. */
+/* y[i * ys + r - r0] = W[r] . x[i] for weight rows [r0, r1) and m inputs (xs values apart), in
+ * register tiles of up to MR inputs of nearly equal size (32 inputs: 6 6 5 5 5 5, not 6 6 6 6 6 2,
+ * whose last tile would be bound by its loads); `kind` says which operands are bf16 (TILE_*). */
 static void tiled_rows(const void *w, int kind, int64_t k, const void *x, int64_t xs, float *y, int64_t ys,
                        int64_t m, int64_t r0, int64_t r1) {
-    const int bf = kind == TILE_BF16;
+    const int wbf = kind != TILE_F32, xbf = kind == TILE_BF16;
     const int64_t tiles = (m + MR - 1) / MR;
     for (int64_t r = r0; r < r1; r += NR) {
         const int nr = r1 - r < NR ? (int)(r1 - r) : NR;
         int64_t m0 = 0;
         for (int64_t t = 0; t < tiles; t++) {
             const int mr = (int)((m - m0) / (tiles - t)) + ((m - m0) % (tiles - t) ? 1 : 0);
-            gemm_tile_rows(w_at(w, r * k, bf), kind, k, w_at(x, m0 * xs, bf), xs, y + m0 * ys + r, ys, nr, mr, t == 0);
+            gemm_tile_rows(w_at(w, r * k, wbf), kind, k, w_at(x, m0 * xs, xbf), xs, y + m0 * ys + r - r0, ys, nr,
+                           mr, t == 0);
             m0 += mr;
         }
     }
 }
 
+/* The GEMV's few-input case (see gemv_tiled_rows_f32 in cpu_kernels.h): y[b * ys + r]. */
 void gemv_tiled_rows_f32(const float *w, int64_t k, const float *x, int64_t xs, float *y, int64_t ys, int64_t m,
                          int64_t r0, int64_t r1) {
-    tiled_rows(w, TILE_F32, k, x, xs, y, ys, m, r0, r1);
+    tiled_rows(w, TILE_F32, k, x, xs, y + r0, ys, m, r0, r1);
 }
 
 void gemv_tiled_rows_bf16(const uint16_t *w, int64_t k, const uint16_t *x, int64_t xs, float *y, int64_t ys,
                           int64_t m, int64_t r0, int64_t r1) {
-    tiled_rows(w, TILE_BF16, k, x, xs, y, ys, m, r0, r1);
+    tiled_rows(w, TILE_BF16, k, x, xs, y + r0, ys, m, r0, r1);
 }
 
 /* Weight rows [r0, r1) against all m inputs into y[i * ys + r - r_base], GEMM_M_BLOCK inputs at a
@@ -273,7 +258,8 @@ static void gemm_rows(const void *w, int wbf16, int64_t k, const float *x, float
     const int64_t blocks = (m + GEMM_M_BLOCK - 1) / GEMM_M_BLOCK;
     for (int64_t b = 0, m0 = 0; b < blocks; b++) {
         const int64_t mb = (m - m0) / (blocks - b) + ((m - m0) % (blocks - b) ? 1 : 0);
-        gemm_block(w, wbf16, k, x + m0 * k, y + m0 * ys, ys, r_base, mb, r0, r1);
+        tiled_rows(w, wbf16 ? TILE_BF16_W : TILE_F32, k, x + m0 * k, k, y + m0 * ys + r0 - r_base, ys, mb, r0,
+                   r1);
         m0 += mb;
     }
 }
