@@ -70,7 +70,7 @@ def int8_table(cpu_native, rows: list[int], wanted: set[str], args, gen: torch.G
     # without VNNI the W8A8 GEMM sums in plain loops (not a path `linear` takes): not timed there
     columns = [("W8A8", 5), ("A16x2", 6)] if vnni else []
     columns += [("GEMV", 5)]
-    if cpu_native.gemm_vector_floats() < 16:  # without AVX-512: the packed-panel GEMM, int8 widened as packed
+    if cpu_native.narrow_tiles():  # without AVX-512: the packed-panel GEMM, int8 widened as packed
         columns += [("packed", 6)]
     columns += [("widen", 5), ("torch", 5)]
     head = " ".join(f"{key:>{width}}" for key, width in columns)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     # bf16: the native GEMV (`cpu_bf16.gemv`) at every M is the "native" column, and the last column
     # the native bf16 GEMM (`cpu_bf16.gemm`, what CPUs without bf16 products take beyond 8 rows)
-    if args.dtype == "float32" and cpu_native.gemm_vector_floats() < 16:
+    if args.dtype == "float32" and cpu_native.narrow_tiles():
         # without AVX-512 many rows take the packed-panel GEMM: the last column
         native_fn, third_fn, third_max_rows, third_name = (
             cpu_native.gemm,

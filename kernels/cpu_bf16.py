@@ -89,7 +89,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     (m, k), n = x.shape, weight.shape[0]
     if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: shapes do not match")
-    if m > PACKED_MIN_ROWS and cpu_native.gemm_vector_floats() < 16:
+    if m > PACKED_MIN_ROWS and cpu_native.narrow_tiles():
         b = None if bias is None else bias.float()
         return cpu_native.gemm_packed(x.float(), weight, b).to(torch.bfloat16)
     y = torch.empty(m, n, dtype=torch.bfloat16)

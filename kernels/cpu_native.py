@@ -15,6 +15,7 @@ engine keeps the plain-torch path: results agree within float32 rounding, only s
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -361,10 +362,18 @@ def gemm_packed(
     return y
 
 
+@functools.cache
 def gemm_vector_floats() -> int:
     """Floats per vector register the GEMM's tiles were built for: 16 with AVX-512, 8 elsewhere
-    (where its tiles are a third the size and torch's GEMM takes over at fewer rows)."""
+    (where its tiles are a third the size and torch's GEMM takes over at fewer rows). Asked once:
+    matmul dispatch reads it on every call."""
     return int(_require().gemm_vector_floats())
+
+
+def narrow_tiles() -> bool:
+    """Whether the kernels were built without AVX-512 (8-float tiles): the packed-panel GEMM then
+    takes the products of many rows."""
+    return available() and gemm_vector_floats() < 16
 
 
 def gemv_silu(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -154,11 +154,6 @@ def scaled_linear_torch(
     return y if bias is None else y + bias
 
 
-def _narrow_tiles() -> bool:
-    """Whether the native GEMM's tiles are AVX2's (8 floats): the packed GEMM then takes many rows."""
-    return cpu_native.available() and cpu_native.gemm_vector_floats() < 16
-
-
 def _gemm_native_max_rows() -> int:
     """Rows up to which the native float32 GEMM beats torch's: by the width its tiles were built for."""
     if not cpu_native.available():
@@ -203,7 +198,7 @@ def linear(
     if not isinstance(w, QuantizedWeight):
         if _native_fits(x, w, bias, torch.float32, _gemm_native_max_rows()):
             return cpu_native.gemm(x.contiguous(), w, bias)
-        if _narrow_tiles() and _native_fits(x, w, bias, torch.float32, 1 << 62):
+        if cpu_native.narrow_tiles() and _native_fits(x, w, bias, torch.float32, 1 << 62):
             return cpu_native.gemm_packed(x.contiguous(), w, bias)
         if _native_fits(x, w, bias, torch.bfloat16, BF16_GEMV_MAX_ROWS):
             return cpu_bf16.gemv(x.contiguous(), w, bias)
@@ -229,7 +224,13 @@ def linear(
             and cpu_native.available()
         ):
             return cpu_native.gemv_int8(x.contiguous(), w.data, w.scale, bias)
-        if w.scheme == "int8" and not vnni and _narrow_tiles() and x.dtype == torch.float32 and x.dim() == 2:
+        if (
+            w.scheme == "int8"
+            and not vnni
+            and cpu_native.narrow_tiles()
+            and x.dtype == torch.float32
+            and x.dim() == 2
+        ):
             b = None if bias is None else bias.float().contiguous()
             return cpu_native.gemm_packed(x.contiguous(), w.data, b, w.scale)
         if w.scheme == "fp8" and cpu_native.available():
@@ -240,7 +241,7 @@ def linear(
                 and (bias is None or bias.dtype == torch.float32)
             ):
                 return cpu_native.gemv_fp8(x.contiguous(), w.data, w.scale, bias)
-            if _narrow_tiles() and x.dtype == torch.float32 and x.dim() == 2:
+            if cpu_native.narrow_tiles() and x.dtype == torch.float32 and x.dim() == 2:
                 b = None if bias is None else bias.float().contiguous()
                 return cpu_native.gemm_packed(x.contiguous(), w.data, b, w.scale)
             # many rows: widen the weight once, natively (torch's e4m3 conversion is scalar)
