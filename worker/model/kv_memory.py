@@ -15,6 +15,7 @@ a GPU cache) torch.zeros.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 
@@ -35,10 +36,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = torch.frombuffer(area, dtype=torch.uint8, count=1).data_ptr()
     start = -base % HUGE_PAGE
-    try:
+    # EINVAL where the kernel has no THP: the cache keeps plain pages, still zeroed.
+    with contextlib.suppress(OSError):
         area.madvise(mmap.MADV_HUGEPAGE, start, size - start)
-    except OSError:
-        pass  # THP not built into this kernel: plain pages, still zeroed
     # frombuffer keeps `area` alive for as long as the tensor (or a view of it) lives.
     flat = torch.frombuffer(area, dtype=torch.uint8, count=nbytes, offset=start)
     return flat.view(dtype).view(shape)
