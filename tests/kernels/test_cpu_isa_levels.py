@@ -71,7 +71,7 @@ def test_native_kernel_tests_pass_when_built_for(level, tmp_path):
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert probe.stdout.split() == ["8"], "below AVX-512 the GEMM tiles are 8 floats wide"
     run = subprocess.run(
-        # (the cache-directory tests build the kernels several times over and check no code path)
+        # (the cache-directory tests check no code path)
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-k", "not cache", *KERNEL_TESTS],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
