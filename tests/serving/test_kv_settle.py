@@ -373,3 +373,57 @@ def test_a_rank_asked_again_after_it_settled_does_not_fail_the_handle():
     finish.settle_rank(1, ("error", "rank 1 has no sends of transfer 't'"))
     send.succeed()
     assert finish.poll() == DONE
+
+
+def test_a_stream_cancelled_while_its_remote_prefill_reserves_holds_nothing(engine):
+    """The stream ends (client gone, a sibling's prompt refused) while the engine loop is
+    reserving the blocks of its remote prefill: no Prefill went out, so nothing can land there
+    and nothing may stay held for it (a quarantine would keep the blocks for minutes)."""
+    import asyncio
+    import threading
+
+    from disagg.proto import worker_pb2 as wpb
+    from disagg.worker.serving.engine_loop import EngineLoop
+    from disagg.worker.serving.servicer import ServingOptions, WorkerService
+
+    t, core = _decode(engine)
+    loop = EngineLoop()
+    loop.step_fn, loop.has_work = core.step, core.has_work
+    loop.add_poller(core.poll_receiver)
+    loop.start(lambda: None).result(timeout=10)
+    reserving, go_on = threading.Event(), threading.Event()
+    reserve = core.on_loop_reserve_expecting
+
+    def slow_reserve(*args):
+        reserving.set()
+        go_on.wait(10)  # the cancel lands while the loop is in here
+        return reserve(*args)
+
+    core.on_loop_reserve_expecting = slow_reserve
+    opts = ServingOptions("decode-0", "decode", "tiny", "127.0.0.1:1", disagg_threshold=1,
+                          prefill_placement="threshold")  # fmt: skip
+    service = WorkerService(opts, loop, core, None, core.metrics, engine.max_model_len)
+    service.ready = True
+    request = wpb.GenerateRequest(
+        request_id="r",
+        prompt_token_ids=_prompt(40, 7),
+        params=wpb.SamplingParams(max_tokens=2),
+        prefill_targets=[wpb.PrefillTarget(worker_id="prefill-0", address="127.0.0.1:1")],
+    )
+
+    async def cancel_mid_reservation():
+        first = asyncio.ensure_future(service.Generate(request, None).__anext__())
+        await asyncio.get_running_loop().run_in_executor(None, reserving.wait, 10)
+        first.cancel()
+        go_on.set()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+    try:
+        asyncio.run(cancel_mid_reservation())
+        loop.call(lambda: None).result(timeout=10)  # behind the stream's abort
+    finally:
+        go_on.set()
+        loop.stop()
+    assert reserving.is_set() and not core.quarantined and not core.kv_waits
+    _idle(core)

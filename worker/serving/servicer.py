@@ -331,7 +331,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         began = time.monotonic()
         current = Attempt.new(rid, 0)
         reserve = self.core.on_loop_reserve_expecting
-        dst = await self._call(reserve, rid, prompt, params, sink, current.transfer_id, current.on_landed)
+        try:
+            dst = await self._call(reserve, rid, prompt, params, sink, current.transfer_id, current.on_landed)
+        except asyncio.CancelledError:
+            # The loop may have reserved and begun awaiting the transfer before the cancel took
+            # effect. No Prefill went out, so nothing can land: end that wait as settled (queued
+            # behind the reservation), or the request's abort would quarantine its blocks for a
+            # transfer that never comes. The abort in Generate frees the reservation.
+            await self._call(self.core.on_loop_end_attempt, current.transfer_id, True)
+            raise
         # The first attempt's transfer record is written while its Prefill call is out, not before:
         # Redis stays off the first token's path. Nothing precedes that attempt to fence it against,
         # so P gets generation 0 (unchecked); a retry starts only after the failed attempt's Abort,
