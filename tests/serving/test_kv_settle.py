@@ -375,6 +375,41 @@ def test_a_rank_asked_again_after_it_settled_does_not_fail_the_handle():
     assert finish.poll() == DONE
 
 
+# ---- the decode worker's gRPC service, in-process over the same engine -----------------------------
+def _service(engine, core, state=None):
+    """The engine loop running `core`, and a decode worker's service over them."""
+    from disagg.worker.serving.engine_loop import EngineLoop
+    from disagg.worker.serving.servicer import ServingOptions, WorkerService
+
+    loop = EngineLoop()
+    loop.step_fn, loop.has_work = core.step, core.has_work
+    loop.add_poller(core.poll_receiver)
+    loop.start(lambda: None).result(timeout=10)
+    opts = ServingOptions("decode-0", "decode", "tiny", "127.0.0.1:1", disagg_threshold=1,
+                          prefill_placement="threshold")  # fmt: skip
+    service = WorkerService(opts, loop, core, state, core.metrics, engine.max_model_len)
+    service.ready = True
+    return loop, service
+
+
+def _remote_request(request_id: str, prompt: list[int], *addresses: str):
+    """A Generate request that the decode worker prefills on the given prefill workers."""
+    from disagg.proto import worker_pb2 as wpb
+
+    targets = [wpb.PrefillTarget(worker_id=f"prefill-{i}", address=a) for i, a in enumerate(addresses)]
+    return wpb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
+                               params=wpb.SamplingParams(max_tokens=2), prefill_targets=targets)  # fmt: skip
+
+
+def _dead_address() -> str:
+    """A loopback port nothing listens on: calls to it fail at once (connection refused)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
 def test_a_stream_cancelled_while_its_remote_prefill_reserves_holds_nothing(engine):
     """The stream ends (client gone, a sibling's prompt refused) while the engine loop is
     reserving the blocks of its remote prefill: no Prefill went out, so nothing can land there
@@ -382,15 +417,7 @@ def test_a_stream_cancelled_while_its_remote_prefill_reserves_holds_nothing(engi
     import asyncio
     import threading
 
-    from disagg.proto import worker_pb2 as wpb
-    from disagg.worker.serving.engine_loop import EngineLoop
-    from disagg.worker.serving.servicer import ServingOptions, WorkerService
-
     t, core = _decode(engine)
-    loop = EngineLoop()
-    loop.step_fn, loop.has_work = core.step, core.has_work
-    loop.add_poller(core.poll_receiver)
-    loop.start(lambda: None).result(timeout=10)
     reserving, go_on = threading.Event(), threading.Event()
     reserve = core.on_loop_reserve_expecting
 
@@ -400,16 +427,8 @@ def test_a_stream_cancelled_while_its_remote_prefill_reserves_holds_nothing(engi
         return reserve(*args)
 
     core.on_loop_reserve_expecting = slow_reserve
-    opts = ServingOptions("decode-0", "decode", "tiny", "127.0.0.1:1", disagg_threshold=1,
-                          prefill_placement="threshold")  # fmt: skip
-    service = WorkerService(opts, loop, core, None, core.metrics, engine.max_model_len)
-    service.ready = True
-    request = wpb.GenerateRequest(
-        request_id="r",
-        prompt_token_ids=_prompt(40, 7),
-        params=wpb.SamplingParams(max_tokens=2),
-        prefill_targets=[wpb.PrefillTarget(worker_id="prefill-0", address="127.0.0.1:1")],
-    )
+    loop, service = _service(engine, core)
+    request = _remote_request("r", _prompt(40, 7), "127.0.0.1:1")
 
     async def cancel_mid_reservation():
         first = asyncio.ensure_future(service.Generate(request, None).__anext__())
@@ -427,3 +446,47 @@ def test_a_stream_cancelled_while_its_remote_prefill_reserves_holds_nothing(engi
         loop.stop()
     assert reserving.is_set() and not core.quarantined and not core.kv_waits
     _idle(core)
+
+
+def test_a_stream_cancelled_between_attempts_finishes_its_transfer_record(engine, redis_url):
+    """The first prefill worker failed and the stream is cancelled while that attempt is being
+    cleaned up, before the retry: the transfer record in Redis ends with the request, not with
+    its lease (until then it holds the blocks in the index)."""
+    import asyncio
+
+    from disagg.worker.kv_state import KVState, WorkerInfo
+    from disagg.worker.serving.state_link import StateLink
+
+    from .redis_check import transfer_records
+
+    t, core = _decode(engine)
+    kv = KVState(redis_url, "settle", "decode-0")
+    state = StateLink(kv, WorkerInfo(id="decode-0", role="decode", address="127.0.0.1:1"))
+    loop, service = _service(engine, core, state)
+    cleaning = []
+
+    async def hung_cleanup(target, attempt):  # P's Abort never answers
+        cleaning.append(attempt.transfer_id)
+        await asyncio.Event().wait()
+
+    service._cleanup_attempt = hung_cleanup
+    request = _remote_request("r", _prompt(40, 8), _dead_address(), _dead_address())
+
+    async def cancel_between_attempts():
+        first = asyncio.ensure_future(service.Generate(request, None).__anext__())
+        aio = asyncio.get_running_loop()
+        for _ in range(200):  # the handshake fails at once; the record's write is on its way
+            if cleaning and await aio.run_in_executor(None, transfer_records, redis_url, "settle"):
+                break
+            await asyncio.sleep(0.05)
+        assert cleaning, "the first attempt did not fail"
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+    try:
+        asyncio.run(cancel_between_attempts())
+    finally:
+        loop.stop()
+        kv.close()
+    assert len(cleaning) == 1 and transfer_records(redis_url, "settle") == []

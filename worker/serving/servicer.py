@@ -349,51 +349,58 @@ class WorkerService(pb_grpc.WorkerServicer):
         # `record` is awaited through shield() everywhere: the lease renewal awaits it too, and a
         # cancelled awaiter would otherwise cancel the record's task and every other awaiter's wait
         reasons = []
-        for attempt, target in enumerate(targets[:2]):
-            if attempt:
-                self.metrics.prefill_retries.inc()
-                previous = await asyncio.shield(record)
-                record = asyncio.ensure_future(
-                    self._begin_transfer(rid, target.worker_id, dst.fresh_block_ids, previous)
-                )
-                current = Attempt.new(rid, attempt)
-            try:
-                if attempt and not await self._expect_kv(rid, current, dst):
-                    raise RequestGone(rid)
-                await self._prefill_once(rid, prompt, request, target, dst, record, current, began)
-                self._finish_record_later(rid, record)
-                return target.worker_id
-            except asyncio.CancelledError:
-                await self._cleanup_attempt(target, current)
-                await self.state.finish_transfer(rid, await asyncio.shield(record))
-                raise
-            except RequestGone:
-                # aborted meanwhile (Abort RPC, lease reclaim): the abort owns the blocks now
-                await self._cleanup_attempt(target, current)
-                await self.state.finish_transfer(rid, await asyncio.shield(record))
-                raise PrefillAborted(f"request {rid} was aborted") from None
-            except (PrefillFailed, grpc.aio.AioRpcError, TimeoutError) as e:
-                reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-                log.warning(
-                    "prefill of %s on %s failed (attempt %d): %s", rid, target.worker_id, attempt + 1, reason
-                )
-                reasons.append(f"{target.worker_id}: {reason}")
-                if isinstance(e, grpc.aio.AioRpcError):
-                    self._handshaken.discard(target.worker_id)
-                quarantined = await self._cleanup_attempt(target, current)
-                if quarantined and attempt + 1 < len(targets[:2]):
-                    # its KV may still land in those blocks: the retry writes fresh ones
-                    try:
-                        dst = await self._call(self.core.on_loop_rereserve, rid, prompt, params)
-                    except NoFreeBlocksError:
-                        reasons.append("no free blocks to retry into")
-                        break
-                    if dst is None:
-                        await self.state.finish_transfer(rid, await asyncio.shield(record))
-                        raise PrefillAborted(f"request {rid} was aborted") from None
-        await self._call(self.core.on_loop_abort, rid)
-        await self.state.finish_transfer(rid, await asyncio.shield(record))
-        raise PrefillFailed("; ".join(reasons) or "no prefill worker available")
+        try:
+            for attempt, target in enumerate(targets[:2]):
+                if attempt:
+                    self.metrics.prefill_retries.inc()
+                    previous = await asyncio.shield(record)
+                    record = asyncio.ensure_future(
+                        self._begin_transfer(rid, target.worker_id, dst.fresh_block_ids, previous)
+                    )
+                    current = Attempt.new(rid, attempt)
+                try:
+                    if attempt and not await self._expect_kv(rid, current, dst):
+                        raise RequestGone(rid)
+                    await self._prefill_once(rid, prompt, request, target, dst, record, current, began)
+                    self._finish_record_later(rid, record)
+                    return target.worker_id
+                except asyncio.CancelledError:
+                    await self._cleanup_attempt(target, current)
+                    raise
+                except RequestGone:
+                    # aborted meanwhile (Abort RPC, lease reclaim): the abort owns the blocks now
+                    await self._cleanup_attempt(target, current)
+                    raise PrefillAborted(f"request {rid} was aborted") from None
+                except (PrefillFailed, grpc.aio.AioRpcError, TimeoutError) as e:
+                    reason = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+                    log.warning(
+                        "prefill of %s on %s failed (attempt %d): %s",
+                        rid,
+                        target.worker_id,
+                        attempt + 1,
+                        reason,
+                    )
+                    reasons.append(f"{target.worker_id}: {reason}")
+                    if isinstance(e, grpc.aio.AioRpcError):
+                        self._handshaken.discard(target.worker_id)
+                    quarantined = await self._cleanup_attempt(target, current)
+                    if quarantined and attempt + 1 < len(targets[:2]):
+                        # its KV may still land in those blocks: the retry writes fresh ones
+                        try:
+                            dst = await self._call(self.core.on_loop_rereserve, rid, prompt, params)
+                        except NoFreeBlocksError:
+                            reasons.append("no free blocks to retry into")
+                            break
+                        if dst is None:
+                            raise PrefillAborted(f"request {rid} was aborted") from None
+            await self._call(self.core.on_loop_abort, rid)
+            raise PrefillFailed("; ".join(reasons) or "no prefill worker available")
+        except BaseException:
+            # every way out but success (which finishes it after the first token) finishes the
+            # latest attempt's record, a cancel between attempts included: a record left behind
+            # holds the transfer's blocks in the index until its lease runs out
+            await self.state.finish_transfer(rid, await asyncio.shield(record))
+            raise
 
     async def _cleanup_attempt(self, target, attempt: Attempt) -> bool:
         """Stop a failed attempt on P and let go of its KV wait; True when its blocks went to
