@@ -76,10 +76,6 @@ def gemv(
     return y
 
 
-# Beyond this many rows (on CPUs without AVX-512) `gemm` takes the packed-panel GEMM.
-PACKED_MIN_ROWS = 32
-
-
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for bf16 x [M, K] and weight [N, K] of any row count, for CPUs that
     cannot multiply bf16 themselves (`dot_native()` False): the float32 GEMM's register tiles with
@@ -89,7 +85,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     (m, k), n = x.shape, weight.shape[0]
     if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: shapes do not match")
-    if m > PACKED_MIN_ROWS and cpu_native.narrow_tiles():
+    if cpu_native.takes_packed(m):
         b = None if bias is None else bias.float()
         return cpu_native.gemm_packed(x.float(), weight, b).to(torch.bfloat16)
     y = torch.empty(m, n, dtype=torch.bfloat16)

@@ -376,6 +376,16 @@ def narrow_tiles() -> bool:
     return available() and gemm_vector_floats() < 16
 
 
+# With 8-float tiles the register-tiled GEMMs win up to this many rows, the packed-panel GEMM beyond
+# (the measurements: `quantized.GEMM_NATIVE_MAX_ROWS_AVX2`, which is this).
+NARROW_TILES_MAX_ROWS = 32
+
+
+def takes_packed(rows: int) -> bool:
+    """Whether a product of `rows` input rows goes to the packed-panel GEMM on this build."""
+    return rows > NARROW_TILES_MAX_ROWS and narrow_tiles()
+
+
 def gemv_silu(x: torch.Tensor, gate_up: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`silu_and_mul(F.linear(x, gate_up, bias))` in one pass over gate_up [2I, K] (gate rows first)."""
     _check_f32(x=x, gate_up=gate_up, **({} if bias is None else {"bias": bias}))

@@ -56,7 +56,7 @@ GEMM_NATIVE_MAX_ROWS = 1024
 # The same without AVX-512 (AVX2: 16 registers of 8 floats, tiles of 4 by 3): 1.1-4x torch up to 32
 # rows, behind from 64 (0.8-0.9x), about 0.55x at 512-1024, where torch's packed GEMM runs at twice
 # the tiles' 65-73 GFLOP/s (Zen 3, 2 threads, quiet).
-GEMM_NATIVE_MAX_ROWS_AVX2 = 32
+GEMM_NATIVE_MAX_ROWS_AVX2 = cpu_native.NARROW_TILES_MAX_ROWS
 # Without AVX-512, products of more rows than that take the packed-panel GEMM
 # (`cpu_native.gemm_packed`: weight panels packed once per call, an outer-product micro-kernel):
 # float32, bf16 (widened as packed) and int8 weights alike.
