@@ -148,6 +148,8 @@ def test_grafana_dashboard_has_ttft_and_itl_panels():
         "disagg_time_to_first_token_seconds_bucket",
         "disagg_inter_token_latency_seconds_bucket",
         "disagg_e2e_request_latency_seconds_bucket",
+        "disagg_engine_step_seconds_sum",
+        "disagg_engine_step_rows_total",
     ):
         assert metric in exprs
     assert "ConfigMap" not in by_kind(render({}))  # off by default

@@ -148,6 +148,39 @@ def test_core_publishes_prefilled_prompts_and_reports_evictions(tiny_model):
     assert core.load["used_blocks"] == 0 and core.load["inflight_requests"] == 0
 
 
+def test_core_counts_its_engine_steps_by_kind_with_their_rows(tiny_model):
+    """Step seconds and rows per kind: prefill for the steps that carry a prompt chunk, decode for
+    the rest, whose rows over their count give the decode batch the step time belongs to."""
+    from prometheus_client import CollectorRegistry
+
+    from disagg.worker.engine.llm_engine import LLMEngine
+    from disagg.worker.engine.sampling_params import SamplingParams
+    from disagg.worker.serving.core import WorkerCore
+    from disagg.worker.serving.metrics import ServingMetrics
+
+    registry = CollectorRegistry()
+    engine = LLMEngine(tiny_model, num_gpu_blocks=16, block_size=16)
+    core = WorkerCore(engine, None, 16, ServingMetrics("both", "tiny", registry))
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    for rid, prompt in (("a", list(range(10, 30))), ("b", list(range(40, 52)))):
+        core.on_loop_add(rid, prompt, params, lambda _out: None, 0.0)
+    steps = 0
+    while core.has_work():
+        core.step()
+        steps += 1
+
+    def sample(name: str, kind: str) -> float:
+        return registry.get_sample_value(name, {"role": "both", "model": "tiny", "kind": kind}) or 0.0
+
+    prefill = sample("disagg_engine_step_seconds_count", "prefill")
+    decode = sample("disagg_engine_step_seconds_count", "decode")
+    # both prompts fit one step (their first tokens come out of it), then 4 steps of 2 rows each
+    assert (prefill, decode) == (1, 4) and prefill + decode == steps
+    assert sample("disagg_engine_step_rows_total", "prefill") == 2
+    assert sample("disagg_engine_step_rows_total", "decode") == 8
+    assert sample("disagg_engine_step_seconds_sum", "decode") > 0
+
+
 def test_engine_step_that_keeps_failing_fails_its_requests_and_stops_the_loop(tiny_model):
     """A step that fails every time: after `max_step_failures` the requests get the error and the
     loop stops (liveness false), instead of retrying forever."""

@@ -508,9 +508,12 @@ class WorkerCore:
         hook = self._layer_hook if any(j.state == "prefilling" for j in self.prefills.values()) else None
         started = time.monotonic()
         outs = self.engine.step(layer_hook=hook)
+        elapsed = time.monotonic() - started
         scheduled = self.engine.scheduled
-        if scheduled is not None and scheduled.is_prefill:
-            self.prefill_rate.observe(scheduled.num_tokens, time.monotonic() - started)
+        if scheduled is not None:
+            self.metrics.engine_step(scheduled.is_prefill, elapsed, len(scheduled.chunks))
+            if scheduled.is_prefill:
+                self.prefill_rate.observe(scheduled.num_tokens, elapsed)
         if scheduled is not None and self.arrivals:
             for chunk in scheduled.chunks:
                 rid = chunk.request.request_id

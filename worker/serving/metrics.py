@@ -43,6 +43,8 @@ class _Families:
     prefill_retries: Counter
     kv_quarantined: Counter
     remote_prefill_stages: Histogram
+    step_seconds: Histogram
+    step_rows: Counter
     weight_bytes: Gauge
     kv_bytes: Gauge
     spec_verify_steps: Counter
@@ -141,6 +143,22 @@ def _families(registry: CollectorRegistry) -> _Families:
                 buckets=_LATENCY_BUCKETS,
                 registry=registry,
             ),
+            step_seconds=Histogram(
+                "disagg_engine_step_seconds",
+                "Engine steps by kind: decode (every row one next token) or prefill (a prompt chunk, "
+                "decode rows possibly beside it). Their sum over the wall time is how busy the engine "
+                "is; the rest of a busy worker's time goes to serving each token (streams, RPCs).",
+                (*LABELS, "kind"),
+                buckets=_LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            step_rows=Counter(
+                "disagg_engine_step_rows",
+                "Requests the engine's steps computed, by step kind: over the steps' count, the mean "
+                "batch (decode: the decode batch the step time above belongs to).",
+                (*LABELS, "kind"),
+                registry=registry,
+            ),
             weight_bytes=Gauge(
                 "disagg_weight_bytes_per_token",
                 "Weight bytes a decode step reads per token at batch 1 (layers, final norm, LM head; "
@@ -213,6 +231,8 @@ class ServingMetrics:
             self.kv_used = f.kv_used.labels(**lab)
             self.prefill_retries = f.prefill_retries.labels(**lab)
             self.kv_quarantined = f.kv_quarantined.labels(**lab)
+            self._steps = {kind: f.step_seconds.labels(**lab, kind=kind) for kind in ("decode", "prefill")}
+            self._step_rows = {kind: f.step_rows.labels(**lab, kind=kind) for kind in ("decode", "prefill")}
             self._stages = {
                 stage: f.remote_prefill_stages.labels(**lab, stage=stage)
                 for stage in ("setup", "queue", "compute", "transfer", "overhead", "commit")
@@ -239,6 +259,11 @@ class ServingMetrics:
     def remote_prefill_stages(self, **seconds: float) -> None:
         for stage, value in seconds.items():
             self._stages[stage].observe(value)
+
+    def engine_step(self, prefill: bool, seconds: float, rows: int) -> None:
+        kind = "prefill" if prefill else "decode"
+        self._steps[kind].observe(seconds)
+        self._step_rows[kind].inc(rows)
 
     def routed(self, worker_role: str) -> None:
         self._routed.labels(role=self.role, model=self.model, worker_role=worker_role).inc()
