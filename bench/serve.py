@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -282,7 +283,15 @@ def measure_unloaded(dep: Deployment, wl: Workload, vocab: int) -> SLO:
 
 
 def sweep(
-    args, name: str, layout, wl: Workload, slo: SLO, start: float, vocab: int, field: dict[float, float]
+    args,
+    name: str,
+    layout,
+    wl: Workload,
+    slo: SLO,
+    start: float,
+    vocab: int,
+    field: dict[float, float],
+    prof: Profile | None = None,
 ):
     """Attainment at `args.points` rates: doubling (or halving) until the base scale's attainment
     crosses 90%, then bisection. With --aiperf, `field` gets aiperf's attainment at the base scale
@@ -296,7 +305,10 @@ def sweep(
             plan = rate_plan(wl, rate, args.duration, args.seed + 1000 * len(tried) + 1, vocab)
             print(f"[{wl.name}/{name}] {rate:.3f} req/s: {len(plan)} requests over {args.duration:.0f}s "
                   f"(load {os.getloadavg()[0]:.1f}) ...", flush=True)  # fmt: skip
-            results, _wall = asyncio.run(drive(dep.router_url, dep.model.name, plan))
+            counters = engine_counters(dep)
+            results, wall = asyncio.run(drive(dep.router_url, dep.model.name, plan))
+            for line in engine_summary(counters, engine_counters(dep), wall, prof):
+                print(f"[{wl.name}/{name}]   {line}", flush=True)
             tried[rate] = outcome(results)
             ok = attainment(tried[rate], slo.scaled(BASE_SCALE)) >= TARGET
             failed = sum(not r.ok for r in results)
@@ -321,6 +333,56 @@ def sweep(
     finally:
         dep.stop()
     return tried
+
+
+ENGINE_SERIES = (
+    "disagg_engine_step_seconds_sum",
+    "disagg_engine_step_seconds_count",
+    "disagg_engine_step_rows_total",
+)
+
+
+def engine_counters(dep: Deployment) -> dict[str, dict[tuple[str, str], float]]:
+    """Each worker's engine step seconds, steps and rows by kind, from its /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters = {}
+    for child in dep.children:
+        if child.name in ("redis", "router") or child.health_url is None:
+            continue
+        url = child.health_url.replace("/health", "/metrics")
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        counters[child.name] = {
+            (s.name, s.labels["kind"]): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name in ENGINE_SERIES
+        }
+    return counters
+
+
+def engine_summary(before: dict, after: dict, wall: float, prof: Profile | None) -> list[str]:
+    """Per worker, over `wall` seconds: the share of time in engine steps by kind, and the decode
+    steps' mean batch and time (beside the engine profile's time for that batch). A worker whose
+    streams miss their TPOT while its engine is far from busy loses the time outside its steps."""
+    lines = []
+    for name in sorted(after):
+        d = {k: v - before.get(name, {}).get(k, 0.0) for k, v in after[name].items()}
+        busy = {
+            kind: d.get(("disagg_engine_step_seconds_sum", kind), 0.0) / wall
+            for kind in ("decode", "prefill")
+        }
+        line = f"{name}: engine busy {sum(busy.values()):.0%} (decode {busy['decode']:.0%}, prefill {busy['prefill']:.0%})"
+        steps = d.get(("disagg_engine_step_seconds_count", "decode"), 0.0)
+        if steps:
+            batch = d.get(("disagg_engine_step_rows_total", "decode"), 0.0) / steps
+            step = d[("disagg_engine_step_seconds_sum", "decode")] / steps
+            line += f"; {steps:.0f} decode steps, mean batch {batch:.1f}, {1e3 * step:.1f} ms each"
+            if prof is not None:
+                line += f" (profile {1e3 * float(prof.step_seconds(batch)):.1f} ms)"
+        lines.append(line)
+    return lines
 
 
 def goodput_of(tried: dict[float, Outcome], slo: SLO) -> tuple[float, str]:
@@ -421,7 +483,8 @@ def goodput_main(args) -> int:
         start = args.start_rate or 0.5 * 2 / (base.ttft + wl.mean_output * base.tpot)
         field: dict[str, dict[float, float]] = {name: {} for name in chosen}
         curves = {
-            name: sweep(args, name, chosen[name], wl, base, start, vocab, field[name]) for name in chosen
+            name: sweep(args, name, chosen[name], wl, base, start, vocab, field[name], prof)
+            for name in chosen
         }
         png = out_dir / f"goodput-{wl.name}.png"
         plot(png, wl, base, curves)
