@@ -43,7 +43,7 @@ import numpy as np
 from disagg.worker.cli.ports import free_port
 from disagg.worker.cli.up import Deployment, add_arguments
 from disagg.worker.engine.args import EngineArgs
-from disagg.worker.planner.advisor import Settings, goodput_disaggregated
+from disagg.worker.planner.advisor import Settings, goodput_colocated, goodput_disaggregated
 from disagg.worker.planner.goodput import BASE_SCALE, SLO, SLO_SCALES, TARGET, attainment
 from disagg.worker.planner.profile import Profile
 from disagg.worker.planner.simulate import Outcome
@@ -502,13 +502,21 @@ def goodput_main(args) -> int:
                 for name in others
             }
             line = "    " + "; ".join(f"{name} / colocated goodput: {r:.2f}" for name, r in ratios.items())
-            if prof is not None and "disaggregated" in found:
+            if prof is not None:
                 settings = Settings(
                     max_batch=EngineArgs.max_num_seqs, chunk_tokens=args.max_num_batched_tokens
                 )
-                predicted = goodput_disaggregated(prof, wl, slo, 1, 1, settings)
-                measured = found["disaggregated"][0]
-                line += f"; planner predicts 1P+1D {predicted:.3f} req/s (measured/predicted {measured / predicted:.2f})"
+                predictions = {"colocated": ("2 colocated", goodput_colocated(prof, wl, slo, 2, settings))}
+                if "disaggregated" in found:
+                    predictions["disaggregated"] = (
+                        "1P+1D",
+                        goodput_disaggregated(prof, wl, slo, 1, 1, settings),
+                    )
+                for name, (label, predicted) in predictions.items():
+                    agree = (
+                        f"measured/predicted {found[name][0] / predicted:.2f}" if predicted else "predicted 0"
+                    )
+                    line += f"; planner predicts {label} {predicted:.3f} req/s ({agree})"
             print(line, flush=True)
             if args.aiperf and scale == BASE_SCALE:
                 for name in chosen:
