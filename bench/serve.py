@@ -11,7 +11,10 @@ torch thread -- is driven by an open-loop Poisson stream at a few rates (doublin
 on the base scale), and the SLO attainment of every rate is printed for every scale, with the
 goodput of each deployment and its ratio to colocated. A PNG beside the table plots
 attainment against rate. The planner's prediction (`disagg plan`, from an engine profile
-measured on one core in the same command) is printed beside the measured 1P+1D goodput.
+measured on one core in the same command) is printed beside each layout's measured goodput: the
+colocated pair's, and each 1P+1D layout's as served (its placement and overflow policies,
+simulated: planner/routing.py). After each rate, every worker's engine busy share, decode batch
+and step time (its step metrics) say whether the engine or the time around it is the bound.
 Attainment over fewer than ~60 requests per rate moves by tens of points between runs near the
 knee: compare layouts with --duration 80 or more.
 
@@ -34,7 +37,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -43,7 +46,7 @@ import numpy as np
 from disagg.worker.cli.ports import free_port
 from disagg.worker.cli.up import Deployment, add_arguments
 from disagg.worker.engine.args import EngineArgs
-from disagg.worker.planner.advisor import Settings, goodput_colocated, goodput_disaggregated
+from disagg.worker.planner.advisor import Settings, goodput_colocated, goodput_served
 from disagg.worker.planner.goodput import BASE_SCALE, SLO, SLO_SCALES, TARGET, attainment
 from disagg.worker.planner.profile import Profile
 from disagg.worker.planner.simulate import Outcome
@@ -174,6 +177,15 @@ def summarize(results: list[Result], wall: float, args) -> dict[str, float]:
         "goodput (req/s)": len(good) / wall,
     }
     return s
+
+
+def deployed_threshold(args) -> int:
+    """The decode workers' --disagg-threshold: ours, else `disagg up`'s default."""
+    if args.disagg_threshold is not None:
+        return args.disagg_threshold
+    up_parser = argparse.ArgumentParser()
+    add_arguments(up_parser)
+    return up_parser.get_default("disagg_threshold")
 
 
 def deploy(
@@ -504,14 +516,17 @@ def goodput_main(args) -> int:
             line = "    " + "; ".join(f"{name} / colocated goodput: {r:.2f}" for name, r in ratios.items())
             if prof is not None:
                 settings = Settings(
-                    max_batch=EngineArgs.max_num_seqs, chunk_tokens=args.max_num_batched_tokens
+                    max_batch=EngineArgs.max_num_seqs,
+                    chunk_tokens=args.max_num_batched_tokens,
+                    disagg_threshold=deployed_threshold(args),
+                    prefill_placement=args.prefill_placement,
                 )
                 predictions = {"colocated": ("2 colocated", goodput_colocated(prof, wl, slo, 2, settings))}
-                if "disaggregated" in found:
-                    predictions["disaggregated"] = (
-                        "1P+1D",
-                        goodput_disaggregated(prof, wl, slo, 1, 1, settings),
-                    )
+                for name in others:  # 1P+1D as served: the deployment's placement and overflow margin
+                    margin = chosen[name][3]
+                    label = "1P+1D" + ("" if margin is None else f" overflow {margin:g}")
+                    served = replace(settings, overflow_margin=margin)
+                    predictions[name] = (label, goodput_served(prof, wl, slo, 1, 1, served))
                 for name, (label, predicted) in predictions.items():
                     agree = (
                         f"measured/predicted {found[name][0] / predicted:.2f}" if predicted else "predicted 0"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from disagg.worker.cli import parse
-from disagg.worker.planner import simulate
+from disagg.worker.planner import routing, simulate
 from disagg.worker.planner.advisor import Settings, advise, split_candidates
 from disagg.worker.planner.goodput import SLO, attainment, max_rate, unloaded_slo
 from disagg.worker.planner.profile import Profile
@@ -110,6 +110,64 @@ def test_disaggregation_wins_where_prompts_interfere_with_decoding():
     assert plan.ratio > 1.2, plan
 
 
+# ---- the product's routing and placement, simulated -----------------------------------------------
+def cpu_like_profile() -> Profile:
+    """No batching economy to speak of (a CPU core: each decode row costs ~6 ms over a 45 ms step),
+    prefill linear in tokens without a fixed cost."""
+    return Profile.from_json({
+        "prefill_seconds_by_tokens": [[64, 64 * 3e-3], [1024, 1024 * 3e-3]],
+        "decode_step_seconds_by_batch": [[1, 0.045], [4, 0.061], [16, 0.146], [32, 0.236], [64, 0.379]],
+        "kv_bytes_per_token": 24576, "transfer_bytes_per_second": 3e9,
+    })  # fmt: skip
+
+
+def test_routing_with_every_prompt_remote_and_no_lending_is_distserves_split():
+    """Strict placement, no lending, prompts computed one token a step (prompt by prompt): the
+    same timeline as the per-replica simulation of the same split."""
+    prof, req = cpu_like_profile(), WORKLOADS["chat"].sample(60, 0.5, 3)
+    ours = routing.simulate(prof, req, 1, 1, None, chunk_tokens=1, placement="threshold", threshold=0)
+    theirs = simulate.disaggregated(prof, req, prefill=1, decode=1)
+    assert ours.ttft == pytest.approx(theirs.ttft) and ours.tpot == pytest.approx(theirs.tpot)
+
+
+def test_routing_lends_an_idle_prefill_replica_requests_when_decode_is_busier():
+    """A decode-heavy stream past what one decode replica serves within the TPOT: lending the idle
+    prefill replica whole requests recovers the attainment (colocated's, on this profile)."""
+    prof, wl = cpu_like_profile(), WORKLOADS["chat"]
+    slo, req = unloaded_slo(prof, wl).scaled(4), wl.sample(600, 0.6, 1)
+    strict = attainment(routing.simulate(prof, req, 1, 1, None, 64, 512), slo)
+    lent = attainment(routing.simulate(prof, req, 1, 1, 2.0, 64, 512), slo)
+    colocated = attainment(simulate.colocated(prof, req, 2, 64, 512), slo)
+    assert strict < 0.5 and lent > 0.9 and lent >= colocated - 0.05, (strict, lent, colocated)
+
+
+def test_routing_prefills_on_the_decode_replica_when_the_prefill_pool_is_backlogged():
+    """Long prompts faster than one prefill replica computes them: load-aware placement lets the
+    decode replica take prompts, where strict placement queues them all on the prefill replica."""
+    prof, wl = cpu_like_profile(), WORKLOADS["summarization"]
+    slo, req = unloaded_slo(prof, wl).scaled(4), wl.sample(400, 0.3, 1)
+    strict = routing.simulate(prof, req, 1, 1, None, 64, 512, placement="threshold")
+    load = routing.simulate(prof, req, 1, 1, None, 64, 512, placement="load")
+    assert np.median(load.ttft) < 0.5 * np.median(strict.ttft)
+    assert attainment(load, slo) > attainment(strict, slo) + 0.3
+
+
+def test_routing_refuses_a_split_without_both_roles():
+    with pytest.raises(ValueError, match="prefill and a decode"):
+        routing.simulate(cpu_like_profile(), one(64, 4), 0, 2, None)
+    with pytest.raises(ValueError, match="placement"):
+        routing.simulate(cpu_like_profile(), one(64, 4), 1, 1, None, placement="random")
+
+
+def test_the_advice_includes_the_served_split():
+    prof, wl = cpu_like_profile(), WORKLOADS["chat"]
+    plan = advise(prof, wl, unloaded_slo(prof, wl).scaled(4), 2, Settings(chunk_tokens=512))
+    assert (plan.served_prefill, plan.served_decode) == (1, 1)
+    # decode-heavy on a CPU-like engine: DistServe's 1P+1D idles its prefill replica, the served
+    # split lends it requests and matches colocated serving
+    assert plan.ratio < 0.8 and plan.served_ratio > 0.9, plan
+
+
 def test_plan_command_prints_the_advice(tmp_path, capsys):
     import json
 
@@ -121,6 +179,7 @@ def test_plan_command_prints_the_advice(tmp_path, capsys):
     module, args = parse(["plan", "--profile", str(path), "--workload", "summarization", "--replicas", "4"])
     assert module.run(args) == 0
     out = capsys.readouterr().out
-    assert "advised P:D" in out and "\n       4 " in out and "TTFT <=" in out
+    assert "DistServe P:D" in out and "served P:D" in out and "\n       4 " in out and "TTFT <=" in out
+    assert "margin 2" in out
     with pytest.raises(SystemExit):
         parse(["plan", "--profile", str(path), "--replicas", "1"])

@@ -6,7 +6,10 @@
 The engine is measured on this machine (or a saved profile is read), then each replica budget's
 best prefill/decode split is found by simulating the deployment at rising request rates; the
 goodput (highest rate with >= 90% of requests within both SLOs) is printed beside the same number
-of colocated replicas.
+of colocated replicas, for two kinds of split: DistServe's (each role does only its phase) and
+the one this product serves (decode workers prefill where that is cheaper, idle prefill workers
+are lent whole requests: --overflow-margin, --disagg-threshold). Where DistServe's split wins,
+serve it with `--prefill-placement threshold` and no `--prefill-overflow`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,18 @@ def _replica_list(text: str) -> list[int]:
     if not values or min(values) < 2:
         raise argparse.ArgumentTypeError("each replica budget must be >= 2")
     return values
+
+
+def _margin(text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of requests or none, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"the margin must be >= 0, got {value:g}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--chunk-tokens", type=int, default=EngineArgs.max_num_batched_tokens,
                    help="colocated prefill chunk (max_num_batched_tokens)")  # fmt: skip
+    p.add_argument("--overflow-margin", type=_margin, default=2.0, metavar="MARGIN|none",
+                   help="the served split's router --prefill-overflow margin (none: the router lends no "
+                        "prefill worker)")  # fmt: skip
+    p.add_argument("--disagg-threshold", type=int, default=64,
+                   help="the served split's decode workers' --disagg-threshold")  # fmt: skip
 
 
 def run(args) -> int:
@@ -79,7 +99,12 @@ def run(args) -> int:
     slo = SLO(
         args.ttft_ms / 1e3 if args.ttft_ms else slo.ttft, args.tpot_ms / 1e3 if args.tpot_ms else slo.tpot
     )
-    settings = Settings(max_batch=args.max_batch, chunk_tokens=args.chunk_tokens)
+    settings = Settings(
+        max_batch=args.max_batch,
+        chunk_tokens=args.chunk_tokens,
+        overflow_margin=args.overflow_margin,
+        disagg_threshold=args.disagg_threshold,
+    )
     print(
         f"engine profile ({raw.get('model', '?')}, {raw.get('machine', '?')}, {raw.get('measured_at', '?')}):"
     )
@@ -89,19 +114,25 @@ def run(args) -> int:
     print(
         f"SLO: {slo} (unloaded: {base}); goodput = highest Poisson rate with >= {TARGET:.0%} of requests within both"
     )
+    lending = "off" if settings.overflow_margin is None else f"margin {settings.overflow_margin:g}"
+    for line in (
+        "assumptions: continuous batching (<= {b}) and step times as profiled (independent of context",
+        "  length); colocated replicas interleave decode steps with prefill chunks of <= {c} tokens,",
+        "  requests round robin; DistServe's split: prefill replicas take prompts from the earliest free,",
+        "  decode replicas never prefill; the served split: this product's router and decode workers",
+        "  (the cheapest worker by streams; a decode worker prefills a prompt itself where cheaper,",
+        "  --disagg-threshold {t}; the router lends idle prefill workers whole requests, {o})",
+    ):
+        print(
+            line.format(b=settings.max_batch, c=settings.chunk_tokens, t=settings.disagg_threshold, o=lending)
+        )
     print(
-        "assumptions: prefill one prompt at a time per replica, earliest-free replica; decode by continuous"
-    )
-    print(
-        f"  batching (<= {settings.max_batch}), round robin; colocated replicas interleave decode steps with"
-    )
-    print(f"  prefill chunks of <= {settings.chunk_tokens} tokens; step time independent of context length;")
-    print("  routing round robin (a load-aware router does at least as well)")
-    print(
-        f"\n{'replicas':>8} {'advised P:D':>12} {'disaggregated':>14} {'colocated':>10} {'ratio':>6}   (goodput, req/s)"
+        f"\n{'replicas':>8} {'colocated':>10} {'DistServe P:D':>14} {'goodput':>8} {'ratio':>6}"
+        f" {'served P:D':>11} {'goodput':>8} {'ratio':>6}   (goodput, req/s)"
     )
     for n in args.replicas:
         plan = advise(prof, workload, slo, n, settings)
-        print(f"{n:>8} {f'{plan.prefill}:{plan.decode}':>12} {plan.disaggregated:>14.2f} {plan.colocated:>10.2f} "
-              f"{plan.ratio:>6.2f}", flush=True)  # fmt: skip
+        print(f"{n:>8} {plan.colocated:>10.2f} {f'{plan.prefill}:{plan.decode}':>14} {plan.disaggregated:>8.2f} "
+              f"{plan.ratio:>6.2f} {f'{plan.served_prefill}:{plan.served_decode}':>11} {plan.served:>8.2f} "
+              f"{plan.served_ratio:>6.2f}", flush=True)  # fmt: skip
     return 0

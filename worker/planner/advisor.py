@@ -1,6 +1,9 @@
 """How many prefill and decode replicas: the split of a replica budget that serves the most
 requests within the SLOs (DistServe's placement search, on the simulated deployment), against
-the same number of colocated replicas."""
+the same number of colocated replicas. Two kinds of split are searched: DistServe's (decode
+replicas never prefill, prefill replicas never decode: `simulate.disaggregated`) and the one this
+product serves (decode workers prefill where cheaper, the router lends idle prefill workers whole
+requests: `routing.simulate`)."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from disagg.worker.planner import simulate
+from disagg.worker.planner import routing, simulate
 from disagg.worker.planner.goodput import SLO, attainment, max_rate
 from disagg.worker.planner.profile import Profile
 from disagg.worker.planner.workload import Workload
@@ -24,6 +27,11 @@ class Settings:
     min_requests: int = 600
     max_requests: int = 60_000
     seed: int = 0
+    # the served split's policies: the router's --prefill-overflow margin (None: off), the decode
+    # workers' --disagg-threshold and --prefill-placement
+    overflow_margin: float | None = 2.0
+    disagg_threshold: int = 64
+    prefill_placement: str = "load"
 
 
 @dataclass(frozen=True)
@@ -33,10 +41,17 @@ class Plan:
     decode: int
     disaggregated: float  # goodput, requests/s
     colocated: float
+    served: float = 0.0  # the best served split's goodput ...
+    served_prefill: int = 0  # ... and its replicas per role
+    served_decode: int = 0
 
     @property
     def ratio(self) -> float:
         return self.disaggregated / self.colocated if self.colocated else float("inf")
+
+    @property
+    def served_ratio(self) -> float:
+        return self.served / self.colocated if self.colocated else float("inf")
 
 
 def _requests(prof: Profile, workload: Workload, rate: float, s: Settings):
@@ -57,15 +72,33 @@ def goodput_disaggregated(
     return max_rate(attain, guess=_capacity_guess(prof, workload, prefill, decode, s))
 
 
+def goodput_served(
+    prof: Profile, workload: Workload, slo: SLO, prefill: int, decode: int, s: Settings
+) -> float:
+    """Goodput of `prefill` + `decode` replicas under the product's routing and placement."""
+
+    def attain(rate: float) -> float:
+        req = _requests(prof, workload, rate, s)
+        out = routing.simulate(prof, req, prefill, decode, s.overflow_margin, s.max_batch, s.chunk_tokens,
+                               s.prefill_placement, s.disagg_threshold)  # fmt: skip
+        return attainment(out, slo)
+
+    return max_rate(attain, guess=_colocated_guess(prof, workload, prefill + decode))
+
+
+def _colocated_guess(prof: Profile, workload: Workload, replicas: int) -> float:
+    per = 1.0 / (
+        float(prof.prefill_seconds(workload.mean_prompt)) + workload.mean_output * float(prof.step_seconds(1))
+    )
+    return per * replicas
+
+
 def goodput_colocated(prof: Profile, workload: Workload, slo: SLO, replicas: int, s: Settings) -> float:
     def attain(rate: float) -> float:
         req = _requests(prof, workload, rate, s)
         return attainment(simulate.colocated(prof, req, replicas, s.max_batch, s.chunk_tokens), slo)
 
-    per = 1.0 / (
-        float(prof.prefill_seconds(workload.mean_prompt)) + workload.mean_output * float(prof.step_seconds(1))
-    )
-    return max_rate(attain, guess=per * replicas)
+    return max_rate(attain, guess=_colocated_guess(prof, workload, replicas))
 
 
 def _phase_rates(prof: Profile, workload: Workload, s: Settings) -> tuple[float, float]:
@@ -94,9 +127,10 @@ def split_candidates(
 def advise(prof: Profile, workload: Workload, slo: SLO, replicas: int, s: Settings = Settings()) -> Plan:
     if replicas < 2:
         raise ValueError("a disaggregated deployment needs at least 2 replicas")
-    best = max(
-        ((goodput_disaggregated(prof, workload, slo, n, replicas - n, s), n) for n in split_candidates(prof, workload, replicas, s)),
-    )  # fmt: skip
+    splits = split_candidates(prof, workload, replicas, s)
+    best = max((goodput_disaggregated(prof, workload, slo, n, replicas - n, s), n) for n in splits)
+    served = max((goodput_served(prof, workload, slo, n, replicas - n, s), n) for n in splits)
     return Plan(
-        replicas, best[1], replicas - best[1], best[0], goodput_colocated(prof, workload, slo, replicas, s)
-    )
+        replicas, best[1], replicas - best[1], best[0], goodput_colocated(prof, workload, slo, replicas, s),
+        served[0], served[1], replicas - served[1],
+    )  # fmt: skip

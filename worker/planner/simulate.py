@@ -81,7 +81,7 @@ def disaggregated(prof: Profile, req: Requests, prefill: int, decode: int, max_b
     for idx in _round_robin(order, decode):
         mine = order[idx]
         finish[mine] = _decode_replica(prof, first[mine], req.output[mine] - 1, max_batch)
-    return _outcome(req, first, finish)
+    return outcome(req, first, finish)
 
 
 def _colocated_replica(prof: Profile, arrival, prompt, output, max_batch: int, chunk_tokens: int):
@@ -140,10 +140,10 @@ def colocated(
             prof, req.arrival[idx], req.prompt[idx], req.output[idx], max_batch, chunk_tokens
         )
         first[idx], finish[idx] = f, e
-    return _outcome(req, first, finish)
+    return outcome(req, first, finish)
 
 
-def _outcome(req: Requests, first: np.ndarray, finish: np.ndarray) -> Outcome:
+def outcome(req: Requests, first: np.ndarray, finish: np.ndarray) -> Outcome:
     after_first = np.maximum(req.output - 1, 1)
     tpot = np.where(req.output > 1, (finish - first) / after_first, 0.0)
     return Outcome(first - req.arrival, tpot)
