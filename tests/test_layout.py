@@ -22,13 +22,13 @@ LAYERS: dict[str, int] = {
     "disagg.worker.model": 1,
     "disagg.worker.engine": 2,
     "disagg.worker.tools": 3,
-    "disagg.worker.planner": 3,
     "disagg.worker.kv_transfer": 3,
     "disagg.worker.kv_state": 3,
     "disagg.worker.serving": 4,
     "disagg.worker.router": 5,
-    "disagg.worker.cli": 6,
-    "disagg.operator": 6,
+    "disagg.worker.planner": 6,  # it simulates the router's and the workers' policies
+    "disagg.worker.cli": 7,
+    "disagg.operator": 7,
 }
 # The operator image carries no torch: of the worker it may use only these torch-free modules.
 OPERATOR_MAY_IMPORT = ("disagg.worker.engine.args", "disagg.worker.kv_state.keys")

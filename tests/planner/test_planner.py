@@ -91,10 +91,13 @@ def test_attainment_falls_as_the_rate_rises():
 
 def test_prefill_heavy_mixes_get_more_prefill_replicas():
     prof, s = profile(), Settings()
-    chat = advise(prof, WORKLOADS["chat"], unloaded_slo(prof, WORKLOADS["chat"]).scaled(4), 8, s)
-    summ = advise(
-        prof, WORKLOADS["summarization"], unloaded_slo(prof, WORKLOADS["summarization"]).scaled(4), 8, s
+    chat = advise(
+        prof, WORKLOADS["chat"], unloaded_slo(prof, WORKLOADS["chat"]).scaled(4), 8, s, served=False
     )
+    summ = advise(
+        prof, WORKLOADS["summarization"], unloaded_slo(prof, WORKLOADS["summarization"]).scaled(4), 8, s,
+        served=False,
+    )  # fmt: skip
     assert summ.prefill > chat.prefill
     assert chat.prefill + chat.decode == summ.prefill + summ.decode == 8
     assert all(1 <= n <= 7 for n in split_candidates(prof, WORKLOADS["chat"], 8, s))

@@ -124,13 +124,18 @@ def split_candidates(
     return sorted({int(np.clip(centre + k, 1, replicas - 1)) for k in range(-width, width + 1)})
 
 
-def advise(prof: Profile, workload: Workload, slo: SLO, replicas: int, s: Settings = Settings()) -> Plan:
+def advise(
+    prof: Profile, workload: Workload, slo: SLO, replicas: int, s: Settings = Settings(), served: bool = True
+) -> Plan:
+    """The best DistServe split of `replicas` and, unless `served` is False, the best served split."""
     if replicas < 2:
         raise ValueError("a disaggregated deployment needs at least 2 replicas")
     splits = split_candidates(prof, workload, replicas, s)
     best = max((goodput_disaggregated(prof, workload, slo, n, replicas - n, s), n) for n in splits)
-    served = max((goodput_served(prof, workload, slo, n, replicas - n, s), n) for n in splits)
+    best_served = (0.0, 0)
+    if served:
+        best_served = max((goodput_served(prof, workload, slo, n, replicas - n, s), n) for n in splits)
     return Plan(
         replicas, best[1], replicas - best[1], best[0], goodput_colocated(prof, workload, slo, replicas, s),
-        served[0], served[1], replicas - served[1],
+        best_served[0], best_served[1], replicas - best_served[1] if served else 0,
     )  # fmt: skip

@@ -34,9 +34,8 @@ import numpy as np
 from disagg.worker.planner.profile import Profile
 from disagg.worker.planner.simulate import Outcome, outcome
 from disagg.worker.planner.workload import Requests
+from disagg.worker.router.policy import WAITING_WEIGHT
 from disagg.worker.serving.disagg_policy import PrefillSite, choose_prefill_site
-
-_WAITING_WEIGHT = 2.0  # as router/policy.decode_cost weighs a request that does not decode yet
 
 
 @dataclass
@@ -55,7 +54,7 @@ class _Replica:
     version: int = 0  # of the scheduled end event (a shortened run leaves a stale one)
 
     def cost(self) -> float:
-        return len(self.active) + _WAITING_WEIGHT * self.pending
+        return len(self.active) + WAITING_WEIGHT * self.pending
 
     def queue(self, request: int, tokens: int, dest: int | None) -> None:
         """A prompt to compute here; its KV goes to decode replica `dest` (None: it decodes here)."""

@@ -51,7 +51,7 @@ def served_quantization(views: list[WorkerView]) -> str | None:
 
 # Weights of the decode cost: a queued request ~ 2 running ones; an empty KV cache is worth ~4
 # requests of headroom; a fully cached prompt ~ 1 request (it saves its whole prefill).
-_WAITING_WEIGHT = 2.0
+WAITING_WEIGHT = 2.0
 _KV_WEIGHT = 4.0
 _PREFIX_WEIGHT = 1.0
 
@@ -59,7 +59,7 @@ _PREFIX_WEIGHT = 1.0
 def decode_cost(w: WorkerView, cached_blocks: int, prompt_blocks: int) -> float:
     hit = cached_blocks / prompt_blocks if prompt_blocks else 0.0
     queued = max(w.inflight - w.running, w.waiting)
-    return w.running + _WAITING_WEIGHT * queued + _KV_WEIGHT * (1.0 - w.kv_free_ratio) - _PREFIX_WEIGHT * hit
+    return w.running + WAITING_WEIGHT * queued + _KV_WEIGHT * (1.0 - w.kv_free_ratio) - _PREFIX_WEIGHT * hit
 
 
 def choose_decode(
