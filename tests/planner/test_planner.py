@@ -164,7 +164,9 @@ def test_routing_refuses_a_split_without_both_roles():
 
 def test_the_advice_includes_the_served_split():
     prof, wl = cpu_like_profile(), WORKLOADS["chat"]
-    plan = advise(prof, wl, unloaded_slo(prof, wl).scaled(4), 2, Settings(chunk_tokens=512))
+    plan = advise(
+        prof, wl, unloaded_slo(prof, wl).scaled(4), 2, Settings(chunk_tokens=512, overflow_margin=2.0)
+    )
     assert (plan.served_prefill, plan.served_decode) == (1, 1)
     # decode-heavy on a CPU-like engine: DistServe's 1P+1D idles its prefill replica, the served
     # split lends it requests and matches colocated serving
@@ -183,6 +185,11 @@ def test_plan_command_prints_the_advice(tmp_path, capsys):
     assert module.run(args) == 0
     out = capsys.readouterr().out
     assert "DistServe P:D" in out and "served P:D" in out and "\n       4 " in out and "TTFT <=" in out
-    assert "margin 2" in out
+    assert "whole requests never" in out
+    module, args = parse(["plan", "--profile", str(path), "--replicas", "2", "--overflow-margin", "1.5"])
+    assert module.run(args) == 0 and "busier by > 1.5 requests" in capsys.readouterr().out
+    for bad in ("-1", "many"):
+        with pytest.raises(SystemExit):
+            parse(["plan", "--profile", str(path), "--overflow-margin", bad])
     with pytest.raises(SystemExit):
         parse(["plan", "--profile", str(path), "--replicas", "1"])

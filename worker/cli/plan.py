@@ -8,7 +8,7 @@ best prefill/decode split is found by simulating the deployment at rising reques
 goodput (highest rate with >= 90% of requests within both SLOs) is printed beside the same number
 of colocated replicas, for two kinds of split: DistServe's (each role does only its phase) and
 the one this product serves (decode workers prefill where that is cheaper, idle prefill workers
-are lent whole requests: --overflow-margin, --disagg-threshold). Where DistServe's split wins,
+may be lent whole requests: --overflow-margin, --disagg-threshold). Where DistServe's split wins,
 serve it with `--prefill-placement threshold` and no `--prefill-overflow`.
 """
 
@@ -69,9 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--chunk-tokens", type=int, default=EngineArgs.max_num_batched_tokens,
                    help="colocated prefill chunk (max_num_batched_tokens)")  # fmt: skip
-    p.add_argument("--overflow-margin", type=_margin, default=2.0, metavar="MARGIN|none",
-                   help="the served split's router --prefill-overflow margin (none: the router lends no "
-                        "prefill worker)")  # fmt: skip
+    p.add_argument("--overflow-margin", type=_margin, default=None, metavar="MARGIN",
+                   help="the served split's router --prefill-overflow margin (default: none, the router "
+                        "lends no prefill worker, as it serves by default)")  # fmt: skip
     p.add_argument("--disagg-threshold", type=int, default=64,
                    help="the served split's decode workers' --disagg-threshold")  # fmt: skip
 
@@ -114,14 +114,15 @@ def run(args) -> int:
     print(
         f"SLO: {slo} (unloaded: {base}); goodput = highest Poisson rate with >= {TARGET:.0%} of requests within both"
     )
-    lending = "off" if settings.overflow_margin is None else f"margin {settings.overflow_margin:g}"
+    margin = settings.overflow_margin
+    lending = "never" if margin is None else f"when decode is busier by > {margin:g} requests"
     for line in (
         "assumptions: continuous batching (<= {b}) and step times as profiled (independent of context",
         "  length); colocated replicas interleave decode steps with prefill chunks of <= {c} tokens,",
         "  requests round robin; DistServe's split: prefill replicas take prompts from the earliest free,",
         "  decode replicas never prefill; the served split: this product's router and decode workers",
         "  (the cheapest worker by streams; a decode worker prefills a prompt itself where cheaper,",
-        "  --disagg-threshold {t}; the router lends idle prefill workers whole requests, {o})",
+        "  --disagg-threshold {t}; the router lends an idle prefill worker whole requests {o})",
     ):
         print(
             line.format(b=settings.max_batch, c=settings.chunk_tokens, t=settings.disagg_threshold, o=lending)

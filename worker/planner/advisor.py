@@ -29,7 +29,7 @@ class Settings:
     seed: int = 0
     # the served split's policies: the router's --prefill-overflow margin (None: off), the decode
     # workers' --disagg-threshold and --prefill-placement
-    overflow_margin: float | None = 2.0
+    overflow_margin: float | None = None
     disagg_threshold: int = 64
     prefill_placement: str = "load"
 
