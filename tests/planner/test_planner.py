@@ -42,6 +42,27 @@ def test_a_lone_request_sees_the_unloaded_latencies():
     assert out.tpot[0] == pytest.approx(float(prof.step_seconds(1)))
 
 
+def test_a_long_context_slows_each_decode_step_by_its_tokens_beyond_the_measured_one():
+    """Attention reads every cached token: a profile that measured it charges a step for each
+    row's context beyond the short one its batch steps were measured at, in every simulation."""
+    raw = {"prefill_seconds_by_tokens": [[64, 0.02], [1024, 0.3]],
+           "decode_step_seconds_by_batch": [[1, 0.025], [64, 0.065]],
+           "decode_context_tokens": 40, "decode_seconds_per_context_token": 2e-6}  # fmt: skip
+    prof, flat = Profile.from_json(raw), profile()
+    assert (
+        Profile.from_json({k: v for k, v in raw.items() if "context" not in k}).context_seconds(1, 5000) == 0
+    )
+    assert prof.decode_seconds(2, 2 * 40) == pytest.approx(float(prof.step_seconds(2)))
+    assert prof.decode_seconds(2, 1080) == pytest.approx(float(prof.step_seconds(2)) + 1000 * 2e-6)
+    lone = one(1500, 21)  # decodes over 1500 + 10 tokens of context on average
+    expected = float(prof.step_seconds(1)) + (1510 - 40) * 2e-6
+    for out in (simulate.disaggregated(prof, lone, 1, 1), simulate.colocated(prof, lone, 1),
+                routing.simulate(prof, lone, 1, 1, None, placement="threshold", threshold=0)):  # fmt: skip
+        assert out.tpot[0] == pytest.approx(expected)
+    assert unloaded_slo(prof, Workload("long", (1500, 1500), (21, 21))).tpot == pytest.approx(expected)
+    assert simulate.disaggregated(flat, lone, 1, 1).tpot[0] == pytest.approx(float(flat.step_seconds(1)))
+
+
 def test_requests_decoding_together_share_batched_steps():
     prof = profile()
     req = Requests(np.array([0.0, 0.0]), np.array([64, 64]), np.array([11, 11]))
@@ -193,3 +214,17 @@ def test_plan_command_prints_the_advice(tmp_path, capsys):
             parse(["plan", "--profile", str(path), "--overflow-margin", bad])
     with pytest.raises(SystemExit):
         parse(["plan", "--profile", str(path), "--replicas", "1"])
+
+
+def test_the_engine_profile_measures_batches_and_the_cost_of_context(tmp_path):
+    """On the real engine (tiny model): decode steps by batch at a short context, and what a
+    long context adds to a step, which the tiny model's attention makes plain (~9x at 1000 tokens)."""
+    from disagg.worker.planner import profile as profiles
+    from disagg.worker.tools.make_model import make_model
+
+    data = profiles.measure(make_model(tmp_path / "tiny", preset="tiny"), progress=lambda _m: None)
+    prof = Profile.from_json(data)
+    assert [b for b, _s in data["decode_step_seconds_by_batch"]] == [1, 4, 16, 32, 64]
+    assert data["decode_context_tokens"] == 39 and prof.context_seconds_per_token > 0
+    assert prof.decode_seconds(4, 4 * 1031) > 2 * prof.decode_seconds(4, 4 * 39)
+    assert "per further context token" in prof.describe()

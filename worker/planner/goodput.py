@@ -31,8 +31,9 @@ class SLO:
 
 def unloaded_slo(prof: Profile, workload: Workload) -> SLO:
     """The latency one request alone sees on one colocated replica: its workload's longest prompt
-    prefilled, then decode steps of batch 1. SLO scale 1."""
-    return SLO(float(prof.prefill_seconds(workload.longest_prompt)), float(prof.step_seconds(1)))
+    prefilled, then decode steps of batch 1 over its context. SLO scale 1."""
+    longest, most = workload.longest_prompt, workload.output_tokens[1]
+    return SLO(float(prof.prefill_seconds(longest)), prof.decode_seconds(1, longest + (most - 1) / 2))
 
 
 def attainment(out: Outcome, slo: SLO, trim: float = 0.1) -> float:

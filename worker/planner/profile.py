@@ -2,7 +2,11 @@
 
 Prefill seconds are linear in the prompt's tokens (compute-bound); a decode step's seconds are
 interpolated from the measured batch sizes (memory-bound at small batches, so nearly flat at
-first). A KV transfer moves `kv_bytes_per_token` at `transfer_bytes_per_second`.
+first), measured at a short context (`decode_context` tokens per row), plus, for the context its
+rows carry beyond that, `context_seconds_per_token` per token (attention reads every cached token
+of every row: on a CPU core, summarization's ~1500-token contexts made a small model's decode
+steps 25-60% slower than at 40 tokens). A KV transfer moves `kv_bytes_per_token` at
+`transfer_bytes_per_second`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ class Profile:
     decode_steps: np.ndarray
     kv_bytes_per_token: float = 0.0
     transfer_bytes_per_second: float = float("inf")
+    context_seconds_per_token: float = 0.0  # 0: a profile that did not measure it
+    decode_context: float = 0.0
 
     @classmethod
     def from_json(cls, data: dict) -> Profile:
@@ -49,6 +55,8 @@ class Profile:
             steps,
             float(data.get("kv_bytes_per_token", 0.0)),
             float(data.get("transfer_bytes_per_second") or float("inf")),
+            max(float(data.get("decode_seconds_per_context_token", 0.0)), 0.0),
+            float(data.get("decode_context_tokens", 0.0)),
         )
 
     def prefill_seconds(self, tokens):
@@ -61,6 +69,14 @@ class Profile:
         batch = np.asarray(batch, dtype=float)
         return np.where(batch <= b[-1], np.interp(batch, b, s), s[-1] + slope * (batch - b[-1]))
 
+    def context_seconds(self, batch: int, context_tokens: float) -> float:
+        """What a decode step of `batch` rows holding `context_tokens` in all adds to `step_seconds`."""
+        return self.context_seconds_per_token * max(context_tokens - batch * self.decode_context, 0.0)
+
+    def decode_seconds(self, batch: int, context_tokens: float) -> float:
+        """One decode step of `batch` rows whose contexts sum to `context_tokens`."""
+        return float(self.step_seconds(batch)) + self.context_seconds(batch, context_tokens)
+
     def transfer_seconds(self, tokens):
         return np.asarray(tokens, dtype=float) * self.kv_bytes_per_token / self.transfer_bytes_per_second
 
@@ -71,10 +87,35 @@ class Profile:
         )
         out = (f"prefill {1e3 * self.prefill_fixed:.1f} ms + {1e6 * self.prefill_per_token:.1f} us/token; "
                f"decode step {steps}")  # fmt: skip
+        if self.context_seconds_per_token:
+            out += (f" at {self.decode_context:.0f} tokens of context, + {1e6 * self.context_seconds_per_token:.2f}"
+                    " us per further context token of each row")  # fmt: skip
         if self.kv_bytes_per_token:
             out += (f"; KV {self.kv_bytes_per_token / 1024:.1f} KiB/token at "
                     f"{self.transfer_bytes_per_second / 2**30:.2f} GiB/s")  # fmt: skip
         return out
+
+
+def decode_step_seconds(engine, prompts: list[list[int]], steps: int, attempts: int = 2) -> float:
+    """The fastest of `attempts` runs of `steps` decode steps over a batch of `prompts` (prefilled
+    first, outside the timing)."""
+    from disagg.worker import SamplingParams
+
+    runs = []
+    for attempt in range(attempts):
+        ids = [f"profile-{len(prompts)}-{attempt}-{i}" for i in range(len(prompts))]
+        for rid, p in zip(ids, prompts, strict=True):
+            engine.add_request(rid, p, SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+        started = set()
+        while len(started) < len(prompts):  # prefill every request first
+            started.update(o.request_id for o in engine.step())
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        runs.append((time.perf_counter() - t0) / steps)
+        for rid in ids:
+            engine.abort(rid)
+    return min(runs)
 
 
 def measure(model_dir: str | Path, transfer_bytes_per_second: float | None = None, progress=None) -> dict:
@@ -104,22 +145,15 @@ def measure(model_dir: str | Path, transfer_bytes_per_second: float | None = Non
     engine = llm.engine
     steps = 12
     for batch in (1, 4, 16, 32, 64):
-        runs = []
-        for attempt in range(2):
-            ids = [f"m{batch}-{attempt}-{i}" for i in range(batch)]
-            for rid in ids:
-                engine.add_request(rid, prompt(32), SamplingParams(max_tokens=steps + 8, ignore_eos=True))
-            started = set()
-            while len(started) < batch:  # prefill every request first
-                started.update(o.request_id for o in engine.step())
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            runs.append((time.perf_counter() - t0) / steps)
-            for rid in ids:
-                engine.abort(rid)
-        decode.append([batch, min(runs)])
+        decode.append([batch, decode_step_seconds(engine, [prompt(32) for _ in range(batch)], steps)])
         say(f"  decode batch {batch:3d}: {decode[-1][1] * 1000:8.1f} ms/step")
+    short_context = 32 + 1 + steps / 2  # the prompt, its first token, half the measured steps
+    # the same batch of 4 over long prompts: what each further token of context costs a step
+    long_prompt = min(1024, engine.max_model_len - steps - 16)
+    long_step = decode_step_seconds(engine, [prompt(long_prompt) for _ in range(4)], steps)
+    long_context = long_prompt + 1 + steps / 2
+    per_context = max(long_step - decode[1][1], 0.0) / (4 * (long_context - short_context))
+    say(f"  decode batch   4 at {long_context:.0f} tokens of context: {long_step * 1000:8.1f} ms/step")
     # all layers, K and V (and a quantized cache's scales)
     bytes_per_token = engine.model.kv_cache_block_bytes(engine.block_size) / engine.block_size
     return {
@@ -128,6 +162,8 @@ def measure(model_dir: str | Path, transfer_bytes_per_second: float | None = Non
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "prefill_seconds_by_tokens": prefill,
         "decode_step_seconds_by_batch": decode,
+        "decode_context_tokens": short_context,
+        "decode_seconds_per_context_token": per_context,
         "kv_bytes_per_token": bytes_per_token,
         "transfer_bytes_per_second": transfer_bytes_per_second,
     }

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from disagg.worker.planner.profile import Profile
-from disagg.worker.planner.simulate import Outcome, outcome
+from disagg.worker.planner.simulate import Outcome, decode_context, outcome
 from disagg.worker.planner.workload import Requests
 from disagg.worker.router.policy import WAITING_WEIGHT
 from disagg.worker.serving.disagg_policy import PrefillSite, choose_prefill_site
@@ -46,6 +46,7 @@ class _Replica:
     done_steps: int = 0
     pending: int = 0  # routed here to decode, not decoding yet
     queued: int = 0  # prompt tokens not computed yet
+    held: float = 0.0  # the decoding streams' contexts, summed
     busy: bool = False
     start: float = 0.0  # the step (or run of decode steps) in progress
     dt: float = 0.0
@@ -84,6 +85,8 @@ def simulate(
     rate = 1.0 / float(prof.prefill_per_token)  # tokens/s, the same on every replica
     # service times as plain floats: the loop below asks for them tens of thousands of times
     step_of = [float(v) for v in prof.step_seconds(np.arange(max_batch + 1))]
+    per_context, base_context = prof.context_seconds_per_token, prof.decode_context
+    context = decode_context(req).tolist()
     fixed, per_token = float(prof.prefill_fixed), float(prof.prefill_per_token)
     n = len(req)
     first, finish = np.full(n, np.nan), np.full(n, np.nan)
@@ -97,6 +100,11 @@ def simulate(
     def push(t: float, kind: str, a: int, b: int = 0) -> None:
         heapq.heappush(events, (t, next(order), kind, a, b))
 
+    def step(r: _Replica) -> float:
+        """A decode step of r's streams (Profile.decode_seconds, in plain floats)."""
+        b = len(r.active)
+        return step_of[b] + per_context * max(r.held - b * base_context, 0.0)
+
     def begin(k: int, t: float) -> None:
         """Start replica k's next step (or run of decode steps) at t, if it has work."""
         r = reps[k]
@@ -104,6 +112,7 @@ def simulate(
             i = r.ready.popleft()
             r.pending -= 1
             heapq.heappush(r.active, (r.done_steps + after_first[i], i))
+            r.held += context[i]
         if r.prompts:
             budget = chunk_tokens
             while r.prompts and budget > 0:
@@ -115,10 +124,10 @@ def simulate(
                     r.completing.append(r.prompts.popleft())
             r.dt = fixed + per_token * (chunk_tokens - budget)
             if r.active:
-                r.dt += step_of[len(r.active)]
+                r.dt += step(r)
             r.steps = 0
         elif r.active:
-            r.dt = step_of[len(r.active)]
+            r.dt = step(r)
             r.steps = r.active[0][0] - r.done_steps  # until the next stream finishes
         else:
             r.busy = False
@@ -141,7 +150,9 @@ def simulate(
                     push(t + float(transfer[i]), "land", i, dest)
             r.completing = []
         while r.active and r.active[0][0] <= r.done_steps:
-            finish[heapq.heappop(r.active)[1]] = t
+            i = heapq.heappop(r.active)[1]
+            finish[i] = t
+            r.held -= context[i]
         begin(k, t)
 
     def first_token(k: int, i: int, t: float) -> None:

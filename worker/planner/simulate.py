@@ -31,11 +31,19 @@ class Outcome:
     tpot: np.ndarray  # 0 for a request of one output token
 
 
-def _decode_replica(prof: Profile, join: np.ndarray, steps: np.ndarray, max_batch: int) -> np.ndarray:
+def decode_context(req: Requests) -> np.ndarray:
+    """Each request's context while it decodes, on average: its prompt and half its output."""
+    return req.prompt + (req.output - 1) / 2
+
+
+def _decode_replica(
+    prof: Profile, join: np.ndarray, steps: np.ndarray, context: np.ndarray, max_batch: int
+) -> np.ndarray:
     """Finish time of each request (joins ascending) that needs `steps` more decode steps."""
     finish = join.copy()
     t, done_steps, nxt = 0.0, 0, 0
     active: list[tuple[int, int]] = []  # (step count at which it finishes, request)
+    held = 0.0  # the active requests' contexts, summed
     waiting: deque[int] = deque()
     n = len(join)
     while nxt < n or waiting or active:
@@ -50,16 +58,19 @@ def _decode_replica(prof: Profile, join: np.ndarray, steps: np.ndarray, max_batc
         while waiting and len(active) < max_batch:
             i = waiting.popleft()
             heapq.heappush(active, (done_steps + int(steps[i]), i))
+            held += context[i]
         if not active:
             continue
-        dt = float(prof.step_seconds(len(active)))
+        dt = prof.decode_seconds(len(active), held)
         k = active[0][0] - done_steps  # steps until the next request finishes
         if nxt < n and join[nxt] > t:  # a new request joins at the first step boundary after it arrives
             k = min(k, max(1, int(np.ceil((join[nxt] - t) / dt))))
         t += k * dt
         done_steps += k
         while active and active[0][0] <= done_steps:
-            finish[heapq.heappop(active)[1]] = t
+            i = heapq.heappop(active)[1]
+            finish[i] = t
+            held -= context[i]
     return finish
 
 
@@ -76,18 +87,21 @@ def disaggregated(prof: Profile, req: Requests, prefill: int, decode: int, max_b
         done[i] = start + s
         heapq.heappush(free, done[i])
     first = done + prof.transfer_seconds(req.prompt)
+    context = decode_context(req)
     order = np.argsort(first, kind="stable")
     finish = np.empty(len(req))
     for idx in _round_robin(order, decode):
         mine = order[idx]
-        finish[mine] = _decode_replica(prof, first[mine], req.output[mine] - 1, max_batch)
+        finish[mine] = _decode_replica(prof, first[mine], req.output[mine] - 1, context[mine], max_batch)
     return outcome(req, first, finish)
 
 
 def _colocated_replica(prof: Profile, arrival, prompt, output, max_batch: int, chunk_tokens: int):
     n = len(arrival)
     first, finish = np.empty(n), np.empty(n)
+    context = prompt + (output - 1) / 2  # as decode_context
     t, done_steps, nxt = 0.0, 0, 0
+    held = 0.0  # the active requests' contexts, summed
     active: list[tuple[int, int]] = []
     waiting: deque[list[int]] = deque()  # [request, prompt tokens left]
     ready: deque[int] = deque()  # prefilled, waiting for a batch slot
@@ -100,6 +114,7 @@ def _colocated_replica(prof: Profile, arrival, prompt, output, max_batch: int, c
         while ready and len(active) < max_batch:
             i = ready.popleft()
             heapq.heappush(active, (done_steps + int(output[i]) - 1, i))
+            held += context[i]
         if waiting:  # a step with a prefill chunk (and the decode batch, if any)
             budget, prefilled = chunk_tokens, []
             while waiting and budget > 0:
@@ -110,7 +125,7 @@ def _colocated_replica(prof: Profile, arrival, prompt, output, max_batch: int, c
                     prefilled.append(waiting.popleft()[0])
             dt = float(prof.prefill_seconds(chunk_tokens - budget))
             if active:
-                dt += float(prof.step_seconds(len(active)))
+                dt += prof.decode_seconds(len(active), held)
                 done_steps += 1
             t += dt
             for i in prefilled:
@@ -120,14 +135,16 @@ def _colocated_replica(prof: Profile, arrival, prompt, output, max_batch: int, c
                 else:
                     ready.append(i)
         elif active:  # decode only: jump to the next finish or arrival
-            dt = float(prof.step_seconds(len(active)))
+            dt = prof.decode_seconds(len(active), held)
             k = active[0][0] - done_steps
             if nxt < n and arrival[nxt] > t:
                 k = min(k, max(1, int(np.ceil((arrival[nxt] - t) / dt))))
             t += k * dt
             done_steps += k
         while active and active[0][0] <= done_steps:
-            finish[heapq.heappop(active)[1]] = t
+            i = heapq.heappop(active)[1]
+            finish[i] = t
+            held -= context[i]
     return first, finish
 
 
