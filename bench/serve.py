@@ -471,6 +471,38 @@ def measure_profile(model: str, transfer_gbps: float) -> Profile:
     return Profile.from_json({**data, "transfer_bytes_per_second": transfer_gbps * 1e9})
 
 
+PREDICTION_WINDOWS = 8  # seeds averaged per rate for the planner's benchmark-length prediction
+
+
+def predictions(args, prof: Profile, wl: Workload, slo: SLO, chosen: dict):
+    """(layout, label, goodput in windows of the sweep's length, steady-state goodput) for each
+    layout as deployed: the colocated pair, and each 1P+1D with its placement and overflow margin.
+    The windowed figure is the one a sweep measures; near the knee it is well above the steady
+    state (in one window, queues have no time to build)."""
+    steady = Settings(
+        max_batch=EngineArgs.max_num_seqs,
+        chunk_tokens=args.max_num_batched_tokens,
+        disagg_threshold=deployed_threshold(args),
+        prefill_placement=args.prefill_placement,
+    )
+    windowed = replace(steady, window_seconds=args.duration, windows=PREDICTION_WINDOWS)
+
+    def goodput(layout, s: Settings) -> float:
+        if layout[2]:  # colocated workers
+            return goodput_colocated(prof, wl, slo, layout[2], s)
+        # 1P+1D as served: the deployment's placement and overflow margin
+        return goodput_served(prof, wl, slo, layout[0], layout[1], replace(s, overflow_margin=layout[3]))
+
+    out = []
+    for name, layout in chosen.items():
+        prefill, decode, both, margin = layout
+        label = f"{both} colocated" if both else f"{prefill}P+{decode}D"
+        if margin is not None:
+            label += f" overflow {margin:g}"
+        out.append((name, label, goodput(layout, windowed), goodput(layout, steady)))
+    return out
+
+
 def goodput_main(args) -> int:
     from disagg.worker.model.config import ModelConfig
 
@@ -515,23 +547,10 @@ def goodput_main(args) -> int:
             }
             line = "    " + "; ".join(f"{name} / colocated goodput: {r:.2f}" for name, r in ratios.items())
             if prof is not None:
-                settings = Settings(
-                    max_batch=EngineArgs.max_num_seqs,
-                    chunk_tokens=args.max_num_batched_tokens,
-                    disagg_threshold=deployed_threshold(args),
-                    prefill_placement=args.prefill_placement,
-                )
-                predictions = {"colocated": ("2 colocated", goodput_colocated(prof, wl, slo, 2, settings))}
-                for name in others:  # 1P+1D as served: the deployment's placement and overflow margin
-                    margin = chosen[name][3]
-                    label = "1P+1D" + ("" if margin is None else f" overflow {margin:g}")
-                    served = replace(settings, overflow_margin=margin)
-                    predictions[name] = (label, goodput_served(prof, wl, slo, 1, 1, served))
-                for name, (label, predicted) in predictions.items():
-                    agree = (
-                        f"measured/predicted {found[name][0] / predicted:.2f}" if predicted else "predicted 0"
-                    )
-                    line += f"; planner predicts {label} {predicted:.3f} req/s ({agree})"
+                for name, label, window, steady in predictions(args, prof, wl, slo, chosen):
+                    agree = f"measured/predicted {found[name][0] / window:.2f}" if window else "predicted 0"
+                    line += (f"\n      planner: {label} {window:.3f} req/s in {args.duration:.0f} s windows ({agree}), "
+                             f"{steady:.3f} in the steady state")  # fmt: skip
             print(line, flush=True)
             if args.aiperf and scale == BASE_SCALE:
                 for name in chosen:

@@ -228,3 +228,15 @@ def test_the_engine_profile_measures_batches_and_the_cost_of_context(tmp_path):
     assert data["decode_context_tokens"] == 39 and prof.context_seconds_per_token > 0
     assert prof.decode_seconds(4, 4 * 1031) > 2 * prof.decode_seconds(4, 4 * 39)
     assert "per further context token" in prof.describe()
+
+
+def test_a_benchmark_length_window_attains_more_near_the_knee_than_the_steady_state():
+    """What a 60 s sweep measures is not the steady state: its queues never build up fully, so
+    the planner predicts a sweep with streams of the same length, averaged over seeds."""
+    from disagg.worker.planner.advisor import _requests, goodput_colocated
+
+    prof, wl = cpu_like_profile(), WORKLOADS["chat"]
+    slo, steady = unloaded_slo(prof, wl).scaled(4), Settings(chunk_tokens=512)
+    window = Settings(chunk_tokens=512, window_seconds=60, windows=4)
+    assert len(_requests(prof, wl, 0.5, window)) == 30 and len(_requests(prof, wl, 0.5, steady)) >= 600
+    assert goodput_colocated(prof, wl, slo, 2, window) > 1.15 * goodput_colocated(prof, wl, slo, 2, steady)

@@ -7,6 +7,7 @@ requests: `routing.simulate`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +15,8 @@ import numpy as np
 from disagg.worker.planner import routing, simulate
 from disagg.worker.planner.goodput import SLO, attainment, max_rate
 from disagg.worker.planner.profile import Profile
-from disagg.worker.planner.workload import Workload
+from disagg.worker.planner.simulate import Outcome
+from disagg.worker.planner.workload import Requests, Workload
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,11 @@ class Settings:
     min_requests: int = 600
     max_requests: int = 60_000
     seed: int = 0
+    # Instead of the steady state: streams of `window_seconds` of arrivals, as a benchmark sends
+    # (bench/serve.py's --duration), attainment averaged over `windows` seeds. Near the knee a
+    # short window attains far more than the steady state: queues have no time to build.
+    window_seconds: float | None = None
+    windows: int = 1
     # the served split's policies: the router's --prefill-overflow margin (None: off), the decode
     # workers' --disagg-threshold and --prefill-placement
     overflow_margin: float | None = None
@@ -54,21 +61,37 @@ class Plan:
         return self.served / self.colocated if self.colocated else float("inf")
 
 
-def _requests(prof: Profile, workload: Workload, rate: float, s: Settings):
+def _requests(prof: Profile, workload: Workload, rate: float, s: Settings, seed: int = 0) -> Requests:
+    if s.window_seconds is not None:
+        return workload.sample(max(8, int(rate * s.window_seconds)), rate, seed)
     lifetime = float(prof.prefill_seconds(workload.longest_prompt)) + workload.output_tokens[1] * float(
         prof.step_seconds(1)
     )
     n = int(np.clip(rate * s.horizon_lifetimes * lifetime, s.min_requests, s.max_requests))
-    return workload.sample(n, rate, s.seed)
+    return workload.sample(n, rate, seed)
+
+
+def _attainment_at(
+    run: Callable[[Requests], Outcome], prof: Profile, workload: Workload, slo: SLO, s: Settings
+) -> Callable[[float], float]:
+    """Attainment as a function of the rate, for `max_rate`: one steady-state stream, or the mean
+    over `s.windows` benchmark-length ones."""
+    count = s.windows if s.window_seconds is not None else 1
+
+    def attain(rate: float) -> float:
+        return float(np.mean([attainment(run(_requests(prof, workload, rate, s, s.seed + k)), slo)
+                              for k in range(count)]))  # fmt: skip
+
+    return attain
 
 
 def goodput_disaggregated(
     prof: Profile, workload: Workload, slo: SLO, prefill: int, decode: int, s: Settings
 ) -> float:
-    def attain(rate: float) -> float:
-        req = _requests(prof, workload, rate, s)
-        return attainment(simulate.disaggregated(prof, req, prefill, decode, s.max_batch), slo)
+    def run(req: Requests) -> Outcome:
+        return simulate.disaggregated(prof, req, prefill, decode, s.max_batch)
 
+    attain = _attainment_at(run, prof, workload, slo, s)
     return max_rate(attain, guess=_capacity_guess(prof, workload, prefill, decode, s))
 
 
@@ -77,12 +100,11 @@ def goodput_served(
 ) -> float:
     """Goodput of `prefill` + `decode` replicas under the product's routing and placement."""
 
-    def attain(rate: float) -> float:
-        req = _requests(prof, workload, rate, s)
-        out = routing.simulate(prof, req, prefill, decode, s.overflow_margin, s.max_batch, s.chunk_tokens,
-                               s.prefill_placement, s.disagg_threshold)  # fmt: skip
-        return attainment(out, slo)
+    def run(req: Requests) -> Outcome:
+        return routing.simulate(prof, req, prefill, decode, s.overflow_margin, s.max_batch, s.chunk_tokens,
+                                s.prefill_placement, s.disagg_threshold)  # fmt: skip
 
+    attain = _attainment_at(run, prof, workload, slo, s)
     return max_rate(attain, guess=_colocated_guess(prof, workload, prefill + decode))
 
 
@@ -94,10 +116,10 @@ def _colocated_guess(prof: Profile, workload: Workload, replicas: int) -> float:
 
 
 def goodput_colocated(prof: Profile, workload: Workload, slo: SLO, replicas: int, s: Settings) -> float:
-    def attain(rate: float) -> float:
-        req = _requests(prof, workload, rate, s)
-        return attainment(simulate.colocated(prof, req, replicas, s.max_batch, s.chunk_tokens), slo)
+    def run(req: Requests) -> Outcome:
+        return simulate.colocated(prof, req, replicas, s.max_batch, s.chunk_tokens)
 
+    attain = _attainment_at(run, prof, workload, slo, s)
     return max_rate(attain, guess=_colocated_guess(prof, workload, replicas))
 
 
