@@ -117,12 +117,13 @@ def run(args) -> int:
     margin = settings.overflow_margin
     lending = "never" if margin is None else f"when decode is busier by > {margin:g} requests"
     for line in (
-        "assumptions: continuous batching (<= {b}) and step times as profiled (independent of context",
-        "  length); colocated replicas interleave decode steps with prefill chunks of <= {c} tokens,",
-        "  requests round robin; DistServe's split: prefill replicas take prompts from the earliest free,",
-        "  decode replicas never prefill; the served split: this product's router and decode workers",
-        "  (the cheapest worker by streams; a decode worker prefills a prompt itself where cheaper,",
-        "  --disagg-threshold {t}; the router lends an idle prefill worker whole requests {o})",
+        "assumptions: continuous batching (<= {b}); step times as profiled, plus the profile's cost of",
+        "  each row's context (its prompt and half its output); colocated replicas interleave decode",
+        "  steps with prefill chunks of <= {c} tokens, requests round robin; DistServe's split: prefill",
+        "  replicas take prompts from the earliest free, decode replicas never prefill; the served split:",
+        "  this product's router and decode workers (the cheapest worker by streams; a decode worker",
+        "  prefills a prompt itself where cheaper, --disagg-threshold {t}; the router lends an idle",
+        "  prefill worker whole requests {o})",
     ):
         print(
             line.format(b=settings.max_batch, c=settings.chunk_tokens, t=settings.disagg_threshold, o=lending)
