@@ -392,7 +392,7 @@ def engine_summary(before: dict, after: dict, wall: float, prof: Profile | None)
             step = d[("disagg_engine_step_seconds_sum", "decode")] / steps
             line += f"; {steps:.0f} decode steps, mean batch {batch:.1f}, {1e3 * step:.1f} ms each"
             if prof is not None:
-                line += f" (profile {1e3 * float(prof.step_seconds(batch)):.1f} ms)"
+                line += f" (profile at a short context: {1e3 * float(prof.step_seconds(batch)):.1f} ms)"
         lines.append(line)
     return lines
 
