@@ -152,7 +152,7 @@ def measure(model_dir: str | Path, transfer_bytes_per_second: float | None = Non
     long_prompt = min(1024, engine.max_model_len - steps - 16)
     long_step = decode_step_seconds(engine, [prompt(long_prompt) for _ in range(4)], steps)
     long_context = long_prompt + 1 + steps / 2
-    per_context = max(long_step - decode[1][1], 0.0) / (4 * (long_context - short_context))
+    per_context = max(long_step - dict(decode)[4], 0.0) / (4 * (long_context - short_context))
     say(f"  decode batch   4 at {long_context:.0f} tokens of context: {long_step * 1000:8.1f} ms/step")
     # all layers, K and V (and a quantized cache's scales)
     bytes_per_token = engine.model.kv_cache_block_bytes(engine.block_size) / engine.block_size

@@ -85,7 +85,6 @@ def simulate(
     rate = 1.0 / float(prof.prefill_per_token)  # tokens/s, the same on every replica
     # service times as plain floats: the loop below asks for them tens of thousands of times
     step_of = [float(v) for v in prof.step_seconds(np.arange(max_batch + 1))]
-    per_context, base_context = prof.context_seconds_per_token, prof.decode_context
     context = decode_context(req).tolist()
     fixed, per_token = float(prof.prefill_fixed), float(prof.prefill_per_token)
     n = len(req)
@@ -101,9 +100,9 @@ def simulate(
         heapq.heappush(events, (t, next(order), kind, a, b))
 
     def step(r: _Replica) -> float:
-        """A decode step of r's streams (Profile.decode_seconds, in plain floats)."""
+        """A decode step of r's streams: Profile.decode_seconds, its batch's part from the table."""
         b = len(r.active)
-        return step_of[b] + per_context * max(r.held - b * base_context, 0.0)
+        return step_of[b] + prof.context_seconds(b, r.held)
 
     def begin(k: int, t: float) -> None:
         """Start replica k's next step (or run of decode steps) at t, if it has work."""

@@ -96,10 +96,9 @@ def disaggregated(prof: Profile, req: Requests, prefill: int, decode: int, max_b
     return outcome(req, first, finish)
 
 
-def _colocated_replica(prof: Profile, arrival, prompt, output, max_batch: int, chunk_tokens: int):
+def _colocated_replica(prof: Profile, arrival, prompt, output, context, max_batch: int, chunk_tokens: int):
     n = len(arrival)
     first, finish = np.empty(n), np.empty(n)
-    context = prompt + (output - 1) / 2  # as decode_context
     t, done_steps, nxt = 0.0, 0, 0
     held = 0.0  # the active requests' contexts, summed
     active: list[tuple[int, int]] = []
@@ -152,9 +151,10 @@ def colocated(
     prof: Profile, req: Requests, replicas: int, max_batch: int = 64, chunk_tokens: int = 2048
 ) -> Outcome:
     first, finish = np.empty(len(req)), np.empty(len(req))
+    context = decode_context(req)
     for idx in _round_robin(req.arrival, replicas):
         f, e = _colocated_replica(
-            prof, req.arrival[idx], req.prompt[idx], req.output[idx], max_batch, chunk_tokens
+            prof, req.arrival[idx], req.prompt[idx], req.output[idx], context[idx], max_batch, chunk_tokens
         )
         first[idx], finish[idx] = f, e
     return outcome(req, first, finish)
