@@ -11,7 +11,14 @@ For the forced P/D run the decode worker's `disagg_remote_prefill_stage_seconds`
 remote prefill into the prefill worker's queue and compute, the KV still moving after the compute
 (layer-by-layer sends overlap the rest), and the hops (RPCs, handshake-free Prefill call, Redis
 record, commit); what the client saw beyond the decode worker's own TTFT is the router and HTTP.
-The bound checked is the issue's: P/D TTFT <= colocated TTFT + KV transfer + 5 ms.
+
+The bound checked is the issue's: P/D TTFT <= colocated TTFT + KV transfer + 5 ms. The same
+prompt's compute varies by 10-20% from one minute to the next on a shared 2-core VM (hundreds of
+ms at 1024 tokens), far more than the 5 ms the bound allows, so the bound is checked on what the
+disaggregated path adds beyond the compute: each deployment's mean client TTFT less its mean
+prefill compute (colocated: the worker's prefill steps, from `disagg_engine_step_seconds`; P/D: the
+prefill worker's compute stage), P/D's against colocated's + KV after + 5 ms. The plain TTFT
+comparison is printed too.
 
     python bench/ttft_breakdown.py --preset small --lengths 256,1024 --requests 8
 """
@@ -100,6 +107,11 @@ def run(args, name: str, layout: tuple[int, int, int], placement: str, lengths, 
                 return series_sum(after, metric, **labels) - series_sum(before, metric, **labels)
 
             remote = delta("disagg_disaggregation_decisions_total", decision="remote")
+            reasons = {
+                k.split('reason="', 1)[1].split('"', 1)[0]: after[k] - before.get(k, 0.0)
+                for k in after
+                if k.startswith("disagg_disaggregation_decisions_total{") and after[k] - before.get(k, 0.0) > 0
+            }
             stages = {
                 s: delta("disagg_remote_prefill_stage_seconds_sum", stage=s) / remote if remote else 0.0
                 for s in STAGES
@@ -107,9 +119,15 @@ def run(args, name: str, layout: tuple[int, int, int], placement: str, lengths, 
             worker_ttft = delta("disagg_time_to_first_token_seconds_sum") / max(
                 delta("disagg_time_to_first_token_seconds_count"), 1
             )
-            results[n] = {"ttft": ttfts, "stages": stages, "worker_ttft": worker_ttft, "remote": remote}
+            # the serving worker's own prefill compute per request (a colocated worker's steps)
+            local_compute = delta("disagg_engine_step_seconds_sum", kind="prefill") / len(ttfts)
+            results[n] = {
+                "ttft": ttfts, "stages": stages, "worker_ttft": worker_ttft, "remote": remote,
+                "reasons": reasons, "local_compute": local_compute,
+            }  # fmt: skip
+            why = ", ".join(f"{r} {c:.0f}" for r, c in sorted(reasons.items()))
             print(f"[{name}] {n:>5} tokens: TTFT p50 {statistics.median(ttfts) * 1e3:7.1f} ms, "
-                  f"{remote:.0f}/{len(ttfts)} prefilled remotely", flush=True)  # fmt: skip
+                  f"{remote:.0f}/{len(ttfts)} prefilled remotely ({why})", flush=True)  # fmt: skip
     finally:
         dep.stop()
     return results
@@ -150,7 +168,7 @@ def main(argv=None) -> int:
         c, f, lp = colocated[n], forced[n], by_load[n]
         c50, f50, l50 = (statistics.median(x["ttft"]) for x in (c, f, lp))
         st = f["stages"]
-        router = f50 - f["worker_ttft"]
+        router = statistics.fmean(f["ttft"]) - f["worker_ttft"]  # both means
         bound = c50 + st["transfer"] + 0.005
         print(f"{n:>7} {c50 * ms:>10.1f} {f50 * ms:>11.1f} {(f50 - c50) * ms:>7.1f} | {st['setup'] * ms:>8.1f} "
               f"{st['queue'] * ms:>8.1f} {st['compute'] * ms:>10.1f} {st['transfer'] * ms:>9.1f} "
@@ -163,6 +181,25 @@ def main(argv=None) -> int:
           "batch; router: client TTFT beyond the decode worker's own. bound = colocated + KV after "
           "+ 5 ms. load P/D: the default placement, whose idle decode worker prefills locally when that is "
           "sooner.")  # fmt: skip
+
+    print(f"\nBeyond the compute (means of the same {args.requests} requests, ms): what each path adds to its "
+          "prompt's own prefill compute")  # fmt: skip
+    head = (f"{'prompt':>7} {'colocated TTFT':>15} {'compute':>8} {'adds':>6} {'router':>7} | {'P/D TTFT':>9} "
+            f"{'P compute':>10} {'adds':>6} {'router':>7} | {'P/D - colocated':>16} {'allowed':>8} {'met':>4}")  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    for n in lengths:
+        c, f = colocated[n], forced[n]
+        c_ttft, f_ttft = statistics.fmean(c["ttft"]), statistics.fmean(f["ttft"])
+        c_adds, f_adds = c_ttft - c["local_compute"], f_ttft - f["stages"]["compute"]
+        allowed = f["stages"]["transfer"] + 0.005
+        print(f"{n:>7} {c_ttft * ms:>15.1f} {c['local_compute'] * ms:>8.1f} {c_adds * ms:>6.1f} "
+              f"{(c_ttft - c['worker_ttft']) * ms:>7.1f} | {f_ttft * ms:>9.1f} {f['stages']['compute'] * ms:>10.1f} "
+              f"{f_adds * ms:>6.1f} {(f_ttft - f['worker_ttft']) * ms:>7.1f} | "
+              f"{(f_adds - c_adds) * ms:>16.1f} {allowed * ms:>8.1f} {'yes' if f_adds - c_adds <= allowed else 'no':>4}")
+    print("colocated compute: its prefill steps; P compute: the prefill worker's compute stage; adds = TTFT - "
+          "compute (queueing, hops, router, HTTP), router = of it, the client TTFT beyond the serving worker's own; allowed = KV after + 5 ms (the issue's bound, with the compute "
+          "taken out: it varies by more than 5 ms between two runs of the same prompt).")  # fmt: skip
     return 0
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
+import time
 
 import pytest
 
@@ -109,6 +112,43 @@ def test_engine_loop_runs_calls_on_its_thread_and_fails_pending_on_stop():
     assert not loop.alive
     with pytest.raises(RuntimeError, match="stopped"):
         loop.call(lambda: 1).result(1)
+
+
+def test_engine_loop_polls_a_pending_transfer_without_spinning():
+    """A poller with work pending (a decode worker awaiting a remote prefill's KV) is polled every
+    spin_wait for spin_seconds, then every poll_wait: a bounded number of times, not back to back
+    (which kept a core busy and the GIL from the thread sending the Prefill call), while a
+    submitted closure is still served in the meantime."""
+    loop = EngineLoop(spin_seconds=0.02, spin_wait=0.002, poll_wait=0.02)
+    polls = []
+    loop.add_poller(lambda: polls.append(time.monotonic()) or True)
+    loop.start(lambda: None).result(5)
+    threading.Event().wait(0.3)
+    assert loop.call(lambda: "served").result(5) == "served"
+    loop.stop()
+    # back to back this was tens of thousands of polls; sleeping, ~10 + 14, and a second spin
+    # after the call above
+    assert 5 <= len(polls) <= 60, len(polls)
+    gaps = [b - a for a, b in zip(polls, polls[1:], strict=False)]
+    assert max(gaps) >= 0.015  # the later polls are poll_wait apart
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_engine_loop_thread_runs_niced_below_the_rest_of_the_process():
+    me = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    loop = EngineLoop(nice=3)
+    loop.start(lambda: None).result(5)
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, loop.native_id) == min(me + 3, 19)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == me  # only its thread
+    finally:
+        loop.stop()
+    plain = EngineLoop()
+    plain.start(lambda: None).result(5)
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, plain.native_id) == me
+    finally:
+        plain.stop()
 
 
 def test_engine_loop_init_failure_is_reported():
