@@ -6,10 +6,10 @@ steps the loop runs submitted closures and the registered pollers (KV transfer c
 sends in flight). When there is no work it sleeps on the command queue, so an idle worker
 costs no CPU. When only pollers have work (a decode worker awaiting a remote prefill's KV, which
 takes as long as the prompt's compute), the loop polls every `spin_wait` seconds for
-`spin_seconds` (a send's tail or a notice due any moment is picked up at once), then every
-`poll_wait` seconds: a loop that polled back to back for the whole wait kept a core busy for
-nothing and held the GIL the asyncio thread needed to send the Prefill call (1-3 ms more per
-call). A submitted closure still wakes the loop at once.
+`spin_seconds` after its last step (the tail of the sends that step posted is picked up at
+once), then every `poll_wait` seconds: a loop that polled back to back for the whole wait kept a
+core busy for nothing and held the GIL the asyncio thread needed to send the Prefill call (1-3 ms
+more per call). A submitted closure still wakes the loop at once.
 
 The loop's thread yields the CPU after every step and every batch of closures, and runs niced
 (`nice`) below the rest of the process. On a CPU host a worker's threads share its cores: the
@@ -163,33 +163,31 @@ class EngineLoop:
                 item = None
         return True
 
-    def _wait(self, stepped: bool, polling: bool, polling_since: float) -> float:
+    def _wait(self, stepped: bool, polling: bool, last_step: float) -> float:
         """How long the next drain may block: not at all after a step."""
         if stepped:
             return 0.0
         if not polling:
             return self._idle_wait
-        return self._spin_wait if time.monotonic() - polling_since < self._spin_seconds else self._poll_wait
+        return self._spin_wait if time.monotonic() - last_step < self._spin_seconds else self._poll_wait
 
     def _run(self) -> None:
         stepped = polling = False
-        polling_since = 0.0
+        last_step = 0.0
         failures = 0
         while not self._stop.is_set():
-            wait = self._wait(stepped, polling, polling_since)
+            wait = self._wait(stepped, polling, last_step)
             ran = self._drain(wait)
             if ran or not wait:
                 # a thread the last closures or step woke (the asyncio thread, handed a token or
                 # a result) runs now rather than when the scheduler next preempts this one
                 _yield_cpu()
-            was_polling, stepped, polling = polling and not ran, False, False
+            stepped = polling = False
             for poll in self._pollers:
                 try:
                     polling |= bool(poll())
                 except Exception:
                     log.exception("poller failed")
-            if polling and not was_polling:
-                polling_since = time.monotonic()
             if self.has_work() and self.step_fn is not None:
                 try:
                     self.step_fn()
@@ -201,7 +199,7 @@ class EngineLoop:
                         self._give_up(e)
                         break
                     time.sleep(0.1)  # do not spin on a persistent failure
-                stepped = True
+                stepped, last_step = True, time.monotonic()
             if self.on_iteration is not None:
                 self.on_iteration()
         self._stop.set()
