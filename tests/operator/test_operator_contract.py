@@ -335,9 +335,6 @@ def test_worker_containers_parse_with_the_real_cli(example, variant, role, tmp_p
     assert cfg.drain_timeout == args.drain_timeout
     assert cfg.engine.gpu_memory_utilization == pytest.approx(r.memory_fraction)
     assert cfg.worker_id == POD_NAME and cfg.role == role
-    # the engine thread yields the CPU to the RPC thread (raising a thread's niceness needs no
-    # capability: the restricted profile drops them all)
-    assert cfg.engine_nice == 10
     _check_redis_url(cfg.redis_url, idep, kids, cfg.redis_password)
 
     # The native-kernel cache is a writable, pod-private volume (the root file system is read-only).

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 
@@ -140,24 +138,6 @@ def test_engine_loop_polls_a_pending_transfer_without_spinning():
     # back to back these were tens of thousands; sleeping, at most ~25 in the spin, ~9 after
     assert 5 <= len(spinning) <= 30, len(spinning)
     assert 3 <= len(later) <= 15, len(later)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
-def test_engine_loop_thread_runs_niced_below_the_rest_of_the_process():
-    me = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    loop = EngineLoop(nice=3)
-    loop.start(lambda: None).result(5)
-    try:
-        assert os.getpriority(os.PRIO_PROCESS, loop.native_id) == min(me + 3, 19)
-        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == me  # only its thread
-    finally:
-        loop.stop()
-    plain = EngineLoop()
-    plain.start(lambda: None).result(5)
-    try:
-        assert os.getpriority(os.PRIO_PROCESS, plain.native_id) == me
-    finally:
-        plain.stop()
 
 
 def test_engine_loop_init_failure_is_reported():

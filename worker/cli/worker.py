@@ -58,9 +58,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-timeout", type=float, default=float(_env("PREFILL_TIMEOUT", 120)))
     p.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT", 30)),
                    help="longest wait for in-flight streams when draining (/drain, then SIGTERM share it)")  # fmt: skip
-    p.add_argument("--engine-nice", type=int, default=int(_env("ENGINE_NICE", 10)),
-                   help="niceness of the engine thread within this process (Linux; 0 leaves it): above the "
-                        "thread answering RPCs, which then gets the CPU at once to hand out a token")  # fmt: skip
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     auth.add_cli_args(p)
     EngineArgs.add_cli_args(p, env=True)
@@ -112,7 +109,6 @@ def config_from_args(args):
         lease_seconds=args.lease_seconds,
         prefill_timeout=args.prefill_timeout,
         drain_timeout=args.drain_timeout,
-        engine_nice=args.engine_nice,
     )
 
 

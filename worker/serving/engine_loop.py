@@ -11,14 +11,11 @@ once), then every `poll_wait` seconds: a loop that polled back to back for the w
 core busy for nothing and held the GIL the asyncio thread needed to send the Prefill call (1-3 ms
 more per call). A submitted closure still wakes the loop at once.
 
-The loop's thread yields the CPU after every step and every batch of closures, and runs niced
-(`nice`) below the rest of the process. On a CPU host a worker's threads share its cores: the
-asyncio thread, woken with what the loop handed it (a token, a committed remote prefill), waited
-0.1-5 ms until the scheduler preempted the computing engine thread (`perf sched` showed the niced
-thread still running 4 ms past that wake-up); with the yield it runs at once (0.1-0.3 ms). The
-niceness covers what the loop did not cause (a new call arriving during a long step). It only
-orders threads within the worker's own scheduling group (its container's cgroup), and lowering a
-thread's own priority needs no privilege.
+The loop's thread yields the CPU after every step and every batch of closures. On a CPU host a
+worker's threads share its cores: the asyncio thread, woken with what the loop handed it (a token,
+a committed remote prefill), waited 0.1-5 ms until the scheduler preempted the computing engine
+thread (`perf sched`: runnable for 4 ms while the engine thread kept the core, even niced); with
+the yield (which also lets go of the GIL) it runs at once, 0.1-0.3 ms later.
 """
 
 from __future__ import annotations
@@ -27,23 +24,11 @@ import concurrent.futures
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
 
 log = logging.getLogger("disagg.worker.engine_loop")
-
-
-def lower_thread_priority(nice: int) -> None:
-    """Raise the calling thread's niceness by `nice` (Linux: a thread's id names it alone)."""
-    if nice <= 0 or not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-    except OSError as e:
-        log.warning("could not lower the engine thread's priority: %s", e)
 
 
 def _yield_cpu() -> None:
@@ -63,7 +48,6 @@ class EngineLoop:
         spin_seconds: float = 0.002,
         spin_wait: float = 0.0001,
         poll_wait: float = 0.001,
-        nice: int = 0,
     ):
         """max_step_failures: consecutive failed engine steps after which the loop gives up:
         `on_fatal(error)` runs on this thread (fail the requests) and the loop stops, so liveness
@@ -74,7 +58,6 @@ class EngineLoop:
         self._spin_seconds = spin_seconds
         self._spin_wait = spin_wait
         self._poll_wait = poll_wait
-        self._nice = nice
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.engine = None
@@ -85,7 +68,6 @@ class EngineLoop:
         self.max_step_failures = max_step_failures
         self.error: BaseException | None = None
         self.thread_id: int | None = None
-        self.native_id: int | None = None  # the OS's id of the loop's thread
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self, init: Callable[[], None]) -> concurrent.futures.Future:
@@ -93,8 +75,7 @@ class EngineLoop:
         ready: concurrent.futures.Future = concurrent.futures.Future()
 
         def main():
-            self.thread_id, self.native_id = threading.get_ident(), threading.get_native_id()
-            lower_thread_priority(self._nice)
+            self.thread_id = threading.get_ident()
             try:
                 init()
             except BaseException as e:

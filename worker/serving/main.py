@@ -6,7 +6,6 @@ import asyncio
 import concurrent.futures
 import logging
 import signal
-import sys
 from dataclasses import dataclass
 
 import grpc
@@ -49,7 +48,6 @@ class WorkerConfig:
     drain_timeout: float = 30.0
     auth: InternalAuth = INSECURE
     redis_password: str | None = None
-    engine_nice: int = 10
 
     @property
     def model(self) -> str:
@@ -125,19 +123,11 @@ def quarantine_seconds(cfg: WorkerConfig) -> float:
     return cfg.prefill_timeout + cfg.lease_seconds
 
 
-# Two threads share the GIL: the engine loop (Python between its native calls: scheduling, batch
-# building, sampling) and the asyncio thread that answers RPCs and streams tokens. What the loop
-# hands over (a token, a committed remote prefill) waits for the asyncio thread to get the GIL,
-# up to the switch interval (5 ms by default) while the loop runs Python; a shorter one bounds
-# that wait. (The CPU the two threads share is the engine loop's `nice`.)
-GIL_SWITCH_SECONDS = 0.0005
-
-
 class WorkerProcess:
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
         self.metrics = ServingMetrics(cfg.role, cfg.model_name)
-        self.loop = EngineLoop(nice=cfg.engine_nice)
+        self.loop = EngineLoop()
         self.server: grpc.aio.Server | None = None
         self.http: web.AppRunner | None = None
         self.service: WorkerService | None = None
@@ -208,7 +198,6 @@ class WorkerProcess:
         self.metrics_port = site._server.sockets[0].getsockname()[1]
 
     async def run(self) -> int:
-        sys.setswitchinterval(GIL_SWITCH_SECONDS)
         aio = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             aio.add_signal_handler(sig, self._stop.set)
