@@ -127,7 +127,7 @@ def _phase_rates(prof: Profile, workload: Workload, s: Settings) -> tuple[float,
     """Requests/s one prefill replica and one decode replica can sustain (throughput bounds)."""
     prefill = 1.0 / float(prof.prefill_seconds(workload.mean_prompt))
     batch = s.max_batch
-    held = batch * (workload.mean_prompt + (workload.mean_output - 1) / 2)
+    held = batch * simulate.decode_context(workload.mean_prompt, workload.mean_output)
     decode = batch / (prof.decode_seconds(batch, held) * max(workload.mean_output - 1, 1))
     return prefill, decode
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from disagg.worker.planner.profile import Profile
-from disagg.worker.planner.simulate import Outcome
+from disagg.worker.planner.simulate import Outcome, decode_context
 from disagg.worker.planner.workload import Workload
 
 TARGET = 0.9
@@ -33,7 +33,7 @@ def unloaded_slo(prof: Profile, workload: Workload) -> SLO:
     """The latency one request alone sees on one colocated replica: its workload's longest prompt
     prefilled, then decode steps of batch 1 over its context. SLO scale 1."""
     longest, most = workload.longest_prompt, workload.output_tokens[1]
-    return SLO(float(prof.prefill_seconds(longest)), prof.decode_seconds(1, longest + (most - 1) / 2))
+    return SLO(float(prof.prefill_seconds(longest)), prof.decode_seconds(1, decode_context(longest, most)))
 
 
 def attainment(out: Outcome, slo: SLO, trim: float = 0.1) -> float:

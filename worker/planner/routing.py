@@ -85,7 +85,7 @@ def simulate(
     rate = 1.0 / float(prof.prefill_per_token)  # tokens/s, the same on every replica
     # service times as plain floats: the loop below asks for them tens of thousands of times
     step_of = [float(v) for v in prof.step_seconds(np.arange(max_batch + 1))]
-    context = decode_context(req).tolist()
+    context = decode_context(req.prompt, req.output).tolist()
     fixed, per_token = float(prof.prefill_fixed), float(prof.prefill_per_token)
     n = len(req)
     first, finish = np.full(n, np.nan), np.full(n, np.nan)

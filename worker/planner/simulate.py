@@ -31,9 +31,10 @@ class Outcome:
     tpot: np.ndarray  # 0 for a request of one output token
 
 
-def decode_context(req: Requests) -> np.ndarray:
-    """Each request's context while it decodes, on average: its prompt and half its output."""
-    return req.prompt + (req.output - 1) / 2
+def decode_context(prompt, output):
+    """A request's context while it decodes, on average: its prompt and half its output (after the
+    first token). Elementwise over arrays of requests."""
+    return prompt + (output - 1) / 2
 
 
 def _decode_replica(
@@ -87,7 +88,7 @@ def disaggregated(prof: Profile, req: Requests, prefill: int, decode: int, max_b
         done[i] = start + s
         heapq.heappush(free, done[i])
     first = done + prof.transfer_seconds(req.prompt)
-    context = decode_context(req)
+    context = decode_context(req.prompt, req.output)
     order = np.argsort(first, kind="stable")
     finish = np.empty(len(req))
     for idx in _round_robin(order, decode):
@@ -151,7 +152,7 @@ def colocated(
     prof: Profile, req: Requests, replicas: int, max_batch: int = 64, chunk_tokens: int = 2048
 ) -> Outcome:
     first, finish = np.empty(len(req)), np.empty(len(req))
-    context = decode_context(req)
+    context = decode_context(req.prompt, req.output)
     for idx in _round_robin(req.arrival, replicas):
         f, e = _colocated_replica(
             prof, req.arrival[idx], req.prompt[idx], req.output[idx], context[idx], max_batch, chunk_tokens
