@@ -237,8 +237,9 @@ class Cluster:
         password = self.env.get("DISAGG_REDIS_PASSWORD")
         assert_no_transfer_records(redis_url, self.deployment, timeout=records_timeout, password=password)
 
-    def metric(self, name: str, metric: str) -> float:
-        """Sum of a metric's samples (any labels) on a worker's or the router's /metrics page."""
+    def metric(self, name: str, metric: str, **labels: str) -> float:
+        """Sum of a metric's samples (those with `labels`, any others) on a worker's or the
+        router's /metrics page."""
         url = self.router.health if name == "router" else self.workers[name].health
         with urllib.request.urlopen(url.replace("/health", "/metrics"), timeout=5) as r:
             text = r.read().decode()
@@ -246,7 +247,7 @@ class Cluster:
         for line in text.splitlines():
             if line.startswith(metric) and not line.startswith("#"):
                 key = line.split(" ", 1)[0].split("{", 1)[0]
-                if key == metric:
+                if key == metric and all(f'{k}="{v}"' in line for k, v in labels.items()):
                     total += float(line.rsplit(" ", 1)[1])
         return total
 

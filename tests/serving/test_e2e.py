@@ -57,6 +57,7 @@ def test_greedy_ragged_batch_matches_colocated_engine(cluster, reference_llm):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = [o.outputs[0].text for o in reference_llm.generate(prompts, params)]
     remote_before = cluster.metric("decode-0", "disagg_disaggregation_decisions_total")
+    landing_before = cluster.metric("decode-0", "disagg_remote_prefill_commits_total", on="landing")
     sends_before = cluster.metric("prefill-0", "disagg_kv_transfer_seconds_count")
     bodies = [
         {"model": cluster.model_name, "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -73,8 +74,11 @@ def test_greedy_ragged_batch_matches_colocated_engine(cluster, reference_llm):
         assert ("X-Disagg-Prefill-Worker" in r.headers) == remote, (n, dict(r.headers))
     assert cluster.metric("decode-0", "disagg_disaggregation_decisions_total") == remote_before + len(prompts)
     assert cluster.metric("prefill-0", "disagg_kv_transfer_bytes_total") > 0
-    # the KV left layer by layer, each layer as soon as the prefill had computed it
     n_remote = sum(n >= THRESHOLD for n in LENGTHS)
+    # each first token came in its transfer's FINAL notice: decoding began as the KV landed
+    landed = cluster.metric("decode-0", "disagg_remote_prefill_commits_total", on="landing")
+    assert landed == landing_before + n_remote
+    # the KV left layer by layer, each layer as soon as the prefill had computed it
     layers = reference_llm.engine.config.num_hidden_layers
     assert cluster.metric("prefill-0", "disagg_kv_transfer_seconds_count") - sends_before == n_remote * layers
 
@@ -125,12 +129,16 @@ def test_logprobs_and_stop_through_the_disaggregated_path(cluster, reference_llm
     ref = reference_llm.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
     )[0]
+    commits = "disagg_remote_prefill_commits_total"
+    on_answer = cluster.metric("decode-0", commits, on="answer")
     r = complete(
         cluster.url,
         {"model": cluster.model_name, "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2,
          "ignore_eos": True},
     )  # fmt: skip
     assert r.status_code == 200 and "X-Disagg-Prefill-Worker" in r.headers
+    # the first token's logprobs come only in P's answer: committed from it, not on landing
+    assert cluster.metric("decode-0", commits, on="answer") == on_answer + 1
     lp = r.json()["choices"][0]["logprobs"]
     want = [t.logprob for t in ref.outputs[0].logprobs]
     assert lp["token_logprobs"] == pytest.approx(want, abs=1e-4)

@@ -279,6 +279,78 @@ def test_client_gone_then_the_sender_says_nothing_will_land_ends_the_quarantine(
     _idle(core)
 
 
+def test_a_landed_transfer_carrying_its_first_token_is_committed_on_the_loop(engine):
+    """The first token rides on P's FINAL notice: the loop starts decoding the moment the KV is
+    whole, before the asyncio side hears of it; without a token, or when logprobs were asked
+    (no `committed` callback), or after the request went away, it leaves the commit alone."""
+    t, core = _decode(engine)
+    params = SamplingParams(max_tokens=3, temperature=0)
+    events, outs = [], []
+    dst = core.on_loop_reserve("r", _prompt(40, 7), params, outs.append)
+    core.on_loop_expect_kv("r:1:0", "r", lambda r: events.append(("landed", r)), dst.fresh_block_ids,
+                           lambda at: events.append(("committed", outs[:])))  # fmt: skip
+    t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.FINAL, request_id="r:1:0", parts=0, first_token=9))
+    core.poll_receiver()
+    # committed first, with the first token already handed to the stream; then the wait ends
+    assert [e[0] for e in events] == ["committed", "landed"] and events[1][1] is None
+    assert [o.new_token_ids for o in events[0][1]] == [[9]]
+    assert "r" not in core.reserved and engine.num_running == 1
+    assert not core.on_loop_commit("r", 9, None)  # nothing left for the answer's path to commit
+    while engine.has_unfinished():
+        core.step()
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids[0] == 9
+
+    committed = []
+    # no token in the FINAL (an older or tensor-parallel sender): the answer's path commits
+    dst = core.on_loop_reserve("s", _prompt(40, 8), params, outs.append)
+    core.on_loop_expect_kv("s:1:0", "s", events.append, dst.fresh_block_ids, committed.append)
+    _land(t, "s:1:0")
+    core.poll_receiver()
+    assert committed == [] and events[-1] is None and "s" in core.reserved
+    _finish(core, engine, "s", outs)
+    # logprobs asked: no callback, the token in the FINAL is not used
+    dst = core.on_loop_reserve("u", _prompt(40, 9), params, outs.append)
+    core.on_loop_expect_kv("u:1:0", "u", events.append, dst.fresh_block_ids)
+    t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.FINAL, request_id="u:1:0", parts=0, first_token=9))
+    core.poll_receiver()
+    assert "u" in core.reserved and events[-1] is None
+    _finish(core, engine, "u", outs)
+    # the client went away while the KV moved: the late landing ends the quarantine, commits nothing
+    dst = core.on_loop_reserve("v", _prompt(40, 10), params, outs.append)
+    core.on_loop_expect_kv("v:1:0", "v", events.append, dst.fresh_block_ids, committed.append)
+    assert core.on_loop_abort("v")
+    t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.FINAL, request_id="v:1:0", parts=0, first_token=9))
+    assert not core.poll_receiver()
+    assert committed == [] and not engine.has_unfinished()
+    assert t._first_tokens == {}  # taken or dropped with each transfer
+    _idle(core)
+
+
+def test_the_prefill_side_puts_the_sampled_token_in_its_final_notice(engine):
+    from disagg.worker.serving.core import PrefillJob
+
+    t = _transport(engine.kv_cache)
+    core = _core(engine, t, "prefill")
+    answers = []
+    job = PrefillJob("r:1:0", "r", "decode-0", list(range(3)), 0, answers.append)
+    core.on_loop_prefill(job, _prompt(40, 11), SamplingParams(max_tokens=1, temperature=0), 0.0)
+    while job.state == "prefilling":
+        core.step()
+    final = [n for n in t.notices if n.kind == pb.KVNotice.FINAL]
+    assert len(final) == 1 and final[0].HasField("first_token") and final[0].first_token == job.token_id
+    for h in t.posted:
+        h.succeed()
+    core.poll_sender()
+    assert answers[0]["token_id"] == final[0].first_token
+    # what a receiver does with it: held until taken, once; dropped when the transfer fails
+    t._on_notice("p", final[0])
+    assert t.take_first_token("r:1:0") == job.token_id and t.take_first_token("r:1:0") is None
+    t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.FINAL, request_id="x", parts=1, first_token=3))
+    t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.ABORT, request_id="x", reason="gone"))
+    assert t.poll_failed() == [("x", "aborted: gone")] and t._first_tokens == {}
+    _idle(core)
+
+
 class ChildRanks:
     """The other ranks of a tensor-parallel worker as rank 0's transport drives them: posted
     calls are recorded, each `poll` answers what the test queued for that rank."""

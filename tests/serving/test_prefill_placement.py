@@ -50,6 +50,31 @@ def test_a_decoding_worker_protects_its_streams_unless_the_prefill_pool_is_backl
     assert decide(decoding=4, remote=PrefillSite(3000, RATE), slack=5.0).remote
 
 
+def test_an_idle_decode_worker_remeasures_itself_before_trusting_a_stale_rate():
+    # its rate says remote is 25% faster, but only the warm-up (or an old step) measured it: a D
+    # sending everything away would never correct it, so it prefills this prompt itself
+    slow_seed = PrefillSite(0, RATE * 0.8, fresh=False)
+    d = decide(local=slow_seed, extra=0.0)
+    assert not d.remote and d.reason == "idle_remeasure" and d.remote_s < 0.9 * d.local_s
+    assert decide(local=PrefillSite(0, RATE * 0.8), extra=0.0).reason == "remote_faster"  # fresh: trusted
+    # staleness changes nothing where the local site wins anyway, or while D is decoding
+    assert decide(local=PrefillSite(0, RATE, fresh=False)).reason == "idle_local_faster"
+    assert decide(local=slow_seed, decoding=2).reason == "protect_decode"
+
+
+def test_prefill_rate_freshness():
+    r = PrefillRate(min_tokens=16, stale_after_s=60.0)
+    assert not r.fresh(now=0.0)
+    r.observe(1000, 0.5, provisional=True, now=0.0)  # the warm-up: a seed, never fresh
+    assert r.tokens_per_s == pytest.approx(2000) and not r.fresh(now=1.0)
+    r.observe(1000, 0.25, now=10.0)  # the first served step replaces the seed outright
+    assert r.tokens_per_s == pytest.approx(4000) and r.fresh(now=70.0) and not r.fresh(now=70.1)
+    r.observe(1000, 0.5, now=20.0)  # a fresh rate averages
+    assert r.tokens_per_s == pytest.approx(0.8 * 4000 + 0.2 * 2000)
+    r.observe(1000, 0.5, now=200.0)  # after a long silence, the new load replaces the old
+    assert r.tokens_per_s == pytest.approx(2000) and r.fresh(now=200.0)
+
+
 def test_unmeasured_rates():
     # one side measured: it stands in for the other (same hardware)
     assert not decide(local=PrefillSite(0, None)).remote

@@ -62,6 +62,16 @@ def stage_counts(cluster: Cluster) -> dict[str, float]:
     }
 
 
+def commits(cluster: Cluster) -> dict[str, float]:
+    with urllib.request.urlopen(cluster.workers["decode-0"].health.replace("/health", "/metrics")) as r:
+        text = r.read().decode()
+    return {
+        line.split('on="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("disagg_remote_prefill_commits_total{")
+    }
+
+
 def router_view(cluster: Cluster, role: str) -> dict:
     request = urllib.request.Request(f"{cluster.url}/internal/workers", headers=cluster.internal_headers)
     with urllib.request.urlopen(request, timeout=2) as r:
@@ -93,7 +103,8 @@ def test_placement_follows_the_load(cluster, reference_llm):
     # 1. an idle decode worker prefills a long prompt itself: the trip would only add the transfer
     first = complete(cluster, prompt(), 4)
     assert "X-Disagg-Prefill-Worker" not in first.headers
-    assert decisions(cluster) == {("local", "idle_local_faster"): 1}
+    # (whatever the warm-up measured: an idle D re-measures itself rather than trust that alone)
+    assert decisions(cluster) in ({("local", "idle_local_faster"): 1}, {("local", "idle_remeasure"): 1})
     assert set(stage_counts(cluster).values()) == {0.0}
 
     # 2. while it decodes a long stream, a long prompt goes to the prefill worker instead of
@@ -119,8 +130,13 @@ def test_placement_follows_the_load(cluster, reference_llm):
         t.join(120)
     assert "X-Disagg-Prefill-Worker" in third.headers, decisions(cluster)
     assert decisions(cluster)[("remote", "protect_decode")] == 1
-    # and the remote prefill said where its time went
-    assert stage_counts(cluster) == dict.fromkeys(
-        ("setup", "queue", "compute", "transfer", "overhead", "commit"), 1
-    )
+    # and the remote prefill said where its time went (from P's answer, which may trail the
+    # first token: the decode worker commits as soon as the KV landed)
+    want = dict.fromkeys(("setup", "queue", "compute", "transfer", "overhead", "commit"), 1)
+    deadline = time.monotonic() + 10
+    while stage_counts(cluster) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stage_counts(cluster) == want
+    # no logprobs asked: the first token came in the transfer's FINAL notice, committed on landing
+    assert commits(cluster) == {"landing": 1.0, "answer": 0.0}
     cluster.wait_idle()

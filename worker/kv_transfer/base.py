@@ -3,12 +3,14 @@
 Sender (prefill worker P), from the thread that owns the transport:
     add_peer(peer_id, payload)                      once per peer, payload from the peer's handshake
     h = send(peer_id, transfer_id, src, dst, layers)  nonblocking; any number per transfer
-    finish(peer_id, transfer_id)                    after the last send: tells the receiver how many
+    finish(peer_id, transfer_id, first_token)       after the last send: tells the receiver how many
+                                                    (and the token the prefill sampled, if given)
     abort(peer_id, transfer_id, reason)             the transfer will not complete (see below)
     h.poll() / h.wait(timeout)                      "pending" | "done" | "error" (+ h.reason)
 Receiver (decode worker D), polled each engine step:
     poll_completed() -> [transfer_id]               every send of the transfer has landed
     poll_failed()    -> [(transfer_id, reason)]     the sender aborted, vanished, or stalled
+    take_first_token(transfer_id) -> int | None     the token a completed transfer's FINAL carried
     accept(transfer_id, block_ids)                  before asking a peer to send: the only blocks
                                                     that transfer may write (until it settles or
                                                     `forget`); the gRPC receiver refuses the rest
@@ -91,6 +93,8 @@ class KVTransport(ABC):
         # transfer id -> the blocks reserved for it (read by receiving server threads)
         self._accepting: dict[str, frozenset[int]] = {}
         self._accept_lock = threading.Lock()
+        # transfer id -> the first token its FINAL carried, until taken or the transfer fails
+        self._first_tokens: dict[str, int] = {}
 
     # ---- peers -------------------------------------------------------------------------------
     @abstractmethod
@@ -152,8 +156,11 @@ class KVTransport(ABC):
             self._posted.setdefault((peer_id, transfer_id), []).append(handle)
         return handle
 
-    def finish(self, peer_id: str, transfer_id: str, timeout: float | None = None) -> TransferHandle:
+    def finish(
+        self, peer_id: str, transfer_id: str, timeout: float | None = None, first_token: int | None = None
+    ) -> TransferHandle:
         """Tell the receiver how many sends this transfer had; it completes once all have landed.
+        `first_token` rides along, so the receiver can emit it as soon as the KV is complete.
         If a send already failed, the receiver is told to abort instead and the handle is an error."""
         outgoing = self._outgoing.pop((peer_id, transfer_id), _Outgoing())
         timeout = self.default_timeout if timeout is None else timeout
@@ -167,6 +174,8 @@ class KVTransport(ABC):
             parts=outgoing.parts,
             senders=self._senders.get(peer_id, 0),
         )
+        if first_token is not None:
+            notice.first_token = first_token
         return self._track_notice(self._notify(peer_id, notice, timeout))
 
     def abort(self, peer_id: str, transfer_id: str, reason: str) -> TransferHandle | None:
@@ -237,6 +246,8 @@ class KVTransport(ABC):
         self._pump()
         failed = self.tracker.pop_failed()
         self._settled(t for t, _ in failed)
+        for tid, _ in failed:
+            self._first_tokens.pop(tid, None)
         for _, reason in failed:
             TRANSFER_FAILURES.labels(self.backend, reason.split(":", 1)[0]).inc()
         return failed
@@ -245,8 +256,13 @@ class KVTransport(ABC):
         """Drop receive state of a transfer the caller gave up on (its late notices are ignored,
         its late writes refused where the transport can refuse them)."""
         self.tracker.forget(transfer_id)
+        self._first_tokens.pop(transfer_id, None)
         with self._accept_lock:
             self._accepting.pop(transfer_id, None)
+
+    def take_first_token(self, transfer_id: str) -> int | None:
+        """The token the completed transfer's FINAL carried (once; None if it carried none)."""
+        return self._first_tokens.pop(transfer_id, None)
 
     def accept(self, transfer_id: str, block_ids: list[int]) -> None:
         """Expect `transfer_id` to write exactly into `block_ids` (the receiver's reservation)."""
@@ -276,6 +292,8 @@ class KVTransport(ABC):
         if notice.kind == pb.KVNotice.PART:
             self._received(sender, notice.request_id, notice.bytes)
         elif notice.kind == pb.KVNotice.FINAL:
+            if notice.HasField("first_token"):  # before the FINAL can complete the transfer
+                self._first_tokens[notice.request_id] = notice.first_token
             self.tracker.on_final(sender, notice.request_id, notice.parts, notice.senders)
         elif notice.kind == pb.KVNotice.ABORT:
             self.tracker.on_failure(sender, notice.request_id, f"aborted: {notice.reason}", notice.senders)

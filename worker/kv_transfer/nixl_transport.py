@@ -288,11 +288,13 @@ class NixlTransport(KVTransport):
                                                    timeout) for sub in subs]  # fmt: skip
         return all_of(self.backend, peer_id, transfer_id, handles)
 
-    def finish(self, peer_id: str, transfer_id: str, timeout: float | None = None) -> TransferHandle:
+    def finish(
+        self, peer_id: str, transfer_id: str, timeout: float | None = None, first_token: int | None = None
+    ) -> TransferHandle:
         subs = self._fanout.get(peer_id)
         if subs is None:
-            return super().finish(peer_id, transfer_id, timeout)
-        handles = [super(NixlTransport, self).finish(sub, transfer_id, timeout) for sub in subs]
+            return super().finish(peer_id, transfer_id, timeout, first_token)
+        handles = [super(NixlTransport, self).finish(sub, transfer_id, timeout, first_token) for sub in subs]
         return all_of(self.backend, peer_id, transfer_id, handles)
 
     def abort(self, peer_id: str, transfer_id: str, reason: str) -> TransferHandle | None:

@@ -94,9 +94,13 @@ class ShardedTransport:
                         None if layers is None else list(layers))  # fmt: skip
         return handle
 
-    def finish(self, peer_id: str, transfer_id: str, timeout: float | None = None) -> TransferHandle:
+    def finish(
+        self, peer_id: str, transfer_id: str, timeout: float | None = None, first_token: int | None = None
+    ) -> TransferHandle:
+        """The first token rides on rank 0's FINAL only (the receiver reads it from its rank 0, and
+        otherwise waits for the Prefill answer)."""
         self.ranks.post(SERVICE, "finish", peer_id, transfer_id)
-        local = self.local.finish(peer_id, transfer_id, timeout)
+        local = self.local.finish(peer_id, transfer_id, timeout, first_token)
         timeout = self.local.default_timeout if timeout is None else timeout
         handle = FinishHandle(self, local, timeout)
         self._finishing[(peer_id, transfer_id)] = handle
@@ -139,6 +143,9 @@ class ShardedTransport:
         self.ranks.post(SERVICE, "forget", transfer_id)
         self._expected.pop(transfer_id, None)
         self._failing.pop(transfer_id, None)
+
+    def take_first_token(self, transfer_id: str) -> int | None:
+        return self.local.take_first_token(transfer_id)
 
     def poll_completed(self) -> list[str]:
         self._poll_receivers()

@@ -28,6 +28,8 @@ from disagg.worker.engine.llm_engine import Reservation
 from disagg.worker.engine.outputs import RequestOutput, TokenLogprob
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.kv_transfer.handle import PENDING
+from disagg.worker.serving.disagg_policy import PrefillSite
+from disagg.worker.serving.engine_loop import yield_cpu
 from disagg.worker.serving.metrics import ServingMetrics
 from disagg.worker.serving.prefill_estimate import PrefillRate
 
@@ -85,6 +87,10 @@ class KVWait:
     done: Callable[[str | None], None]  # None = landed, else the failure reason
     block_ids: list[int] = field(default_factory=list)  # the blocks the transfer may write
     quarantine: bool = False  # given up on: settling the transfer frees its held blocks
+    # Set when the request may start decoding from the token the transfer's FINAL carries: the
+    # loop commits it the moment the KV is complete and calls this (with the time) before `done`.
+    # The first token then skips P's answer leg and a visit to this loop from the asyncio thread.
+    committed: Callable[[float], None] | None = None
 
 
 def settles(reason: str | None) -> bool:
@@ -195,13 +201,13 @@ class WorkerCore:
         hashes = block_hashes(prompt_ids, self.block_size)
         return len(self.engine.block_manager.lookup(hashes, prompt_ids)) * self.block_size
 
-    def on_loop_prefill_price(self, prompt_ids: list[int]) -> tuple[int, int, float | None, int]:
-        """What pricing a local prefill of `prompt_ids` needs: its cached tokens here, the prompt
-        tokens already queued here, this worker's prefill rate, and how many streams it decodes."""
+    def on_loop_prefill_price(self, prompt_ids: list[int]) -> tuple[int, PrefillSite, int]:
+        """What pricing a local prefill of `prompt_ids` needs: its cached tokens here, this worker
+        as a prefill site (tokens queued, its rate), and how many streams it decodes."""
+        rate = self.prefill_rate
         return (
             self.on_loop_cached_tokens(prompt_ids),
-            self.queued_prefill_tokens(),
-            self.prefill_rate.tokens_per_s,
+            PrefillSite(self.queued_prefill_tokens(), rate.tokens_per_s, rate.fresh()),
             self.engine.num_running,
         )
 
@@ -226,22 +232,28 @@ class WorkerCore:
         return blocks
 
     def on_loop_reserve_expecting(
-        self, request_id: str, prompt_ids: list[int], params, sink: Sink, transfer_id: str, done
-    ) -> Reservation:
+        self, request_id: str, prompt_ids: list[int], params, sink: Sink, transfer_id: str, done,
+        committed: Callable[[float], None] | None = None,
+    ) -> Reservation:  # fmt: skip
         """`on_loop_reserve` and `on_loop_expect_kv` for its fresh blocks in one visit to the engine
         loop: each visit may wait for a running step, and this is on the first token's path."""
         blocks = self.on_loop_reserve(request_id, prompt_ids, params, sink)
-        self.on_loop_expect_kv(transfer_id, request_id, done, blocks.fresh_block_ids)
+        self.on_loop_expect_kv(transfer_id, request_id, done, blocks.fresh_block_ids, committed)
         return blocks
 
     def on_loop_expect_kv(
-        self, transfer_id: str, request_id: str, done: Callable[[str | None], None], block_ids: list[int]
+        self,
+        transfer_id: str,
+        request_id: str,
+        done: Callable[[str | None], None],
+        block_ids: list[int],
+        committed: Callable[[float], None] | None = None,
     ) -> bool:
         """Register interest in a transfer into `request_id`'s blocks `block_ids` (the only ones
-        it may write); False if the request is gone."""
+        it may write); False if the request is gone. `committed`: see `KVWait`."""
         if request_id not in self.reserved:
             return False
-        self.kv_waits[transfer_id] = KVWait(request_id, done, list(block_ids))
+        self.kv_waits[transfer_id] = KVWait(request_id, done, list(block_ids), committed=committed)
         self.transport.accept(transfer_id, block_ids)
         return True
 
@@ -294,6 +306,7 @@ class WorkerCore:
         if self.transport is None:
             return False
         outcomes = [(tid, None) for tid in self.transport.poll_completed()]
+        first_tokens = {tid: self.transport.take_first_token(tid) for tid, _ in outcomes}
         for tid, reason in outcomes + self.transport.poll_failed():
             waiter = self.kv_waits.get(tid)
             if waiter is None:
@@ -304,6 +317,8 @@ class WorkerCore:
                 continue
             if settles(reason):  # else it stays: ending the attempt decides about its blocks
                 del self.kv_waits[tid]
+            if reason is None and waiter.committed is not None:
+                self._commit_on_landing(waiter, first_tokens.get(tid))
             waiter.done(None if reason is None else reason or "transfer failed")
         if self.quarantined:
             now = time.monotonic()
@@ -311,6 +326,14 @@ class WorkerCore:
                 log.warning("freeing the blocks of KV transfer %s: it never settled", tid)
                 self._unquarantine(tid)
         return bool(self.kv_waits) or bool(self.quarantined)
+
+    def _commit_on_landing(self, waiter: KVWait, token_id: int | None) -> None:
+        """Start decoding a landed remote prefill from the token its FINAL carried; without one
+        (an older or tensor-parallel sender) the asyncio side commits from P's answer."""
+        if token_id is None or not self.on_loop_commit(waiter.request_id, token_id, None):
+            return
+        waiter.committed(time.monotonic())
+        yield_cpu()  # the first token is in the asyncio thread's queue: let it run before a step
 
     def on_loop_add_peer(self, peer_id: str, payload: bytes) -> None:
         """Cache a decode worker's handshake; the same payload again is a no-op, since replacing
@@ -354,7 +377,7 @@ class WorkerCore:
             if not job.layers_sent:  # no layer hook ran (e.g. the whole prompt was cached): all at once
                 src, dst = self._send_blocks(job)
                 job.handles.append(self.transport.send(job.peer_id, job.engine_id, src, dst))
-            job.handles.append(self.transport.finish(job.peer_id, job.engine_id))
+            job.handles.append(self.transport.finish(job.peer_id, job.engine_id, first_token=job.token_id))
         except Exception as e:  # UnknownPeer (evicted), bad ids: the request fails, blocks go back
             self._drop_prefill(job, f"KV send failed: {e}")
             return
@@ -501,7 +524,7 @@ class WorkerCore:
                 best = min(best or float("inf"), time.monotonic() - started)
         sched.prefix_query_tokens, sched.prefix_hit_tokens, sched.num_preemptions = stats
         if best is not None:
-            self.prefill_rate.observe(n, best)
+            self.prefill_rate.observe(n, best, provisional=True)
 
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> None:

@@ -11,8 +11,12 @@ at low load a disaggregated deployment never loses TTFT to a colocated one. The 
 because the two rates are measured apart, each a few percent off: on equal hardware the estimates
 sat within 1-3% of each other and their noise alone sent 8 of 8 prompts remote in one run of
 bench/ttft_breakdown.py (small preset, 2 cores), 10% slower than colocated, where the remote
-compute itself ran 4% slower than the local one (it posts each layer's KV as it goes). A D that is decoding has something to
-protect: a local prefill stalls every running stream's next tokens for as long as it computes.
+compute itself ran 4% slower than the local one (it posts each layer's KV as it goes). Nor does an
+idle D trust a local rate that is not fresh (only the warm-up's, or none refreshed for a minute:
+`PrefillRate.fresh`): a D that sends every prompt away never measures itself again, so one slow
+measurement would keep it looking slower for good. It prefills that prompt itself
+("idle_remeasure"), which costs at most what a colocated worker pays. A D that is decoding has
+something to protect: a local prefill stalls every running stream's next tokens for as long as it computes.
 Then the remote site wins unless it would delay the first token by more than `busy_slack` times
 the local price. Short prompts (under `threshold` uncached tokens) always stay local: their
 prefill costs less than the trip. A rate nobody measured yet falls back to the other side's
@@ -31,6 +35,7 @@ IDLE_REMOTE_MARGIN = 0.1
 class PrefillSite:
     queued_tokens: int  # prompt tokens waiting for prefill there
     tokens_per_s: float | None  # its measured prefill rate, None when not measured yet
+    fresh: bool = True  # the rate was measured by served work lately (not only at warm-up)
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,8 @@ def choose_prefill_site(
     remote_s = (remote.queued_tokens + uncached_tokens) / remote_rate + remote_extra_s
     if decoding == 0:
         if remote_s < (1.0 - IDLE_REMOTE_MARGIN) * local_s:
+            if not local.fresh and local.tokens_per_s:
+                return Decision(False, "idle_remeasure", local_s, remote_s)
             return Decision(True, "remote_faster", local_s, remote_s)
         return Decision(False, "idle_local_faster", local_s, remote_s)
     if remote_s <= busy_slack * local_s:

@@ -31,7 +31,8 @@ from collections.abc import Callable
 log = logging.getLogger("disagg.worker.engine_loop")
 
 
-def _yield_cpu() -> None:
+def yield_cpu() -> None:
+    """Let a thread this one just woke run now (also lets go of the GIL)."""
     if hasattr(os, "sched_yield"):
         os.sched_yield()
 
@@ -162,7 +163,7 @@ class EngineLoop:
             if ran or not wait:
                 # a thread the last closures or step woke (the asyncio thread, handed a token or
                 # a result) runs now rather than when the scheduler next preempts this one
-                _yield_cpu()
+                yield_cpu()
             stepped = polling = False
             for poll in self._pollers:
                 try:

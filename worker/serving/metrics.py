@@ -43,6 +43,7 @@ class _Families:
     prefill_retries: Counter
     kv_quarantined: Counter
     remote_prefill_stages: Histogram
+    remote_prefill_commits: Counter
     step_seconds: Histogram
     step_rows: Counter
     weight_bytes: Gauge
@@ -131,6 +132,14 @@ def _families(registry: CollectorRegistry) -> _Families:
                 "KV transfers given up on before they settled (a slow prefill worker, a client gone): "
                 "their blocks were held apart until the sender's abort notice or the quarantine deadline.",
                 LABELS,
+                registry=registry,
+            ),
+            remote_prefill_commits=Counter(
+                "disagg_remote_prefill_commits",
+                "Remote prefills committed on the decode worker, by what carried the first token: "
+                "landing (the KV transfer's FINAL notice, committed as the last part landed) or answer "
+                "(the Prefill RPC's answer: logprobs were asked, or the sender sent no token).",
+                (*LABELS, "on"),
                 registry=registry,
             ),
             remote_prefill_stages=Histogram(
@@ -233,6 +242,9 @@ class ServingMetrics:
             self.kv_quarantined = f.kv_quarantined.labels(**lab)
             self._steps = {kind: f.step_seconds.labels(**lab, kind=kind) for kind in ("decode", "prefill")}
             self._step_rows = {kind: f.step_rows.labels(**lab, kind=kind) for kind in ("decode", "prefill")}
+            self._commits = {
+                on: f.remote_prefill_commits.labels(**lab, on=on) for on in ("landing", "answer")
+            }
             self._stages = {
                 stage: f.remote_prefill_stages.labels(**lab, stage=stage)
                 for stage in ("setup", "queue", "compute", "transfer", "overhead", "commit")
@@ -255,6 +267,9 @@ class ServingMetrics:
         self._decisions.labels(
             role=self.role, model=self.model, decision="remote" if remote else "local", reason=reason
         ).inc()
+
+    def remote_prefill_committed(self, on: str) -> None:
+        self._commits[on].inc()
 
     def remote_prefill_stages(self, **seconds: float) -> None:
         for stage, value in seconds.items():

@@ -2,10 +2,12 @@
 prefill costs beyond the prefill itself (hops, handshake, KV transfer, commit).
 
 Both are exponentially weighted so they follow a changing load but not one noisy step. Pure:
-callers pass the measured tokens and seconds.
+callers pass the measured tokens and seconds (and may pass the time).
 """
 
 from __future__ import annotations
+
+import time
 
 # Weight of the newest observation. Prefill steps are long (tens to hundreds of ms), so 0.2
 # settles within ~10 steps: fast enough to see a load change, slow enough to ignore one hiccup.
@@ -17,17 +19,39 @@ def _ewma(old: float | None, new: float, alpha: float = _ALPHA) -> float:
 
 
 class PrefillRate:
-    """Prompt tokens per second this worker's prefill steps reach (None until the first step)."""
+    """Prompt tokens per second this worker's prefill steps reach (None until the first step).
 
-    def __init__(self, min_tokens: int = 16):
+    A rate is *fresh* when a step of served work measured it within `stale_after_s`. The warm-up's
+    is provisional (it ran beside the other processes starting up; on a 2-core host one such seed
+    made an idle decode worker look 10-20% slower than its prefill peer and send every prompt
+    away), and a rate nobody refreshed for a while describes a load long gone: the next real
+    measurement replaces either rather than averaging with it."""
+
+    def __init__(self, min_tokens: int = 16, stale_after_s: float = 60.0):
         # a step of a handful of tokens measures per-step overhead, not throughput: skip it
         self.min_tokens = min_tokens
+        self.stale_after_s = stale_after_s
         self.tokens_per_s: float | None = None
+        self.provisional = False
+        self.observed_at: float | None = None
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(
+        self, tokens: int, seconds: float, *, provisional: bool = False, now: float | None = None
+    ) -> None:
         if tokens < self.min_tokens or seconds <= 0:
             return
-        self.tokens_per_s = _ewma(self.tokens_per_s, tokens / seconds)
+        now = time.monotonic() if now is None else now
+        restart = not provisional and not self.fresh(now)
+        self.tokens_per_s = _ewma(None if restart else self.tokens_per_s, tokens / seconds)
+        self.provisional = provisional
+        self.observed_at = now
+
+    def fresh(self, now: float | None = None) -> bool:
+        """Measured by served work within `stale_after_s`."""
+        if self.observed_at is None or self.provisional:
+            return False
+        now = time.monotonic() if now is None else now
+        return now - self.observed_at <= self.stale_after_s
 
 
 class RemoteCost:

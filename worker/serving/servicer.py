@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -88,12 +89,26 @@ class Attempt:
     # a Prefill call is out and unanswered: P may still be writing into the attempt's blocks
     # (it answers, even with an error, only once its writes settled)
     in_flight: bool = False
+    # may the engine loop commit the token P's FINAL notice carries once the KV landed (no
+    # logprobs were asked: those come only in P's answer); when it did, the loop's time of it
+    commit_on_landing: bool = False
+    committed_at: float | None = None
 
     @classmethod
-    def new(cls, request_id: str, number: int) -> Attempt:
+    def new(cls, request_id: str, number: int, params: pb.SamplingParams) -> Attempt:
         # unique even when a request id comes back: P remembers the transfer ids it refused
         transfer_id = f"{request_id}:{number}:{uuid.uuid4().hex[:8]}"
-        return cls(transfer_id, number, asyncio.get_running_loop().create_future())
+        commit = not (params.HasField("logprobs") or params.HasField("prompt_logprobs"))
+        return cls(transfer_id, number, asyncio.get_running_loop().create_future(), commit_on_landing=commit)
+
+    @property
+    def on_committed(self) -> Callable[[float], None] | None:
+        """What the engine loop calls once it committed the landed prefill (None: it may not)."""
+        return self._committed if self.commit_on_landing else None
+
+    def _committed(self, at: float) -> None:
+        """Called from the engine-loop thread, before `on_landed`."""
+        self.committed_at = at
 
     def on_landed(self, reason: str | None) -> None:
         """Called from the engine-loop thread."""
@@ -286,7 +301,7 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     async def _prefill_remotely(self, prompt: list[int], target: pb.PrefillTarget) -> tuple[bool, str]:
         """Price the prompt's prefill here and on the router's first choice of prefill worker."""
-        cached, queued, rate, decoding = await self._call(self.core.on_loop_prefill_price, prompt)
+        cached, local, decoding = await self._call(self.core.on_loop_prefill_price, prompt)
         uncached = len(prompt) - cached
         if self.opts.prefill_placement == "threshold":
             remote = uncached >= self.opts.disagg_threshold
@@ -294,7 +309,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         decision = choose_prefill_site(
             uncached,
             self.opts.disagg_threshold,
-            PrefillSite(queued, rate),
+            local,
             PrefillSite(target.queued_prefill_tokens, target.prefill_tokens_per_s or None),
             self.remote_cost.seconds(uncached),
             decoding,
@@ -329,10 +344,19 @@ class WorkerService(pb_grpc.WorkerServicer):
         a failed attempt whose KV may still land, quarantined apart from the request).
         """
         began = time.monotonic()
-        current = Attempt.new(rid, 0)
+        current = Attempt.new(rid, 0, request.params)
         reserve = self.core.on_loop_reserve_expecting
         try:
-            dst = await self._call(reserve, rid, prompt, params, sink, current.transfer_id, current.on_landed)
+            dst = await self._call(
+                reserve,
+                rid,
+                prompt,
+                params,
+                sink,
+                current.transfer_id,
+                current.on_landed,
+                current.on_committed,
+            )
         except asyncio.CancelledError:
             # The loop may have reserved and begun awaiting the transfer before the cancel took
             # effect. No Prefill went out, so nothing can land: end that wait as settled (queued
@@ -357,7 +381,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                     record = asyncio.ensure_future(
                         self._begin_transfer(rid, target.worker_id, dst.fresh_block_ids, previous)
                     )
-                    current = Attempt.new(rid, attempt)
+                    current = Attempt.new(rid, attempt, request.params)
                 try:
                     if attempt and not await self._expect_kv(rid, current, dst):
                         raise RequestGone(rid)
@@ -422,7 +446,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         self, rid, prompt, request, target, dst, record: asyncio.Future, attempt: Attempt, began: float
     ) -> None:
         """One attempt, the engine loop already waiting for its KV; `record` resolves to its
-        transfer record's generation (the first attempt sends P generation 0 and does not wait)."""
+        transfer record's generation (the first attempt sends P generation 0 and does not wait).
+
+        Returns once the request is committed: by the engine loop when the KV landed with the
+        first token in P's FINAL notice (P's answer, with its timings, is then awaited apart), or
+        here from P's answer."""
         transfer_id = attempt.transfer_id
         gen = await asyncio.shield(record) if attempt.number else 0
         stub = self._stub(target.address)
@@ -437,6 +465,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             skip_leading_blocks=dst.num_cached_blocks,
         )
         renew = asyncio.create_task(self._renew_lease(rid, record))
+        call = None
         try:
             handshakes = 0.0  # once per peer, not a cost of each prompt: left out of the stages
             for _ in range(2):  # a second time only after a fresh handshake
@@ -445,24 +474,37 @@ class WorkerService(pb_grpc.WorkerServicer):
                 sent = time.monotonic()
                 handshakes += sent - shaking
                 attempt.in_flight = True
-                resp = await stub.Prefill(req, timeout=self.opts.prefill_timeout)
+                call = asyncio.ensure_future(stub.Prefill(req, timeout=self.opts.prefill_timeout))
+                await asyncio.wait((call, attempt.landed), return_when=asyncio.FIRST_COMPLETED)
+                if attempt.committed_at is not None:
+                    break  # landed and committed on the loop: the first token is on its way
+                resp = await call
                 attempt.in_flight = False
                 if resp.error.code != "handshake_required":
                     break
                 self._handshaken.discard(target.worker_id)
-            if resp.error.code:
-                raise PrefillFailed(f"{resp.error.code}: {resp.error.message}")
-            reason = await asyncio.wait_for(attempt.landed, timeout=self.opts.kv_wait_timeout)
-            if reason is not None:
-                raise PrefillFailed(f"KV transfer failed: {reason}")
+            if attempt.committed_at is None:
+                if resp.error.code:
+                    raise PrefillFailed(f"{resp.error.code}: {resp.error.message}")
+                reason = await asyncio.wait_for(attempt.landed, timeout=self.opts.kv_wait_timeout)
+                if reason is not None:
+                    raise PrefillFailed(f"KV transfer failed: {reason}")
+        except BaseException:
+            if call is not None:
+                call.cancel()  # D gave up on the attempt: P sees the call cancelled and drops it
+            raise
         finally:
             renew.cancel()
+        stage = {"setup": max(sent - began - handshakes, 0.0)}  # decision, reservation (a retry: + Redis)
+        if attempt.committed_at is not None:
+            self.metrics.remote_prefill_committed("landing")
+            stage["commit"] = time.monotonic() - attempt.committed_at  # the loop -> this thread
+            task = asyncio.ensure_future(self._record_answer(call, attempt, sent, attempt.committed_at,
+                                                             len(prompt), dst, stage))  # fmt: skip
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+            return
         landed_at = time.monotonic()
-        wall = landed_at - sent
-        fresh_tokens = len(prompt) - dst.num_cached_blocks * self.core.block_size
-        self.remote_cost.observe(
-            wall, resp.queue_seconds, resp.compute_seconds, resp.transfer_seconds, fresh_tokens
-        )
         lp = logprob_from_proto(resp.first_token) if request.params.HasField("logprobs") else None
         prompt_lps = None
         if request.params.HasField("prompt_logprobs"):
@@ -470,19 +512,46 @@ class WorkerService(pb_grpc.WorkerServicer):
         committed = await self._call(self.core.on_loop_commit, rid, resp.first_token.token_id, lp, prompt_lps)
         if not committed:
             raise RequestGone(rid)  # aborted while the KV was moving
+        self.metrics.remote_prefill_committed("answer")
+        stage["commit"] = time.monotonic() - landed_at
+        self._observe_remote(resp, sent, landed_at, len(prompt), dst, stage)
+
+    async def _record_answer(self, call, attempt: Attempt, sent, landed_at, prompt_len, dst, stage) -> None:
+        """P's answer to a prefill the loop already committed: only its timings are left to use."""
+        try:
+            resp = await call
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            log.debug("answer to the committed prefill %s lost: %s", attempt.transfer_id, e)
+            return
+        finally:
+            attempt.in_flight = False
+        if resp.error.code:  # the KV had landed whole: what P says of it now changes nothing here
+            log.debug("prefill %s answered %s after its KV landed", attempt.transfer_id, resp.error.code)
+            return
+        self._observe_remote(resp, sent, landed_at, prompt_len, dst, stage)
+
+    def _observe_remote(self, resp, sent: float, landed_at: float, prompt_len: int, dst, stage: dict) -> None:
+        """Feed one finished remote prefill to the cost estimate and the stage histograms."""
+        wall = landed_at - sent
+        fresh_tokens = prompt_len - dst.num_cached_blocks * self.core.block_size
+        self.remote_cost.observe(
+            wall, resp.queue_seconds, resp.compute_seconds, resp.transfer_seconds, fresh_tokens
+        )
         self.metrics.remote_prefill_stages(
-            setup=max(sent - began - handshakes, 0.0),  # decision, block reservation (a retry: + Redis)
+            setup=stage["setup"],
             queue=resp.queue_seconds,
             compute=resp.compute_seconds,
             transfer=resp.transfer_seconds,
             overhead=max(wall - resp.queue_seconds - resp.compute_seconds - resp.transfer_seconds, 0.0),
-            commit=time.monotonic() - landed_at,
+            commit=stage["commit"],
         )
 
     async def _expect_kv(self, rid: str, attempt: Attempt, dst) -> bool:
         """Have the engine loop wait for a retry's KV in `dst`'s fresh blocks (False: request gone)."""
         expect = self.core.on_loop_expect_kv
-        return await self._call(expect, attempt.transfer_id, rid, attempt.on_landed, dst.fresh_block_ids)
+        return await self._call(
+            expect, attempt.transfer_id, rid, attempt.on_landed, dst.fresh_block_ids, attempt.on_committed
+        )
 
     async def _renew_lease(self, rid: str, record: asyncio.Future) -> None:
         gen = await asyncio.shield(record)
