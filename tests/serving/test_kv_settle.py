@@ -7,6 +7,8 @@ the test settles them (the one-sided writes of a slow prefill worker)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -349,6 +351,40 @@ def test_the_prefill_side_puts_the_sampled_token_in_its_final_notice(engine):
     t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.ABORT, request_id="x", reason="gone"))
     assert t.poll_failed() == [("x", "aborted: gone")] and t._first_tokens == {}
     _idle(core)
+
+
+def test_a_transfer_whose_final_came_is_polled_soon_until_its_parts_land(engine):
+    from disagg.worker.serving.core import PrefillJob
+    from disagg.worker.serving.engine_loop import SOON
+
+    t, core = _decode(engine)
+    dst = core.on_loop_reserve("r", _prompt(40, 12), SamplingParams(max_tokens=2), [].append)
+    core.on_loop_expect_kv("r:1:0", "r", lambda _r: None, dst.fresh_block_ids)
+    assert core.poll_receiver() is True  # awaiting: polled, at the plain rate
+    t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.FINAL, request_id="r:1:0", parts=2))
+    assert core.poll_receiver() == SOON  # two parts still landing
+    assert not t.tracker.finishing(now=time.monotonic() + 1.0)  # a sender gone quiet is not "soon"
+    for _ in range(2):
+        t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.PART, request_id="r:1:0", bytes=1))
+    assert core.poll_receiver() is False and not t.finishing()
+    assert core.on_loop_commit("r", 7, None)
+    while engine.has_unfinished():
+        core.step()
+
+    # P: a computed prompt's sends are polled soon for a while, then at the plain rate
+    p = _transport(engine.kv_cache)
+    prefill = _core(engine, p, "prefill")
+    job = PrefillJob("s:1:0", "s", "decode-0", list(range(3)), 0, [].append)
+    prefill.on_loop_prefill(job, _prompt(40, 13), SamplingParams(max_tokens=1), 0.0)
+    while job.state == "prefilling":
+        prefill.step()
+    assert prefill.poll_sender() == SOON
+    job.prefilled_at -= 1.0
+    assert prefill.poll_sender() is True
+    for h in p.posted:
+        h.succeed()
+    assert prefill.poll_sender() is False
+    _idle(prefill)
 
 
 class ChildRanks:

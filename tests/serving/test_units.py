@@ -140,6 +140,32 @@ def test_engine_loop_polls_a_pending_transfer_without_spinning():
     assert 3 <= len(later) <= 15, len(later)
 
 
+def test_engine_loop_polls_at_the_spin_rate_while_a_poller_says_soon():
+    """Long after any step, a poller answering SOON (a transfer whose FINAL came and whose last
+    parts are landing) is polled every spin_wait; back to a plain True, every poll_wait."""
+    from disagg.worker.serving.engine_loop import SOON
+
+    loop = EngineLoop(spin_seconds=0.0, spin_wait=0.002, poll_wait=0.05)
+    polls = []
+    soon_until = time.monotonic() + 0.2
+
+    def poll():
+        now = time.monotonic()
+        polls.append(now)
+        return SOON if now < soon_until else True
+
+    loop.add_poller(lambda: False)  # another poller's answer does not hide it
+    loop.add_poller(poll)
+    loop.add_poller(lambda: True)
+    loop.start(lambda: None).result(5)
+    threading.Event().wait(0.5)
+    loop.stop()
+    soon = [t for t in polls if t < soon_until]
+    later = [t for t in polls if t >= soon_until]
+    assert len(soon) >= 25, len(soon)  # ~100 at 2 ms; at poll_wait it would be 4
+    assert len(later) <= 10, len(later)
+
+
 def test_engine_loop_init_failure_is_reported():
     loop = EngineLoop()
     fut = loop.start(lambda: (_ for _ in ()).throw(FileNotFoundError("config.json")))

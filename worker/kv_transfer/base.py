@@ -11,6 +11,7 @@ Receiver (decode worker D), polled each engine step:
     poll_completed() -> [transfer_id]               every send of the transfer has landed
     poll_failed()    -> [(transfer_id, reason)]     the sender aborted, vanished, or stalled
     take_first_token(transfer_id) -> int | None     the token a completed transfer's FINAL carried
+    finishing() -> bool                             a FINAL came, parts are still landing
     accept(transfer_id, block_ids)                  before asking a peer to send: the only blocks
                                                     that transfer may write (until it settles or
                                                     `forget`); the gRPC receiver refuses the rest
@@ -259,6 +260,10 @@ class KVTransport(ABC):
         self._first_tokens.pop(transfer_id, None)
         with self._accept_lock:
             self._accepting.pop(transfer_id, None)
+
+    def finishing(self) -> bool:
+        """An incoming transfer's FINAL arrived and its last parts are landing: poll again soon."""
+        return self.tracker.finishing()
 
     def take_first_token(self, transfer_id: str) -> int | None:
         """The token the completed transfer's FINAL carried (once; None if it carried none)."""

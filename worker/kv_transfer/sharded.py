@@ -147,6 +147,9 @@ class ShardedTransport:
     def take_first_token(self, transfer_id: str) -> int | None:
         return self.local.take_first_token(transfer_id)
 
+    def finishing(self) -> bool:
+        return self.local.finishing()
+
     def poll_completed(self) -> list[str]:
         self._poll_receivers()
         landed, self._landed = self._landed, []

@@ -151,6 +151,15 @@ class ReceiveTracker:
             failed, self._failed = self._failed, []
             return failed
 
+    def finishing(self, within: float = 0.05, now: float | None = None) -> bool:
+        """Whether a FINAL arrived for a request still missing parts, and something of it arrived
+        in the last `within` seconds: the rest is about to land (a sender that went quiet is not)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return any(
+                e.expected is not None and now - e.last_activity < within for e in self._entries.values()
+            )
+
     def in_flight(self) -> int:
         with self._lock:
             return len(self._entries)

@@ -29,12 +29,14 @@ from disagg.worker.engine.outputs import RequestOutput, TokenLogprob
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.kv_transfer.handle import PENDING
 from disagg.worker.serving.disagg_policy import PrefillSite
-from disagg.worker.serving.engine_loop import yield_cpu
+from disagg.worker.serving.engine_loop import SOON, yield_cpu
 from disagg.worker.serving.metrics import ServingMetrics
 from disagg.worker.serving.prefill_estimate import PrefillRate
 
 log = logging.getLogger("disagg.worker.core")
 
+# P polls a computed prompt's sends at the spin rate for this long (they take ~1 ms on a host)
+SENDS_SOON_SECONDS = 0.05
 REFUSED_TRANSFERS_KEPT = 4096  # aborted-before-arrival transfer ids remembered (a Prefill trails by ms)
 
 Sink = Callable[[RequestOutput], None]
@@ -301,8 +303,11 @@ class WorkerCore:
         self._dispatch(self.engine.commit_remote_prefill(request_id, token_id, logprob, prompt_logprobs))
         return True
 
-    def poll_receiver(self) -> bool:
-        """Resolve KV waits from the transport's completions and failures."""
+    def poll_receiver(self) -> bool | str:
+        """Resolve KV waits from the transport's completions and failures; SOON while a transfer
+        whose FINAL notice came still misses parts: they land within a fraction of a millisecond
+        (the last layers' parts trail P's FINAL, which P sends the moment its compute ends, by
+        0.2-1.3 ms) and would otherwise wait up to a whole `poll_wait` for the next poll."""
         if self.transport is None:
             return False
         outcomes = [(tid, None) for tid in self.transport.poll_completed()]
@@ -325,6 +330,8 @@ class WorkerCore:
             for tid in [t for t, deadline in self.quarantined.items() if deadline < now]:
                 log.warning("freeing the blocks of KV transfer %s: it never settled", tid)
                 self._unquarantine(tid)
+        if self.kv_waits and self.transport.finishing():
+            return SOON
         return bool(self.kv_waits) or bool(self.quarantined)
 
     def _commit_on_landing(self, waiter: KVWait, token_id: int | None) -> None:
@@ -408,8 +415,9 @@ class WorkerCore:
                 # the engine is mid-step: fail the job once the step is over (see `_prefilled`)
                 job.failed = f"KV send failed: {e}"
 
-    def poll_sender(self) -> bool:
-        """Finish prefills whose KV has left: release the pinned blocks, answer D."""
+    def poll_sender(self) -> bool | str:
+        """Finish prefills whose KV has left: release the pinned blocks, answer D. SOON while a
+        computed prompt's sends are out: only polling moves them (no NIXL progress thread)."""
         for job in [j for j in self.aborting.values() if j.abort.poll() != PENDING]:
             self._aborted(job)
         for job in [j for j in self.prefills.values() if j.state == "sending"]:
@@ -432,7 +440,11 @@ class WorkerCore:
                         **job.stage_seconds(time.monotonic()),
                     }
                 )
-        return bool(self.aborting) or any(j.state == "sending" for j in self.prefills.values())
+        now = time.monotonic()
+        sending = [j for j in self.prefills.values() if j.state == "sending"]
+        if any(now - (j.prefilled_at or 0.0) < SENDS_SOON_SECONDS for j in sending):
+            return SOON  # a slow receiver's sends go back to `poll_wait` polls after that
+        return bool(sending) or bool(self.aborting)
 
     def _drop_prefill(self, job: PrefillJob, reason: str) -> None:
         """Give up on a prefill: tell D, free its blocks (running, or pinned after prefill) and

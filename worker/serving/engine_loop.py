@@ -7,7 +7,8 @@ sends in flight). When there is no work it sleeps on the command queue, so an id
 costs no CPU. When only pollers have work (a decode worker awaiting a remote prefill's KV, which
 takes as long as the prompt's compute), the loop polls every `spin_wait` seconds for
 `spin_seconds` after its last step (the tail of the sends that step posted is picked up at
-once), then every `poll_wait` seconds: a loop that polled back to back for the whole wait kept a
+once) and while a poller answers `SOON` (what it waits for is landing now: a transfer whose FINAL
+notice came, its last parts a fraction of a millisecond behind), then every `poll_wait` seconds: a loop that polled back to back for the whole wait kept a
 core busy for nothing and held the GIL the asyncio thread needed to send the Prefill call (1-3 ms
 more per call). A submitted closure still wakes the loop at once.
 
@@ -29,6 +30,10 @@ import time
 from collections.abc import Callable
 
 log = logging.getLogger("disagg.worker.engine_loop")
+
+# A poller's answer when it has work that will be ready within a fraction of a millisecond: the
+# loop then polls at the spin rate (any other true answer: at `poll_wait`).
+SOON = "soon"
 
 
 def yield_cpu() -> None:
@@ -100,8 +105,9 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def add_poller(self, poll: Callable[[], bool]) -> None:
-        """`poll()` runs every iteration on the loop thread; it returns True while it has work."""
+    def add_poller(self, poll: Callable[[], bool | str]) -> None:
+        """`poll()` runs every iteration on the loop thread; it returns True while it has work
+        (`SOON` when that work is about to be ready)."""
         self._pollers.append(poll)
 
     # ---- submission ---------------------------------------------------------------------------
@@ -145,13 +151,15 @@ class EngineLoop:
                 item = None
         return True
 
-    def _wait(self, stepped: bool, polling: bool, last_step: float) -> float:
+    def _wait(self, stepped: bool, polling: bool | str, last_step: float) -> float:
         """How long the next drain may block: not at all after a step."""
         if stepped:
             return 0.0
         if not polling:
             return self._idle_wait
-        return self._spin_wait if time.monotonic() - last_step < self._spin_seconds else self._poll_wait
+        if polling == SOON or time.monotonic() - last_step < self._spin_seconds:
+            return self._spin_wait
+        return self._poll_wait
 
     def _run(self) -> None:
         stepped = polling = False
@@ -167,9 +175,12 @@ class EngineLoop:
             stepped = polling = False
             for poll in self._pollers:
                 try:
-                    polling |= bool(poll())
+                    answer = poll()
                 except Exception:
                     log.exception("poller failed")
+                    continue
+                if answer == SOON or (answer and not polling):
+                    polling = answer
             if self.has_work() and self.step_fn is not None:
                 try:
                     self.step_fn()
