@@ -7,6 +7,7 @@ the test settles them (the one-sided writes of a slow prefill worker)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -325,6 +326,20 @@ def test_a_landed_transfer_carrying_its_first_token_is_committed_on_the_loop(eng
     assert not core.poll_receiver()
     assert committed == [] and not engine.has_unfinished()
     assert t._first_tokens == {}  # taken or dropped with each transfer
+    # the asyncio side may hand back an event (its first message written): the loop waits for it,
+    # a bounded time, before it steps again
+    from disagg.worker.serving import core as core_module
+
+    never = threading.Event()
+    dst = core.on_loop_reserve("w", _prompt(40, 14), params, outs.append)
+    core.on_loop_expect_kv("w:1:0", "w", events.append, dst.fresh_block_ids, lambda _at: never)
+    t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.FINAL, request_id="w:1:0", parts=0, first_token=9))
+    started = time.monotonic()
+    core.poll_receiver()
+    assert time.monotonic() - started >= core_module.FIRST_TOKEN_HANDOFF_SECONDS
+    assert "w" not in core.reserved and events[-1] is None
+    while engine.has_unfinished():
+        core.step()
     _idle(core)
 
 

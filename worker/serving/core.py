@@ -15,6 +15,7 @@ passes, so the request can retry into fresh blocks or prefill locally under the 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -37,6 +38,9 @@ log = logging.getLogger("disagg.worker.core")
 
 # P polls a computed prompt's sends at the spin rate for this long (they take ~1 ms on a host)
 SENDS_SOON_SECONDS = 0.05
+# how long the loop waits, after committing a landed remote prefill, for its first message to go
+# out before it steps again (typically 0.2-0.4 ms; a stream that is slower just goes on later)
+FIRST_TOKEN_HANDOFF_SECONDS = 0.002
 REFUSED_TRANSFERS_KEPT = 4096  # aborted-before-arrival transfer ids remembered (a Prefill trails by ms)
 
 Sink = Callable[[RequestOutput], None]
@@ -92,7 +96,9 @@ class KVWait:
     # Set when the request may start decoding from the token the transfer's FINAL carries: the
     # loop commits it the moment the KV is complete and calls this (with the time) before `done`.
     # The first token then skips P's answer leg and a visit to this loop from the asyncio thread.
-    committed: Callable[[float], None] | None = None
+    # It may return an event the loop waits on (briefly) before its next step: the first message
+    # written to the stream.
+    committed: Callable[[float], threading.Event | None] | None = None
 
 
 def settles(reason: str | None) -> bool:
@@ -235,7 +241,7 @@ class WorkerCore:
 
     def on_loop_reserve_expecting(
         self, request_id: str, prompt_ids: list[int], params, sink: Sink, transfer_id: str, done,
-        committed: Callable[[float], None] | None = None,
+        committed: Callable[[float], threading.Event | None] | None = None,
     ) -> Reservation:  # fmt: skip
         """`on_loop_reserve` and `on_loop_expect_kv` for its fresh blocks in one visit to the engine
         loop: each visit may wait for a running step, and this is on the first token's path."""
@@ -249,7 +255,7 @@ class WorkerCore:
         request_id: str,
         done: Callable[[str | None], None],
         block_ids: list[int],
-        committed: Callable[[float], None] | None = None,
+        committed: Callable[[float], threading.Event | None] | None = None,
     ) -> bool:
         """Register interest in a transfer into `request_id`'s blocks `block_ids` (the only ones
         it may write); False if the request is gone. `committed`: see `KVWait`."""
@@ -322,9 +328,12 @@ class WorkerCore:
                 continue
             if settles(reason):  # else it stays: ending the attempt decides about its blocks
                 del self.kv_waits[tid]
+            handoff = None
             if reason is None and waiter.committed is not None:
-                self._commit_on_landing(waiter, first_tokens.get(tid))
+                handoff = self._commit_on_landing(waiter, first_tokens.get(tid))
             waiter.done(None if reason is None else reason or "transfer failed")
+            if handoff is not None:
+                handoff()
         if self.quarantined:
             now = time.monotonic()
             for tid in [t for t, deadline in self.quarantined.items() if deadline < now]:
@@ -334,13 +343,19 @@ class WorkerCore:
             return SOON
         return bool(self.kv_waits) or bool(self.quarantined)
 
-    def _commit_on_landing(self, waiter: KVWait, token_id: int | None) -> None:
+    def _commit_on_landing(self, waiter: KVWait, token_id: int | None) -> Callable[[], None] | None:
         """Start decoding a landed remote prefill from the token its FINAL carried; without one
-        (an older or tensor-parallel sender) the asyncio side commits from P's answer."""
+        (an older or tensor-parallel sender) the asyncio side commits from P's answer. Returns
+        what to do once the waiter was told (None: nothing was committed)."""
         if token_id is None or not self.on_loop_commit(waiter.request_id, token_id, None):
-            return
-        waiter.committed(time.monotonic())
-        yield_cpu()  # the first token is in the asyncio thread's queue: let it run before a step
+            return None
+        sent = waiter.committed(time.monotonic())
+        # The first token is in the asyncio thread's queue. That thread shares this one's core:
+        # left to the scheduler, it ran 0.3-5 ms into the next step (a yield alone did not keep
+        # it from being preempted before its write); waiting here gives it the core until then.
+        if sent is None:
+            return yield_cpu
+        return lambda: sent.wait(FIRST_TOKEN_HANDOFF_SECONDS)
 
     def on_loop_add_peer(self, peer_id: str, payload: bytes) -> None:
         """Cache a decode worker's handshake; the same payload again is a no-op, since replacing

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -93,22 +94,32 @@ class Attempt:
     # logprobs were asked: those come only in P's answer); when it did, the loop's time of it
     commit_on_landing: bool = False
     committed_at: float | None = None
+    first_sent: threading.Event | None = None  # the request's first message went out
 
     @classmethod
-    def new(cls, request_id: str, number: int, params: pb.SamplingParams) -> Attempt:
+    def new(
+        cls,
+        request_id: str,
+        number: int,
+        params: pb.SamplingParams,
+        first_sent: threading.Event | None = None,
+    ) -> Attempt:
         # unique even when a request id comes back: P remembers the transfer ids it refused
         transfer_id = f"{request_id}:{number}:{uuid.uuid4().hex[:8]}"
         commit = not (params.HasField("logprobs") or params.HasField("prompt_logprobs"))
-        return cls(transfer_id, number, asyncio.get_running_loop().create_future(), commit_on_landing=commit)
+        landed = asyncio.get_running_loop().create_future()
+        return cls(transfer_id, number, landed, commit_on_landing=commit, first_sent=first_sent)
 
     @property
-    def on_committed(self) -> Callable[[float], None] | None:
+    def on_committed(self) -> Callable[[float], threading.Event | None] | None:
         """What the engine loop calls once it committed the landed prefill (None: it may not)."""
         return self._committed if self.commit_on_landing else None
 
-    def _committed(self, at: float) -> None:
-        """Called from the engine-loop thread, before `on_landed`."""
+    def _committed(self, at: float) -> threading.Event | None:
+        """Called from the engine-loop thread, before `on_landed`; what to wait on before the
+        loop's next step."""
         self.committed_at = at
+        return self.first_sent
 
     def on_landed(self, reason: str | None) -> None:
         """Called from the engine-loop thread."""
@@ -201,6 +212,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.streams += 1
         finished = False
         served = pb.ServedBy(decode_worker=self.opts.worker_id)
+        # set once the first message is written: an engine loop that committed a landed remote
+        # prefill waits for it before its next step (see WorkerCore._commit_on_landing)
+        first_sent = threading.Event()
         try:
             targets = list(request.prefill_targets)
             remote = False
@@ -211,7 +225,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 if remote:
                     try:
                         served.prefill_worker = await self._remote_prefill(
-                            rid, prompt, request, params, sink, targets
+                            rid, prompt, request, params, sink, targets, first_sent
                         )
                         served.disaggregated = True
                     except NoFreeBlocksError:
@@ -290,9 +304,11 @@ class WorkerService(pb_grpc.WorkerServicer):
                     self.metrics.e2e.observe(now - arrival)
                     self.metrics.request_finished(msg.finish_reason)
                 yield msg
+                first_sent.set()
                 if finished:
                     return
         finally:
+            first_sent.set()
             self.streams -= 1
             if not finished:
                 # client went away (or the stream broke): free the request without waiting
@@ -337,14 +353,14 @@ class WorkerService(pb_grpc.WorkerServicer):
             await self.state.finish_transfer(rid, gen)
             raise
 
-    async def _remote_prefill(self, rid, prompt, request, params, sink, targets) -> str:
+    async def _remote_prefill(self, rid, prompt, request, params, sink, targets, first_sent=None) -> str:
         """Reserve blocks, have a prefill worker fill them (retrying once elsewhere), commit.
 
         Returns the prefill worker's id; raises PrefillFailed after the blocks were freed (or, for
         a failed attempt whose KV may still land, quarantined apart from the request).
         """
         began = time.monotonic()
-        current = Attempt.new(rid, 0, request.params)
+        current = Attempt.new(rid, 0, request.params, first_sent)
         reserve = self.core.on_loop_reserve_expecting
         try:
             dst = await self._call(
@@ -381,7 +397,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                     record = asyncio.ensure_future(
                         self._begin_transfer(rid, target.worker_id, dst.fresh_block_ids, previous)
                     )
-                    current = Attempt.new(rid, attempt, request.params)
+                    current = Attempt.new(rid, attempt, request.params, first_sent)
                 try:
                     if attempt and not await self._expect_kv(rid, current, dst):
                         raise RequestGone(rid)
