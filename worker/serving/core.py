@@ -25,6 +25,7 @@ import torch
 
 from disagg.proto import worker_pb2 as pb
 from disagg.worker.engine.block_hash import block_hashes
+from disagg.worker.engine.block_manager import NoFreeBlocksError
 from disagg.worker.engine.llm_engine import Reservation
 from disagg.worker.engine.outputs import RequestOutput, TokenLogprob
 from disagg.worker.engine.sampling_params import SamplingParams
@@ -208,6 +209,32 @@ class WorkerCore:
         """Leading prompt tokens this worker's prefix cache holds (what a local prefill would skip)."""
         hashes = block_hashes(prompt_ids, self.block_size)
         return len(self.engine.block_manager.lookup(hashes, prompt_ids)) * self.block_size
+
+    def on_loop_place(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params,
+        sink: Sink,
+        arrival: float,
+        decide: Callable[[int, PrefillSite, int], tuple[bool, str]],
+        expect: tuple,
+    ) -> tuple[str, Reservation | None]:
+        """Where a decode worker prefills `prompt_ids`, decided and acted on in one visit to this
+        loop (each visit may wait for a running step, and this is on the first token's path):
+        `decide(cached tokens, this worker as a prefill site, streams decoding)` -> (remote, reason)
+        prices it; remote: blocks reserved and the KV awaited (`expect`: the transfer id, `done`
+        and `committed` of `on_loop_expect_kv`), the reservation returned; local, or no room to
+        reserve the whole prompt now: the request is queued here (None), waiting for blocks there."""
+        cached, local, decoding = self.on_loop_prefill_price(prompt_ids)
+        remote, reason = decide(cached, local, decoding)
+        if remote:
+            try:
+                return reason, self.on_loop_reserve_expecting(request_id, prompt_ids, params, sink, *expect)
+            except NoFreeBlocksError:
+                pass
+        self.on_loop_add(request_id, prompt_ids, params, sink, arrival)
+        return reason, None
 
     def on_loop_prefill_price(self, prompt_ids: list[int]) -> tuple[int, PrefillSite, int]:
         """What pricing a local prefill of `prompt_ids` needs: its cached tokens here, this worker

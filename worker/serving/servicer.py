@@ -8,6 +8,7 @@ queue). Redis is reached through `StateLink`, whose calls never block serving wh
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -219,19 +220,20 @@ class WorkerService(pb_grpc.WorkerServicer):
             targets = list(request.prefill_targets)
             remote = False
             reason = "no_prefill_worker"
-            if self.opts.role == "decode" and targets and len(prompt) + 1 < self.max_model_len:
-                remote, reason = await self._prefill_remotely(prompt, targets[0])
             try:
+                if self.opts.role == "decode" and targets and len(prompt) + 1 < self.max_model_len:
+                    began = time.monotonic()
+                    attempt = Attempt.new(rid, 0, request.params, first_sent)
+                    reason, dst = await self._place(rid, prompt, params, sink, arrival, targets[0], attempt)
+                    remote = dst is not None
+                else:
+                    await self._call(self.core.on_loop_add, rid, prompt, params, sink, arrival)
                 if remote:
                     try:
                         served.prefill_worker = await self._remote_prefill(
-                            rid, prompt, request, params, sink, targets, first_sent
+                            rid, prompt, request, params, targets, attempt, dst, began
                         )
                         served.disaggregated = True
-                    except NoFreeBlocksError:
-                        # no room to reserve the whole prompt now: a local prefill waits in the
-                        # scheduler's queue for blocks instead of failing
-                        remote = False
                     except PrefillAborted:
                         raise
                     except PrefillFailed as e:
@@ -241,8 +243,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                         log.warning("remote prefill of %s failed (%s): prefilling locally", rid, e)
                         queue = asyncio.Queue()
                         remote = False
-                if not remote:
-                    await self._call(self.core.on_loop_add, rid, prompt, params, sink, arrival)
+                        await self._call(self.core.on_loop_add, rid, prompt, params, sink, arrival)
                 self.metrics.disaggregation_decision(remote, reason)
             except ValueError as e:  # the engine refused the prompt (too long, bad token id)
                 yield pb.GenerateResponse(error=error("invalid_request", str(e)))
@@ -315,10 +316,29 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self.loop.call(self.core.on_loop_abort, rid)
                 self.metrics.request_finished("abort")
 
-    async def _prefill_remotely(self, prompt: list[int], target: pb.PrefillTarget) -> tuple[bool, str]:
-        """Price the prompt's prefill here and on the router's first choice of prefill worker."""
-        cached, local, decoding = await self._call(self.core.on_loop_prefill_price, prompt)
-        uncached = len(prompt) - cached
+    async def _place(self, rid, prompt, params, sink, arrival, target, attempt: Attempt):
+        """Price the prompt's prefill here and on the router's first choice of prefill worker, and
+        act on it, in one engine-loop visit: (reason, the reservation of a remote prefill, or None
+        when the request was queued here)."""
+        decide = functools.partial(self._decide, len(prompt), target)
+        expect = (attempt.transfer_id, attempt.on_landed, attempt.on_committed)
+        try:
+            return await self._call(
+                self.core.on_loop_place, rid, prompt, params, sink, arrival, decide, expect
+            )
+        except asyncio.CancelledError:
+            # The loop may have reserved and begun awaiting the transfer before the cancel took
+            # effect. No Prefill went out, so nothing can land: end that wait as settled (queued
+            # behind the placement), or the request's abort would quarantine its blocks for a
+            # transfer that never comes. The abort in Generate frees the reservation.
+            await self._call(self.core.on_loop_end_attempt, attempt.transfer_id, True)
+            raise
+
+    def _decide(
+        self, prompt_len: int, target: pb.PrefillTarget, cached: int, local: PrefillSite, decoding: int
+    ) -> tuple[bool, str]:
+        """Remote or local, and why (runs on the engine loop, inside `on_loop_place`)."""
+        uncached = prompt_len - cached
         if self.opts.prefill_placement == "threshold":
             remote = uncached >= self.opts.disagg_threshold
             return remote, "threshold" if remote else "short"
@@ -353,33 +373,13 @@ class WorkerService(pb_grpc.WorkerServicer):
             await self.state.finish_transfer(rid, gen)
             raise
 
-    async def _remote_prefill(self, rid, prompt, request, params, sink, targets, first_sent=None) -> str:
-        """Reserve blocks, have a prefill worker fill them (retrying once elsewhere), commit.
+    async def _remote_prefill(self, rid, prompt, request, params, targets, current, dst, began) -> str:
+        """Have a prefill worker fill the blocks `dst` reserved for attempt `current` (retrying
+        once elsewhere), commit.
 
         Returns the prefill worker's id; raises PrefillFailed after the blocks were freed (or, for
         a failed attempt whose KV may still land, quarantined apart from the request).
         """
-        began = time.monotonic()
-        current = Attempt.new(rid, 0, request.params, first_sent)
-        reserve = self.core.on_loop_reserve_expecting
-        try:
-            dst = await self._call(
-                reserve,
-                rid,
-                prompt,
-                params,
-                sink,
-                current.transfer_id,
-                current.on_landed,
-                current.on_committed,
-            )
-        except asyncio.CancelledError:
-            # The loop may have reserved and begun awaiting the transfer before the cancel took
-            # effect. No Prefill went out, so nothing can land: end that wait as settled (queued
-            # behind the reservation), or the request's abort would quarantine its blocks for a
-            # transfer that never comes. The abort in Generate frees the reservation.
-            await self._call(self.core.on_loop_end_attempt, current.transfer_id, True)
-            raise
         # The first attempt's transfer record is written while its Prefill call is out, not before:
         # Redis stays off the first token's path. Nothing precedes that attempt to fence it against,
         # so P gets generation 0 (unchecked); a retry starts only after the failed attempt's Abort,
@@ -397,7 +397,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                     record = asyncio.ensure_future(
                         self._begin_transfer(rid, target.worker_id, dst.fresh_block_ids, previous)
                     )
-                    current = Attempt.new(rid, attempt, request.params, first_sent)
+                    current = Attempt.new(rid, attempt, request.params, current.first_sent)
                 try:
                     if attempt and not await self._expect_kv(rid, current, dst):
                         raise RequestGone(rid)
