@@ -10,17 +10,19 @@ is clearly cheaper (by more than `IDLE_REMOTE_MARGIN`: a faster or less-loaded p
 at low load a disaggregated deployment never loses TTFT to a colocated one. The margin is there
 because the two rates are measured apart, each a few percent off: on equal hardware the estimates
 sat within 1-3% of each other and their noise alone sent 8 of 8 prompts remote in one run of
-bench/ttft_breakdown.py (small preset, 2 cores), 10% slower than colocated, where the remote
-compute itself ran 4% slower than the local one (it posts each layer's KV as it goes). Nor does an
-idle D trust a local rate that is not fresh (only the warm-up's, or none refreshed for a minute:
+bench/ttft_breakdown.py (small preset, 2 cores), 10% slower than colocated (the same prompt's
+compute drifts by 3-6% between deployments started minutes apart). Nor does an idle D trust a
+local rate that is not fresh (only the warm-up's, or none refreshed for a minute:
 `PrefillRate.fresh`): a D that sends every prompt away never measures itself again, so one slow
 measurement would keep it looking slower for good. It prefills that prompt itself
-("idle_remeasure"), which costs at most what a colocated worker pays. A D that is decoding has
-something to protect: a local prefill stalls every running stream's next tokens for as long as it computes.
-Then the remote site wins unless it would delay the first token by more than `busy_slack` times
-the local price. Short prompts (under `threshold` uncached tokens) always stay local: their
-prefill costs less than the trip. A rate nobody measured yet falls back to the other side's
-(same hardware), and with neither measured, long prompts go remote as before.
+("idle_remeasure"), which costs at most what a colocated worker pays.
+
+A D that is decoding has something to protect: a local prefill stalls every running stream's
+next tokens for as long as it computes. Then the remote site wins unless it would delay the first
+token by more than `busy_slack` times the local price. Short prompts (under `threshold` uncached
+tokens) always stay local: their prefill costs less than the trip. A rate nobody measured yet
+falls back to the other side's (same hardware), and with neither measured, long prompts go remote
+as before.
 """
 
 from __future__ import annotations

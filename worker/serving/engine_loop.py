@@ -7,10 +7,11 @@ sends in flight). When there is no work it sleeps on the command queue, so an id
 costs no CPU. When only pollers have work (a decode worker awaiting a remote prefill's KV, which
 takes as long as the prompt's compute), the loop polls every `spin_wait` seconds for
 `spin_seconds` after its last step (the tail of the sends that step posted is picked up at
-once) and while a poller answers `SOON` (what it waits for is landing now: a transfer whose FINAL
-notice came, its last parts a fraction of a millisecond behind), then every `poll_wait` seconds: a loop that polled back to back for the whole wait kept a
-core busy for nothing and held the GIL the asyncio thread needed to send the Prefill call (1-3 ms
-more per call). A submitted closure still wakes the loop at once.
+once) and while a poller answers `SOON` (what it waits for is landing now: a transfer whose
+FINAL notice came, its last parts a fraction of a millisecond behind), then every `poll_wait`
+seconds: a loop that polled back to back for the whole wait kept a core busy for nothing and held
+the GIL the asyncio thread needed to send the Prefill call (1-3 ms more per call). A submitted
+closure still wakes the loop at once.
 
 The loop's thread yields the CPU after every step and every batch of closures. On a CPU host a
 worker's threads share its cores: the asyncio thread, woken with what the loop handed it (a token,
