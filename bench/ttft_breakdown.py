@@ -154,8 +154,12 @@ def run(args, name: str, layout: tuple[int, int, int], placement: str, lengths, 
                 "reasons": reasons, "local_compute": local_compute,
             }  # fmt: skip
             why = ", ".join(f"{r} {c:.0f}" for r, c in sorted(reasons.items()))
+            # which path started the remote prefills' decoding: the first token in the KV
+            # transfer's FINAL notice (on landing) or the Prefill answer
+            landing = delta("disagg_remote_prefill_commits_total", on="landing")
+            via = f", {landing:.0f} committed on landing" if remote else ""
             print(f"[{name}] {n:>5} tokens: TTFT p50 {statistics.median(ttfts) * 1e3:7.1f} ms, "
-                  f"{remote:.0f}/{len(ttfts)} prefilled remotely ({why})", flush=True)  # fmt: skip
+                  f"{remote:.0f}/{len(ttfts)} prefilled remotely ({why}){via}", flush=True)  # fmt: skip
     finally:
         dep.stop()
         os.sched_setaffinity(0, affinity)
