@@ -52,24 +52,19 @@ def decisions(cluster: Cluster) -> dict[tuple[str, str], float]:
     return out
 
 
+STAGES = ("setup", "queue", "compute", "transfer", "overhead", "commit")
+
+
 def stage_counts(cluster: Cluster) -> dict[str, float]:
-    with urllib.request.urlopen(cluster.workers["decode-0"].health.replace("/health", "/metrics")) as r:
-        text = r.read().decode()
-    return {
-        line.split('stage="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("disagg_remote_prefill_stage_seconds_count{")
-    }
+    """Remote prefills timed per stage on decode-0."""
+    metric = "disagg_remote_prefill_stage_seconds_count"
+    return {stage: cluster.metric("decode-0", metric, stage=stage) for stage in STAGES}
 
 
 def commits(cluster: Cluster) -> dict[str, float]:
-    with urllib.request.urlopen(cluster.workers["decode-0"].health.replace("/health", "/metrics")) as r:
-        text = r.read().decode()
-    return {
-        line.split('on="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("disagg_remote_prefill_commits_total{")
-    }
+    """Remote prefills committed on decode-0, by what carried the first token."""
+    metric = "disagg_remote_prefill_commits_total"
+    return {on: cluster.metric("decode-0", metric, on=on) for on in ("landing", "answer")}
 
 
 def router_view(cluster: Cluster, role: str) -> dict:
@@ -132,7 +127,7 @@ def test_placement_follows_the_load(cluster, reference_llm):
     assert decisions(cluster)[("remote", "protect_decode")] == 1
     # and the remote prefill said where its time went (from P's answer, which may trail the
     # first token: the decode worker commits as soon as the KV landed)
-    want = dict.fromkeys(("setup", "queue", "compute", "transfer", "overhead", "commit"), 1)
+    want = dict.fromkeys(STAGES, 1)
     deadline = time.monotonic() + 10
     while stage_counts(cluster) != want and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -270,8 +270,8 @@ class WorkerCore:
         self, request_id: str, prompt_ids: list[int], params, sink: Sink, transfer_id: str, done,
         committed: Callable[[float], threading.Event | None] | None = None,
     ) -> Reservation:  # fmt: skip
-        """`on_loop_reserve` and `on_loop_expect_kv` for its fresh blocks in one visit to the engine
-        loop: each visit may wait for a running step, and this is on the first token's path."""
+        """`on_loop_reserve` and `on_loop_expect_kv` for its fresh blocks: the remote branch of
+        `on_loop_place`, in the same visit to the engine loop."""
         blocks = self.on_loop_reserve(request_id, prompt_ids, params, sink)
         self.on_loop_expect_kv(transfer_id, request_id, done, blocks.fresh_block_ids, committed)
         return blocks
