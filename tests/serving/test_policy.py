@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from disagg.worker.router.policy import WorkerView, choose_decode, rank_prefill
+from disagg.worker.router.policy import Lending, WorkerView, choose_decode, rank_prefill, worth_lending
 
 
 def w(wid, role="decode", running=0, waiting=0, free=100, total=100, inflight=0):
@@ -66,10 +66,12 @@ def test_overflow_is_off_unless_asked():
 
 def test_overflow_lends_a_prefill_worker_past_the_margin():
     p = w("p1", role="prefill", running=1)  # one prefill job counts as a running request
-    assert choose_decode([w("d1", running=3), p], overflow_margin=2.0).worker_id == "d1"  # 1 + 2 < 3 is false
-    assert choose_decode([w("d1", running=4), p], overflow_margin=2.0).worker_id == "p1"
+    assert (
+        choose_decode([w("d1", running=3), p], lending=Lending(2.0)).worker_id == "d1"
+    )  # 1 + 2 < 3 is false
+    assert choose_decode([w("d1", running=4), p], lending=Lending(2.0)).worker_id == "p1"
     # the router's own in-flight count on the decode worker weighs like its heartbeat
-    assert choose_decode([w("d1", inflight=4), p], overflow_margin=2.0).worker_id == "p1"
+    assert choose_decode([w("d1", inflight=4), p], lending=Lending(2.0)).worker_id == "p1"
 
 
 def test_overflow_never_lends_a_prefill_worker_with_prompts_to_prefill():
@@ -77,23 +79,42 @@ def test_overflow_never_lends_a_prefill_worker_with_prompts_to_prefill():
     waiting = w("p1", role="prefill", waiting=1)
     prefilling = replace(w("p1", role="prefill", running=1), queued_prefill_tokens=700)
     for p in (waiting, prefilling):
-        assert choose_decode([w("d1", running=9), p], overflow_margin=0.0).worker_id == "d1"
-        assert choose_decode([p], overflow_margin=0.0) is None
+        assert choose_decode([w("d1", running=9), p], lending=Lending(0.0)).worker_id == "d1"
+        assert choose_decode([p], lending=Lending(0.0)) is None
     assert (
-        choose_decode([w("d1", running=9), w("p2", role="prefill", running=1)], overflow_margin=0.0).worker_id
+        choose_decode(
+            [w("d1", running=9), w("p2", role="prefill", running=1)], lending=Lending(0.0)
+        ).worker_id
         == "p2"
     )
 
 
 def test_overflow_picks_the_lightest_prefill_worker_and_covers_an_empty_decode_pool():
     ps = [w("p1", role="prefill", running=2), w("p2", role="prefill")]
-    assert choose_decode([w("d1", running=5), *ps], overflow_margin=1.0).worker_id == "p2"
-    assert choose_decode(ps, overflow_margin=1.0).worker_id == "p2"
+    assert choose_decode([w("d1", running=5), *ps], lending=Lending(1.0)).worker_id == "p2"
+    assert choose_decode(ps, lending=Lending(1.0)).worker_id == "p2"
     assert choose_decode(ps) is None  # without overflow a prefill worker never decodes
+
+
+def test_overflow_lends_a_request_only_when_its_prompt_costs_less_than_the_steps_it_saves():
+    # P computes 1000 tokens/s; D's decode steps take 50 ms: a 1000-token prompt (1 s on P, where
+    # lent streams wait) pays off from 20 output tokens on
+    p = replace(w("p1", role="prefill"), prefill_tokens_per_s=1000.0)
+    d = replace(w("d1", running=9), decode_step_seconds=0.05)
+    assert worth_lending(p, d, 1000, 20) and not worth_lending(p, d, 1000, 19)
+    assert choose_decode([d, p], lending=Lending(1.0, 1000, 64)).worker_id == "p1"  # chat-like
+    assert choose_decode([d, p], lending=Lending(1.0, 1000, 16)).worker_id == "d1"  # summary-like
+    # a prefix cached on the lender is not recomputed: 3 of 4 blocks cached leave 250 tokens
+    assert choose_decode([d, p], {"p1": 3}, 4, Lending(1.0, 1000, 16)).worker_id == "p1"
+    # unmeasured on either side, an unknown size, or no decode worker to relieve: the margin decides
+    assert worth_lending(replace(p, prefill_tokens_per_s=0.0), d, 1000, 1)
+    assert worth_lending(p, replace(d, decode_step_seconds=0.0), 1000, 1)
+    assert worth_lending(p, d, 1000, 0) and worth_lending(p, None, 1000, 1)
+    assert choose_decode([p], lending=Lending(1.0, 1000, 1)).worker_id == "p1"
 
 
 def test_overflow_weighs_a_cached_prefix():
     # d1 holds the whole prompt: its cost drops by one request, keeping it under the margin
     workers = [w("d1", running=3), w("p1", role="prefill", running=1)]
-    assert choose_decode(workers, {}, 4, overflow_margin=1.0).worker_id == "p1"
-    assert choose_decode(workers, {"d1": 4}, 4, overflow_margin=1.0).worker_id == "d1"
+    assert choose_decode(workers, {}, 4, lending=Lending(1.0)).worker_id == "p1"
+    assert choose_decode(workers, {"d1": 4}, 4, lending=Lending(1.0)).worker_id == "d1"

@@ -3,7 +3,7 @@
 import pytest
 
 from disagg.worker.serving.disagg_policy import PrefillSite, choose_prefill_site
-from disagg.worker.serving.prefill_estimate import PrefillRate, RemoteCost
+from disagg.worker.serving.prefill_estimate import DecodeStepTime, PrefillRate, RemoteCost
 
 RATE = 4000.0  # prompt tokens per second on both sides unless a test says otherwise
 
@@ -73,6 +73,18 @@ def test_prefill_rate_freshness():
     assert r.tokens_per_s == pytest.approx(0.8 * 4000 + 0.2 * 2000)
     r.observe(1000, 0.5, now=200.0)  # after a long silence, the new load replaces the old
     assert r.tokens_per_s == pytest.approx(2000) and r.fresh(now=200.0)
+
+
+def test_decode_step_time_follows_the_batch():
+    d = DecodeStepTime()
+    assert d.seconds is None
+    d.observe(0.0)  # not a measurement
+    assert d.seconds is None
+    d.observe(0.05)
+    assert d.seconds == pytest.approx(0.05)
+    for _ in range(30):  # the batch grew: steps of 80 ms
+        d.observe(0.08)
+    assert d.seconds == pytest.approx(0.08, rel=0.01)
 
 
 def test_unmeasured_rates():

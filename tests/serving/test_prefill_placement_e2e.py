@@ -134,4 +134,11 @@ def test_placement_follows_the_load(cluster, reference_llm):
     assert stage_counts(cluster) == want
     # no logprobs asked: the first token came in the transfer's FINAL notice, committed on landing
     assert commits(cluster) == {"landing": 1.0, "answer": 0.0}
+    # the router now knows what a decode step of decode-0 costs (it weighs lending with it); the
+    # prefill worker, which never decoded, reports none
+    deadline = time.monotonic() + 10
+    while router_view(cluster, "decode")["decode_step_seconds"] <= 0:
+        assert time.monotonic() < deadline, "the router never saw the decode worker's step time"
+        time.sleep(0.1)
+    assert router_view(cluster, "prefill")["decode_step_seconds"] == 0
     cluster.wait_idle()

@@ -115,7 +115,10 @@ def run(args) -> int:
         f"SLO: {slo} (unloaded: {base}); goodput = highest Poisson rate with >= {TARGET:.0%} of requests within both"
     )
     margin = settings.overflow_margin
-    lending = "never" if margin is None else f"when decode is busier by > {margin:g} requests"
+    lending = "never"
+    if margin is not None:
+        lending = (f"when decode is busier by > {margin:g} requests and the prompt costs it no more than the\n"
+                   "  decode steps the request saves the decode replica")  # fmt: skip
     for line in (
         "assumptions: continuous batching (<= {b}); step times as profiled, plus the profile's cost of",
         "  each row's context (its prompt and half its output); colocated replicas interleave decode",

@@ -9,9 +9,10 @@ advance together on one event queue.
 
 Routing, with the router's cost of a worker (running streams + 2 x requests routed to it that do
 not decode yet): a request goes to the cheapest decode replica, unless a prefill replica with no
-prompt to compute is cheaper by more than `margin` (None: never); that replica then prefills and
-decodes the request itself. The decode replica prices its prompt at both sites (queued prompt
-tokens and this one at the prefill rate; remote: plus the KV transfer) with the worker's own
+prompt to compute is cheaper by more than `margin` (None: never), and the request's prompt costs it
+no more than the decode steps it takes off the decode replica (`worth_lending`, at that replica's
+step time for its batch then); that replica then prefills and decodes the request itself. The
+decode replica prices its prompt at both sites (queued prompt tokens and this one at the prefill rate; remote: plus the KV transfer) with the worker's own
 function, or, with `placement="threshold"`, sends every prompt of at least `threshold` tokens
 away. A remote prompt goes to the prefill replica with the fewest prompt tokens queued; its first
 token leaves once the prompt is computed and its KV has moved, and it joins the decode batch at
@@ -34,7 +35,7 @@ import numpy as np
 from disagg.worker.planner.profile import Profile
 from disagg.worker.planner.simulate import Outcome, decode_context, outcome
 from disagg.worker.planner.workload import Requests
-from disagg.worker.router.policy import WAITING_WEIGHT
+from disagg.worker.router.policy import WAITING_WEIGHT, WorkerView, worth_lending
 from disagg.worker.serving.disagg_policy import PrefillSite, choose_prefill_site
 
 
@@ -183,7 +184,12 @@ def simulate(
             spare = [k for k in lenders if reps[k].spare()]
             if spare:
                 lender = min(spare, key=lambda k: (reps[k].cost(), k))
-                if reps[lender].cost() + margin < reps[best].cost():
+                if reps[lender].cost() + margin < reps[best].cost() and worth_lending(
+                    WorkerView("lender", "prefill", "", prefill_tokens_per_s=rate),
+                    WorkerView("decoder", "decode", "", decode_step_seconds=step(reps[best])),
+                    int(req.prompt[i]),
+                    int(req.output[i]),
+                ):
                     reps[lender].pending += 1
                     reps[lender].queue(i, int(req.prompt[i]), None)
                     poke(lender, t)

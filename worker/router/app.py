@@ -28,7 +28,7 @@ from disagg.worker.router.errors import APIError, invalid
 from disagg.worker.router.fanout import ChoiceState, Echo, plan_choices, total_usage
 from disagg.worker.router.openai_format import ResponseBuilder
 from disagg.worker.router.openapi import openapi_spec
-from disagg.worker.router.policy import WorkerView, choose_decode, rank_prefill, served_quantization
+from disagg.worker.router.policy import Lending, WorkerView, choose_decode, rank_prefill, served_quantization
 from disagg.worker.router.responses_format import ResponsesBuilder
 from disagg.worker.router.responses_request import parse_responses
 from disagg.worker.router.tools import ToolCalls
@@ -75,7 +75,7 @@ def _load_fields(v: WorkerView) -> dict[str, int | float]:
     return {
         "running": v.running, "waiting": v.waiting, "free_blocks": v.free_blocks,
         "total_blocks": v.total_blocks, "queued_prefill_tokens": v.queued_prefill_tokens,
-        "prefill_tokens_per_s": v.prefill_tokens_per_s,
+        "prefill_tokens_per_s": v.prefill_tokens_per_s, "decode_step_seconds": v.decode_step_seconds,
     }  # fmt: skip
 
 
@@ -363,13 +363,14 @@ class Router:
                 p = plan.prompt_index
                 # one routing decision per generation; each `begin` below weighs on the next choice
                 views = self.pool.views()
-                decode = choose_decode(views, matches[p], len(hashes[p]), self.config.prefill_overflow)
+                lend = Lending(self.config.prefill_overflow, len(prompts[p]), max_tokens[p])
+                decode = choose_decode(views, matches[p], len(hashes[p]), lend)
                 if decode is None:
                     # a worker leaves rotation for a poll or two (restarting, one failed poll): wait
                     # for the next poll of the pool before answering 503
                     await self.pool.next_refresh(timeout=2 * self.pool.refresh_seconds + 1)
                     views = self.pool.views()
-                    decode = choose_decode(views, matches[p], len(hashes[p]), self.config.prefill_overflow)
+                    decode = choose_decode(views, matches[p], len(hashes[p]), lend)
                 if decode is None:
                     raise APIError(503, "No decode worker is ready; retry shortly.", code="no_workers",
                                    retry_after=2)  # fmt: skip
@@ -451,7 +452,7 @@ class Router:
                 [v for v in self.pool.views() if v.worker_id not in taken],
                 match,
                 prompt_blocks,
-                self.config.prefill_overflow,
+                Lending(self.config.prefill_overflow, len(req.prompt_token_ids), req.params.max_tokens),
             )
             if attempt + 1 == attempts or alt is None:
                 raise failure

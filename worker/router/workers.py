@@ -146,6 +146,7 @@ class WorkerPool:
             total_blocks=load.total_blocks,
             queued_prefill_tokens=load.queued_prefill_tokens,
             prefill_tokens_per_s=load.prefill_tokens_per_s,
+            decode_step_seconds=load.decode_step_seconds,
             quantization=health.quantization,
         )
         if not health.ready:

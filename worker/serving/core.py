@@ -33,7 +33,7 @@ from disagg.worker.kv_transfer.handle import PENDING
 from disagg.worker.serving.disagg_policy import PrefillSite
 from disagg.worker.serving.engine_loop import SOON, yield_cpu
 from disagg.worker.serving.metrics import ServingMetrics
-from disagg.worker.serving.prefill_estimate import PrefillRate
+from disagg.worker.serving.prefill_estimate import DecodeStepTime, PrefillRate
 
 log = logging.getLogger("disagg.worker.core")
 
@@ -141,6 +141,7 @@ class WorkerCore:
         self._on_publish = on_publish
         self.load: dict[str, int | float] = {}
         self.prefill_rate = PrefillRate()
+        self.decode_step = DecodeStepTime()
         self.kv_bytes_sent = 0
         self._peer_payloads: dict[str, bytes] = {}
 
@@ -591,6 +592,8 @@ class WorkerCore:
             self.metrics.engine_step(scheduled.is_prefill, elapsed, len(scheduled.chunks))
             if scheduled.is_prefill:
                 self.prefill_rate.observe(scheduled.num_tokens, elapsed)
+            else:
+                self.decode_step.observe(elapsed)
         if scheduled is not None and self.arrivals:
             for chunk in scheduled.chunks:
                 rid = chunk.request.request_id
@@ -652,6 +655,7 @@ class WorkerCore:
             + len(self.kv_waits),
             "queued_prefill_tokens": self.queued_prefill_tokens(),
             "prefill_tokens_per_s": self.prefill_rate.tokens_per_s or 0.0,
+            "decode_step_seconds": self.decode_step.seconds or 0.0,
         }
         self.metrics.running.set(e.num_running)
         self.metrics.waiting.set(e.num_waiting + len(self.reserved))

@@ -1,7 +1,8 @@
-"""Running estimates that price a prefill: how fast this worker prefills, and what a remote
-prefill costs beyond the prefill itself (hops, handshake, KV transfer, commit).
+"""Running estimates that price a prefill: how fast this worker prefills, what a remote
+prefill costs beyond the prefill itself (hops, handshake, KV transfer, commit), and what one of
+its decode steps takes (the router weighs a prompt's compute against the decode steps it saves).
 
-Both are exponentially weighted so they follow a changing load but not one noisy step. Pure:
+All are exponentially weighted so they follow a changing load but not one noisy step. Pure:
 callers pass the measured tokens and seconds (and may pass the time).
 """
 
@@ -80,3 +81,15 @@ class RemoteCost:
         """The expected extra cost of prefilling `tokens` remotely."""
         fixed = self.default_overhead_s if self.overhead_s is None else self.overhead_s
         return fixed + tokens * (self.transfer_s_per_token or 0.0)
+
+
+class DecodeStepTime:
+    """Seconds of this worker's recent decode steps (moving average; None until one ran): at its
+    current batch, what each token of a stream decoding here costs the worker."""
+
+    def __init__(self):
+        self.seconds: float | None = None
+
+    def observe(self, seconds: float) -> None:
+        if seconds > 0:
+            self.seconds = _ewma(self.seconds, seconds)
