@@ -20,7 +20,10 @@ A backend "nixl:prepped" or "nixl:merged" forces how NIXL descriptors are built 
 "runs/send" counts the stretches of regions adjacent on both sides (the separate copies a send
 needs at best); "desc/send" is how many descriptors NIXL was given (prepared per-region lists
 when runs do not pay, which NIXL merges itself). "copy_ 1 thread" is shown for reference: a
-transport's copy runs on one thread (CMA: the sender's process_vm_writev).
+transport's copy runs on one thread (CMA: the sender's process_vm_writev). "CMA ceiling" rows
+are the kernel's cross-memory copy alone: process_vm_writev of the same bytes into another
+process's buffer (huge pages, faulted in) from 1 thread and from as many threads as NIXL's UCX
+backend uses, in 4 MiB calls, no NIXL: what any CMA transport can reach on this host.
 With --kv-dtypes, the figures are per request instead: a prompt of --prompt-tokens tokens moved
 from prefill to decode with its KV stored as each dtype (int8 / fp8: the quantized cache's regions,
 8-bit values and their float32 scales, as `disagg.kernels.kv_quant` lays them out), bytes and time
@@ -38,6 +41,7 @@ Caches and the copy_ baseline's buffers are allocated as a worker allocates its 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import multiprocessing as mp
 import os
@@ -45,6 +49,7 @@ import queue
 import random
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -154,6 +159,71 @@ class _Copier:
             return time.perf_counter() - t0
         finally:
             torch.set_num_threads(default)
+
+
+class _IOVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_CMA_CALL_BYTES = 4 << 20
+
+
+def _cma_target(nbytes: int, replies, done) -> None:
+    buf = _zeros((nbytes,), torch.uint8)
+    buf.fill_(1)  # fault the pages in, as a worker's cache is
+    replies.put((os.getpid(), buf.data_ptr()))
+    done.wait(600)
+
+
+def _cma_ceiling(copier: _Copier, threads: int, reps: int) -> tuple[float, float, float] | None:
+    """(median s, best s, median of copy_ s / CMA s): process_vm_writev of the copier's bytes into
+    another process from `threads` threads; None where the kernel refuses (ptrace policy)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    write = libc.process_vm_writev
+    write.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.POINTER(_IOVec),
+                      ctypes.c_ulong, ctypes.c_ulong]  # fmt: skip
+    write.restype = ctypes.c_ssize_t
+    nbytes = copier.src.numel()
+    ctx = mp.get_context("spawn")
+    replies, done = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_cma_target, args=(nbytes, replies, done), daemon=True)
+    proc.start()
+    errors: list[int] = []
+
+    def part(pid: int, remote: int, start: int, end: int) -> None:
+        # ctypes drops the GIL for the call: the threads copy in parallel
+        for off in range(start, end, _CMA_CALL_BYTES):
+            n = min(_CMA_CALL_BYTES, end - off)
+            local, far = _IOVec(copier.src.data_ptr() + off, n), _IOVec(remote + off, n)
+            if write(pid, ctypes.byref(local), 1, ctypes.byref(far), 1, 0) != n:
+                errors.append(ctypes.get_errno())
+                return
+
+    try:
+        pid, remote = replies.get(timeout=120)
+        cuts = [nbytes * i // threads // _CMA_CALL_BYTES * _CMA_CALL_BYTES for i in range(threads)] + [nbytes]
+        times, ratios = [], []
+        for rep in range(reps + 1):  # the first run warms up, as the transports' does
+            baseline = copier.seconds()
+            workers = [threading.Thread(target=part, args=(pid, remote, cuts[i], cuts[i + 1]))
+                       for i in range(threads)]  # fmt: skip
+            t0 = time.perf_counter()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            elapsed = time.perf_counter() - t0
+            if errors:
+                return None
+            if rep:
+                times.append(elapsed)
+                ratios.append(baseline / elapsed)
+        return statistics.median(times), min(times), statistics.median(ratios)
+    finally:
+        done.set()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
 
 
 def _pool(blocks: int) -> int:
@@ -319,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_dtypes:
         return per_request(args, log)
     block_bytes = _layout(_cache(1, args.block_size, 0), args.block_size, DTYPE).block_bytes
+    from disagg.worker.kv_transfer.nixl_transport import DEFAULT_THREADS
+
+    cma_threads = max(
+        1, int(os.environ.get("DISAGG_NIXL_THREADS", DEFAULT_THREADS))
+    )  # as the transport reads it
     rows = []
     for mib in (int(x) for x in args.sizes.split(",")):
         blocks = max(1, (mib << 20) // (LAYERS * block_bytes))
@@ -333,6 +408,13 @@ def main(argv: list[str] | None = None) -> int:
         single = [copier.seconds(threads=1) for _ in range(args.reps)]
         figures = (statistics.median(single), min(single), copy_s / statistics.median(single), "-", "1")
         rows.append((nbytes, "copy_ 1 thread", "-", "-", figures))
+        for threads in sorted({1, cma_threads}):
+            ceiling = _cma_ceiling(copier, threads, args.reps)
+            if ceiling is None:
+                log("  CMA ceiling: process_vm_writev refused (ptrace policy): row left out")
+                break
+            log(f"  CMA ceiling, {threads} thread(s): {ceiling[0] * 1e3:.1f} ms")
+            rows.append((nbytes, f"CMA ceiling {threads} thr", "-", "-", (*ceiling, "-", "1")))
         scatter = _in_process_scatter(blocks, args.block_size, args.reps)
         log(f"  in-process index copy, scattered ids: {scatter * 1e3:.1f} ms")
         rows.append(
