@@ -66,9 +66,8 @@ def test_overflow_is_off_unless_asked():
 
 def test_overflow_lends_a_prefill_worker_past_the_margin():
     p = w("p1", role="prefill", running=1)  # one prefill job counts as a running request
-    assert (
-        choose_decode([w("d1", running=3), p], lending=Lending(2.0)).worker_id == "d1"
-    )  # 1 + 2 < 3 is false
+    # 1 + 2 < 3 is false
+    assert choose_decode([w("d1", running=3), p], lending=Lending(2.0)).worker_id == "d1"
     assert choose_decode([w("d1", running=4), p], lending=Lending(2.0)).worker_id == "p1"
     # the router's own in-flight count on the decode worker weighs like its heartbeat
     assert choose_decode([w("d1", inflight=4), p], lending=Lending(2.0)).worker_id == "p1"
