@@ -247,9 +247,8 @@ class KVTransport(ABC):
         self._pump()
         failed = self.tracker.pop_failed()
         self._settled(t for t, _ in failed)
-        for tid, _ in failed:
+        for tid, reason in failed:
             self._first_tokens.pop(tid, None)
-        for _, reason in failed:
             TRANSFER_FAILURES.labels(self.backend, reason.split(":", 1)[0]).inc()
         return failed
 

@@ -12,11 +12,11 @@ not decode yet): a request goes to the cheapest decode replica, unless a prefill
 prompt to compute is cheaper by more than `margin` (None: never), and the request's prompt costs it
 no more than the decode steps it takes off the decode replica (`worth_lending`, at that replica's
 step time for its batch then); that replica then prefills and decodes the request itself. The
-decode replica prices its prompt at both sites (queued prompt tokens and this one at the prefill rate; remote: plus the KV transfer) with the worker's own
-function, or, with `placement="threshold"`, sends every prompt of at least `threshold` tokens
-away. A remote prompt goes to the prefill replica with the fewest prompt tokens queued; its first
-token leaves once the prompt is computed and its KV has moved, and it joins the decode batch at
-the next step.
+decode replica prices its prompt at both sites (queued prompt tokens and this one at the prefill
+rate; remote: plus the KV transfer) with the worker's own function, or, with
+`placement="threshold"`, sends every prompt of at least `threshold` tokens away. A remote prompt
+goes to the prefill replica with the fewest prompt tokens queued; its first token leaves once the
+prompt is computed and its KV has moved, and it joins the decode batch at the next step.
 
 Every replica steps as the engine does: a step carries a prompt chunk (<= `chunk_tokens`, its
 prefill time) and one token of each stream decoding there; with no prompt queued, decode steps of
@@ -94,6 +94,7 @@ def simulate(
     transfer = prof.transfer_seconds(req.prompt)
     reps = [_Replica() for _ in range(prefill + decode)]
     lenders, decoders = range(prefill), range(prefill, prefill + decode)
+    lender_view = WorkerView("lender", "prefill", "", prefill_tokens_per_s=rate)  # as the router sees one
     events: list = []
     order = itertools.count()
 
@@ -185,7 +186,7 @@ def simulate(
             if spare:
                 lender = min(spare, key=lambda k: (reps[k].cost(), k))
                 if reps[lender].cost() + margin < reps[best].cost() and worth_lending(
-                    WorkerView("lender", "prefill", "", prefill_tokens_per_s=rate),
+                    lender_view,
                     WorkerView("decoder", "decode", "", decode_step_seconds=step(reps[best])),
                     int(req.prompt[i]),
                     int(req.output[i]),

@@ -511,12 +511,12 @@ class WorkerService(pb_grpc.WorkerServicer):
             raise
         finally:
             renew.cancel()
-        stage = {"setup": max(sent - began - handshakes, 0.0)}  # decision, reservation (a retry: + Redis)
+        setup = max(sent - began - handshakes, 0.0)  # decision, reservation (a retry: + Redis)
         if attempt.committed_at is not None:
             self.metrics.remote_prefill_committed("landing")
-            stage["commit"] = time.monotonic() - attempt.committed_at  # the loop -> this thread
+            commit = time.monotonic() - attempt.committed_at  # the loop -> this thread
             task = asyncio.ensure_future(self._record_answer(call, attempt, sent, attempt.committed_at,
-                                                             len(prompt), dst, stage))  # fmt: skip
+                                                             len(prompt), dst, setup, commit))  # fmt: skip
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
             return
@@ -529,10 +529,12 @@ class WorkerService(pb_grpc.WorkerServicer):
         if not committed:
             raise RequestGone(rid)  # aborted while the KV was moving
         self.metrics.remote_prefill_committed("answer")
-        stage["commit"] = time.monotonic() - landed_at
-        self._observe_remote(resp, sent, landed_at, len(prompt), dst, stage)
+        commit = time.monotonic() - landed_at
+        self._observe_remote(resp, sent, landed_at, len(prompt), dst, setup, commit)
 
-    async def _record_answer(self, call, attempt: Attempt, sent, landed_at, prompt_len, dst, stage) -> None:
+    async def _record_answer(
+        self, call, attempt: Attempt, sent, landed_at, prompt_len, dst, setup: float, commit: float
+    ) -> None:
         """P's answer to a prefill the loop already committed: only its timings are left to use."""
         try:
             resp = await call
@@ -544,22 +546,25 @@ class WorkerService(pb_grpc.WorkerServicer):
         if resp.error.code:  # the KV had landed whole: what P says of it now changes nothing here
             log.debug("prefill %s answered %s after its KV landed", attempt.transfer_id, resp.error.code)
             return
-        self._observe_remote(resp, sent, landed_at, prompt_len, dst, stage)
+        self._observe_remote(resp, sent, landed_at, prompt_len, dst, setup, commit)
 
-    def _observe_remote(self, resp, sent: float, landed_at: float, prompt_len: int, dst, stage: dict) -> None:
-        """Feed one finished remote prefill to the cost estimate and the stage histograms."""
+    def _observe_remote(
+        self, resp, sent: float, landed_at: float, prompt_len: int, dst, setup: float, commit: float
+    ) -> None:
+        """Feed one finished remote prefill to the cost estimate and the stage histograms (`setup`
+        and `commit`: D's own stages around P's)."""
         wall = landed_at - sent
         fresh_tokens = prompt_len - dst.num_cached_blocks * self.core.block_size
         self.remote_cost.observe(
             wall, resp.queue_seconds, resp.compute_seconds, resp.transfer_seconds, fresh_tokens
         )
         self.metrics.remote_prefill_stages(
-            setup=stage["setup"],
+            setup=setup,
             queue=resp.queue_seconds,
             compute=resp.compute_seconds,
             transfer=resp.transfer_seconds,
             overhead=max(wall - resp.queue_seconds - resp.compute_seconds - resp.transfer_seconds, 0.0),
-            commit=stage["commit"],
+            commit=commit,
         )
 
     async def _expect_kv(self, rid: str, attempt: Attempt, dst) -> bool:
