@@ -25,7 +25,10 @@ from pydantic import (
 
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the range of the seed on the wire
+# The ranges of integers on the wire (worker.proto): every count and token id travels as int32,
+# the seed as int64. A value outside them is a 400 naming its field, not a crash building the message.
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 # Accepted and deliberately not acted on (README lists them too). Every other field OpenAI
@@ -68,7 +71,8 @@ def _text(v: Any) -> Any:
     return v
 
 
-Int = Annotated[int, BeforeValidator(_integer)]
+Int = Annotated[int, BeforeValidator(_integer), Field(ge=INT32_MIN, le=INT32_MAX)]
+Int64 = Annotated[int, BeforeValidator(_integer), Field(ge=INT64_MIN, le=INT64_MAX)]
 Number = Annotated[float, BeforeValidator(_number)]
 Text = Annotated[str, BeforeValidator(_text)]
 
@@ -189,7 +193,7 @@ class _Sampling(_Strict):
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
     top_k: Int = Field(-1, ge=-1)
     min_p: Number = Field(0.0, ge=0.0, le=1.0)
-    seed: Int | None = None
+    seed: Int64 | None = None
     presence_penalty: Number = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: Number = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: Number = Field(1.0, gt=0.0, le=2.0)
@@ -209,13 +213,6 @@ class _Sampling(_Strict):
     guided_choice: list[Text] | None = Field(None, min_length=1)
     guided_grammar: Text | None = None
     user: Text | None = None  # see IGNORED_FIELDS
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v: int | None) -> int | None:
-        if v is not None and not INT64_MIN <= v <= INT64_MAX:
-            raise ValueError(f"'seed' must fit in a signed 64-bit integer, got {v}")
-        return v
 
     @field_validator("top_k")
     @classmethod
@@ -338,6 +335,8 @@ def _token_ids(where: str, ids: list) -> list[int]:
         raise ValueError(f"{where} must hold integers only (token ids), not a mix of types")
     if any(t < 0 for t in ids):
         raise ValueError(f"token ids in {where} must be non-negative")
+    if any(t > INT32_MAX for t in ids):
+        raise ValueError(f"token ids in {where} must be <= {INT32_MAX}")
     return ids
 
 

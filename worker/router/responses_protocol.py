@@ -75,7 +75,7 @@ class FunctionCallOutputItem(_Strict):
 
 def _item_tag(v: Any) -> str | None:
     kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", None)
-    return _TAGS.get(kind)
+    return _TAGS.get(kind) if isinstance(kind, str) else None
 
 
 _TAGS = {"message": "MessageItem", "function_call": "FunctionCallItem",
@@ -85,7 +85,13 @@ InputItem = Annotated[
     Annotated[MessageItem, Tag("MessageItem")]
     | Annotated[FunctionCallItem, Tag("FunctionCallItem")]
     | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
-    Discriminator(_item_tag),
+    # pydantic's own message would name this module's function
+    Discriminator(
+        _item_tag,
+        custom_error_type="input_item",
+        custom_error_message="each input item must be an object with a 'type' (message, function_call "
+        "or function_call_output)",
+    ),
 ]
 
 
@@ -158,6 +164,8 @@ class ResponsesRequest(_Strict):
                 raise ValueError("'input' must not be an empty list")
             for i, item in enumerate(v):
                 kind = item.get("type", "message") if isinstance(item, dict) else None
+                if isinstance(item, dict) and not isinstance(kind, str):
+                    raise _FieldError(f"input[{i}].type", f"'input[{i}].type' must be a string")
                 if isinstance(kind, str) and kind not in INPUT_ITEM_TYPES:
                     raise _FieldError(
                         f"input[{i}].type",

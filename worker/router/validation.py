@@ -286,7 +286,14 @@ def fit_to_context(sampling: SamplingSpec, prompt_tokens: int, max_model_len: in
             code="context_length_exceeded",
         )
     if sampling.max_tokens is None:
-        return max_model_len - prompt_tokens
+        room = max_model_len - prompt_tokens
+        if sampling.min_tokens > room:  # with max_tokens given, the model checked min_tokens against it
+            raise invalid(
+                "min_tokens",
+                f"'min_tokens' ({sampling.min_tokens}) exceeds the {room} tokens the context leaves after "
+                f"the {param}",
+            )
+        return room
     if sampling.max_tokens == 0:
         # scoring: a prefill always samples a token; the router leaves it out of the response
         return 1
