@@ -24,6 +24,7 @@ from aiohttp import web
 
 from disagg.proto import worker_pb2
 from disagg.worker.engine.block_hash import block_hashes
+from disagg.worker.router.body import read_body
 from disagg.worker.router.errors import APIError, invalid
 from disagg.worker.router.fanout import ChoiceState, Echo, plan_choices, total_usage
 from disagg.worker.router.openai_format import ResponseBuilder
@@ -64,6 +65,8 @@ class RouterConfig:
     # Text a request may ask to tokenize (prompts, chat messages): bounds the CPU one request can
     # take; larger is a 400. Token-id prompts are bounded by the context length instead.
     max_prompt_bytes: int = 1 << 20
+    # A request body, decoded (router/body.py): a compressed body stops inflating one byte past it.
+    max_body_bytes: int = 32 << 20
     decode_attempts: int = 3  # decode workers tried for a generation before nothing was streamed
     # A prefill worker less loaded than every decode worker by more than this (in requests, as
     # `policy.decode_cost` counts them) serves a request whole; None: prefill workers only prefill.
@@ -117,7 +120,12 @@ class Router:
 
     # ---- app ----------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors_middleware], client_max_size=32 << 20)
+        # bodies are decoded by read_body under max_body_bytes, not by aiohttp (router/body.py)
+        app = web.Application(
+            middlewares=[self._errors_middleware],
+            client_max_size=self.config.max_body_bytes,
+            handler_args={"auto_decompress": False},
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/responses", self.responses)
@@ -334,7 +342,9 @@ class Router:
     async def _generate(self, request: web.Request, parse, builder_cls=ResponseBuilder) -> web.StreamResponse:
         arrival = time.monotonic()
         self._check_key(request)
-        spec = parse(await request.read())  # JSON decoding and validation in one pass (protocol.py)
+        spec = parse(
+            await read_body(request, self.config.max_body_bytes)
+        )  # JSON decoding and validation in one pass (protocol.py)
         if spec.model != self.config.model_name:
             raise APIError(
                 404, f"The model '{spec.model}' does not exist.", param="model", code="model_not_found"

@@ -7,6 +7,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     502: "server_error",

@@ -1,0 +1,129 @@
+"""Request bodies: Content-Encoding decoded with a streaming limit (a compression bomb stops at the
+first byte past the limit), an undecodable body a 400, an unknown encoding a 415."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from disagg.worker.router.app import Router, RouterConfig
+from disagg.worker.router.body import BodyDecoder
+from disagg.worker.router.errors import APIError
+from disagg.worker.router.workers import WorkerPool
+
+
+def _decode(encoding: str, data: bytes, limit: int, chunk: int = 4096) -> bytes:
+    d = BodyDecoder(encoding, limit)
+    out = b"".join(d.feed(data[i : i + chunk]) for i in range(0, len(data), chunk))
+    return out + d.finish()
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "x-gzip", "deflate", "identity", ""])
+def test_each_encoding_round_trips(encoding):
+    body = json.dumps({"model": "m", "prompt": "x" * 50_000}).encode()
+    data = {"gzip": gzip.compress, "x-gzip": gzip.compress, "deflate": zlib.compress}.get(encoding, bytes)(
+        body
+    )
+    assert _decode(encoding, data, limit=len(body)) == body
+
+
+def test_raw_deflate_is_accepted_too():
+    c = zlib.compressobj(wbits=-15)
+    body = b'{"a": 1}' * 100
+    assert _decode("deflate", c.compress(body) + c.flush(), limit=1000) == body
+
+
+def test_a_bomb_stops_at_the_first_byte_past_the_limit():
+    bomb = gzip.compress(b"\0" * (64 << 20))  # 64 MiB of zeros in ~64 KiB
+    d = BodyDecoder("gzip", limit=1 << 20)
+    with pytest.raises(APIError) as info:
+        for i in range(0, len(bomb), 4096):
+            d.feed(bomb[i : i + 4096])
+    assert info.value.status == 413
+    # what was decompressed: the limit and one byte, never the rest of the 64 MiB
+    assert d.produced == (1 << 20) + 1
+    assert d.consumed < len(bomb) // 4
+
+
+@pytest.mark.parametrize(
+    "encoding, data",
+    [
+        ("gzip", b'{"model": "m", "prompt": "x"}'),  # the header without compression
+        ("deflate", b'{"model": "m", "prompt": "x"}'),
+        ("gzip", gzip.compress(b'{"model": "m"}')[:-12]),  # truncated
+        ("gzip", gzip.compress(b'{"model": "m"}') + b"trailing"),
+    ],
+)
+def test_a_body_that_does_not_decode_is_a_400(encoding, data):
+    with pytest.raises(APIError) as info:
+        _decode(encoding, data, limit=1 << 20)
+    assert info.value.status == 400 and info.value.code == "invalid_body", info.value.message
+    assert encoding in info.value.message
+
+
+@pytest.mark.parametrize("encoding", ["br", "zstd", "gzip, gzip", "compress"])
+def test_other_encodings_are_415s_naming_them(encoding):
+    with pytest.raises(APIError) as info:
+        BodyDecoder(encoding, limit=100)
+    assert info.value.status == 415 and encoding in info.value.message
+
+
+def test_an_identity_body_over_the_limit_is_a_413():
+    d = BodyDecoder("", limit=10)
+    d.feed(b"0123456789")
+    with pytest.raises(APIError) as info:
+        d.feed(b"x")
+    assert info.value.status == 413
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from disagg.worker.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(tiny_model)
+
+
+async def _client(tokenizer, **config) -> TestClient:
+    router = Router(
+        RouterConfig(model_name="tiny", max_model_len=64, **config), tokenizer, WorkerPool(None, [])
+    )
+    client = TestClient(TestServer(router.app()))
+    await client.start_server()
+    return client
+
+
+CHAT = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+async def test_the_router_decodes_and_refuses_bodies_by_their_encoding(tokenizer):
+    client = await _client(tokenizer, max_body_bytes=1 << 20)
+    headers = {"Content-Type": "application/json"}
+    try:
+        # decoded: past validation, to the 503 of a pool with no worker
+        for encoding, data in (("gzip", gzip.compress(CHAT)), ("deflate", zlib.compress(CHAT))):
+            r = await client.post(
+                "/v1/chat/completions", data=data, headers={**headers, "Content-Encoding": encoding}
+            )
+            assert r.status == 503, await r.text()
+        r = await client.post(
+            "/v1/chat/completions", data=CHAT, headers={**headers, "Content-Encoding": "gzip"}
+        )
+        body = await r.json()
+        assert r.status == 400 and body["error"]["code"] == "invalid_body", body
+        r = await client.post(
+            "/v1/chat/completions", data=CHAT, headers={**headers, "Content-Encoding": "br"}
+        )
+        assert r.status == 415 and "br" in (await r.json())["error"]["message"]
+        bomb = gzip.compress(b" " * (8 << 20))
+        r = await client.post(
+            "/v1/chat/completions", data=bomb, headers={**headers, "Content-Encoding": "gzip"}
+        )
+        assert r.status == 413 and (await r.json())["error"]["code"] == "body_too_large"
+        r = await client.post("/v1/chat/completions", data=b" " * (2 << 20), headers=headers)
+        assert r.status == 413
+    finally:
+        await client.close()
