@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="most generations one request may ask for (n x number of prompts; more is a 400); "
                         f"default {DEFAULT_MAX_CHOICES}, at most --max-queue")  # fmt: skip
     p.add_argument("--max-prompt-bytes", type=int, default=int(_env("MAX_PROMPT_BYTES", 1 << 20)),
-                   help="most bytes of prompt text (or chat message text) one request may send; more is a 400")  # fmt: skip
+                   help="most bytes of prompt text (or chat message text) one request may send, summed over "
+                        "its prompts; more is a 400 before any tokenizing")  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN") and int(_env("MAX_MODEL_LEN")))
     p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", engine_args.default("block_size"))),
                    help="the workers' KV block size: prompts are hashed per block for prefix-aware routing")  # fmt: skip

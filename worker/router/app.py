@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import time
 import uuid
@@ -37,6 +36,7 @@ from disagg.worker.router.unsupported import unsupported_endpoint
 from disagg.worker.router.validation import (
     GenerationSpec,
     check_choice_count,
+    check_prompt_size,
     fit_to_context,
     parse_chat,
     parse_completion,
@@ -62,8 +62,9 @@ class RouterConfig:
     prefill_candidates: int = 2  # the first is tried, the next one on failure
     request_timeout: float = 600.0
     tool_call_parser: str | None = None  # how `tool_choice: auto` finds calls (router/tool_parsers.py)
-    # Text a request may ask to tokenize (prompts, chat messages): bounds the CPU one request can
-    # take; larger is a 400. Token-id prompts are bounded by the context length instead.
+    # Text one request may ask to tokenize (the sum over its prompts, or its messages and tools):
+    # bounds the CPU one request can take; larger is a 400. Token-id prompts are bounded by the
+    # context length instead (validation.check_prompt_size).
     max_prompt_bytes: int = 1 << 20
     # A request body, decoded (router/body.py): a compressed body stops inflating one byte past it.
     max_body_bytes: int = 32 << 20
@@ -240,23 +241,7 @@ class Router:
     async def responses(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_responses, ResponsesBuilder)
 
-    def _check_prompt_size(self, spec: GenerationSpec) -> None:
-        """Refuse, before any tokenizing, text larger than --max-prompt-bytes (400, not a stall)."""
-        limit = self.config.max_prompt_bytes
-        if spec.kind == "chat":
-            # the tools' schemas are rendered into the prompt too
-            tools = len(json.dumps(spec.tools.tools).encode()) if spec.tools else 0
-            sizes = [("messages", tools + sum(len(m["content"].encode()) for m in spec.messages))]
-        else:
-            sizes = [(f"prompt[{i}]" if spec.num_prompts > 1 else "prompt", len(p.encode()))
-                     for i, p in enumerate(spec.prompts) if isinstance(p, str)]  # fmt: skip
-        for param, n in sizes:
-            if n > limit:
-                raise invalid(param, f"{param} is {n} bytes of text; this server accepts at most {limit}",
-                              code="prompt_too_large")  # fmt: skip
-
     async def _tokenize_all(self, spec: GenerationSpec) -> list[list[int]]:
-        self._check_prompt_size(spec)
         loop = asyncio.get_running_loop()
         return list(
             await asyncio.gather(
@@ -350,6 +335,7 @@ class Router:
                 404, f"The model '{spec.model}' does not exist.", param="model", code="model_not_found"
             )
         check_choice_count(spec, self.config.max_choices)
+        check_prompt_size(spec, self.config.max_prompt_bytes, self.config.max_model_len)
         plans = plan_choices(spec.num_prompts, spec.n, spec.sampling.seed)
         # admission counts generations, not HTTP requests: n=8 weighs as much as 8 requests; the
         # count is taken together with the check, before any await, so a burst cannot slip past it

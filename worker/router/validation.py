@@ -309,6 +309,37 @@ def fit_to_context(sampling: SamplingSpec, prompt_tokens: int, max_model_len: in
     return sampling.max_tokens
 
 
+def check_prompt_size(spec: GenerationSpec, max_bytes: int, max_model_len: int) -> None:
+    """Refuse, before any tokenizing, a request whose prompt text adds up to more than `max_bytes`
+    (the sum over its prompts, or its messages and tools: a batch of prompts each under the limit
+    would otherwise cost their sum), or a token-id prompt that cannot fit the context."""
+    if spec.kind == "chat":
+        param = "messages"
+        # the tools' schemas and earlier calls are rendered into the prompt too
+        extra = [spec.tools.tools if spec.tools else None] + [m.get("tool_calls") for m in spec.messages]
+        size = sum(len(m["content"].encode()) for m in spec.messages)
+        size += sum(len(json.dumps(x).encode()) for x in extra if x)
+    else:
+        param = "prompt"
+        size = sum(len(p.encode()) for p in spec.prompts if isinstance(p, str))
+        for i, p in enumerate(spec.prompts):
+            if isinstance(p, list) and len(p) >= max_model_len:
+                where = f"prompt[{i}]" if spec.num_prompts > 1 else "prompt"
+                raise APIError(
+                    400,
+                    f"This model's maximum context length is {max_model_len} tokens. However, {where} has "
+                    f"{len(p)} tokens, which leaves no room for output.",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+    if size > max_bytes:
+        raise invalid(
+            param,
+            f"the {param} hold {size} bytes of text; this server accepts at most {max_bytes} per request",
+            code="prompt_too_large",
+        )
+
+
 def check_choice_count(spec: GenerationSpec, max_choices: int) -> None:
     """A 400 when the request fans out to more generations than the router allows at once."""
     count = spec.num_choices
