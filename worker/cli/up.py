@@ -1,8 +1,10 @@
 """`disagg up`: the whole deployment on this machine — Redis, prefill and decode workers, router.
 
 Children are started with a parent-death signal, so they never outlive this process, and are
-stopped with SIGTERM (then SIGKILL) on Ctrl-C or SIGTERM. A child that dies is started again
-(as Kubernetes restarts a pod). Their output goes to `.run/<name>.log`.
+stopped with SIGTERM (then SIGKILL) on Ctrl-C or SIGTERM, and only then. A child that dies is
+started again as Kubernetes restarts a pod: with a crash-loop backoff and at most a few restarts
+per window (`restart_policy.py`), never giving up on it and never stopping its siblings. Their
+output goes to `.run/<name>.log`.
 
 The deployment's secrets are generated here: the internal credential of worker traffic and the
 Redis password, each in a 0600 file under `<run-dir>/secrets/` and handed to the children through
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from disagg.worker.cli.ports import free_port
+from disagg.worker.cli.restart_policy import RestartPolicy
 from disagg.worker.engine.args import EngineArgs
 
 
@@ -141,7 +144,8 @@ class Child:
     proc: subprocess.Popen | None = None
     ready: bool = False
     env: dict = field(default_factory=dict)
-    restarts: int = 0
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    restart_at: float | None = None  # dead, to be started again at this time
 
     def start(self) -> None:
         log = open(self.log_path, "ab")
@@ -176,8 +180,9 @@ class Child:
 
 
 class Deployment:
-    def __init__(self, args):
+    def __init__(self, args, clock=time.monotonic):
         self.args = args
+        self.clock = clock  # restart timing (tests inject theirs)
         self.run_dir = Path(args.run_dir)
         self.children: list[Child] = []
 
@@ -266,11 +271,11 @@ class Deployment:
     def start(self) -> None:
         started = time.monotonic()
         redis = self.children[0]
-        redis.start()
+        self.launch(redis, first=True)
         _wait_port(int(self.redis_url.rsplit(":", 1)[1].split("/")[0]), 10)
         redis.ready = True
         for c in self.children[1:]:
-            c.start()
+            self.launch(c, first=True)
         print(
             f"started redis, {len(self.children) - 2} workers and the router; logs in {self.run_dir}/",
             flush=True,
@@ -306,22 +311,27 @@ class Deployment:
             return False
         return names <= {w["id"] for w in body.get("workers", []) if w.get("ready")}
 
-    def restart_dead(self, max_restarts: int = 5) -> list[Child]:
-        """Start again every child that exited (as a pod would be restarted); a child that keeps
-        dying is given up on after `max_restarts` (returned, so the caller can stop)."""
-        given_up = []
+    def launch(self, c: Child, first: bool = False) -> None:
+        c.start()
+        c.restart_at = None
+        c.policy.started(self.clock(), restart=not first)
+
+    def restart_dead(self) -> None:
+        """Start again every child that exited (as a pod would be restarted), each when its
+        crash-loop backoff allows; the others keep running whatever happens to this one."""
+        now = self.clock()
         for c in self.children:
             if c.proc is None or c.alive():
                 continue
-            if c.restarts >= max_restarts:
-                given_up.append(c)
-                continue
-            c.restarts += 1
-            print(f"disagg up: {c.name} exited (code {c.proc.returncode}); restarting "
-                  f"({c.restarts}/{max_restarts}); last log lines:\n{c.tail()}", file=sys.stderr, flush=True)  # fmt: skip
-            c.ready = False
-            c.start()
-        return given_up
+            if c.restart_at is None:
+                c.restart_at = c.policy.died(now)
+                c.ready = False
+                wait = c.restart_at - now
+                print(f"disagg up: {c.name} exited (code {c.proc.returncode}); restarting "
+                      f"{f'in {wait:.0f}s' if wait > 0 else 'now'} (death {c.policy.failures} in a row); "
+                      f"last log lines:\n{c.tail()}", file=sys.stderr, flush=True)  # fmt: skip
+            if now >= c.restart_at:
+                self.launch(c)
 
     def stop(self) -> None:
         for c in reversed(self.children):  # router first, Redis last
@@ -423,13 +433,8 @@ def run(args) -> int:
             "Ctrl-C stops everything.",
             flush=True,
         )
-        while True:
-            given_up = dep.restart_dead()
-            if given_up:
-                for c in given_up:
-                    print(f"disagg up: {c.name} keeps exiting (code {c.proc.returncode}); stopping",
-                          file=sys.stderr)  # fmt: skip
-                return 1
+        while True:  # until Ctrl-C or SIGTERM: a child's deaths never stop the deployment
+            dep.restart_dead()
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
