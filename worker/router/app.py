@@ -26,7 +26,7 @@ from disagg.worker.engine.block_hash import block_hashes
 from disagg.worker.router.body import read_body
 from disagg.worker.router.errors import APIError, invalid
 from disagg.worker.router.fanout import ChoiceState, Echo, plan_choices, total_usage
-from disagg.worker.router.openai_format import ResponseBuilder
+from disagg.worker.router.openai_format import ResponseBuilder, usage_body
 from disagg.worker.router.openapi import openapi_spec
 from disagg.worker.router.policy import Lending, WorkerView, choose_decode, rank_prefill, served_quantization
 from disagg.worker.router.responses_format import ResponsesBuilder
@@ -627,9 +627,14 @@ class Router:
                 # tokens whose text is held back (an incomplete UTF-8 character, a possible stop
                 # string) produce no chunk unless their logprobs were asked for
                 if delta.text or delta.finish_reason or (delta.logprobs and builder.want_logprobs):
+                    usage = None
+                    if spec.continuous_usage:  # this choice's usage so far, as vLLM sends it
+                        s = c.state
+                        usage = usage_body(s.prompt_tokens or len(c.req.prompt_token_ids), s.output_tokens,
+                                           s.cached_tokens)  # fmt: skip
                     chunk = builder.stream_chunk(
                         delta.text, delta.logprobs, delta.finish_reason or None, spec.include_usage,
-                        c.state.plan.index,
+                        c.state.plan.index, usage,
                     )  # fmt: skip
                     await resp.write(chunk)
             if error is not None:

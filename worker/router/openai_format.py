@@ -114,6 +114,7 @@ class ResponseBuilder:
         finish_reason: str | None,
         include_usage: bool,
         index: int = 0,
+        usage: dict | None = None,
     ) -> dict:
         offset = self._text_offset.get(index, 0)
         lp = self._logprobs(logprobs, offset)
@@ -132,7 +133,7 @@ class ResponseBuilder:
             body = self._envelope("text_completion", [choice])
         self._text_offset[index] = offset + len(text)
         if include_usage:
-            body["usage"] = None
+            body["usage"] = usage  # None but with continuous_usage_stats
         return body
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -145,8 +146,10 @@ class ResponseBuilder:
     def stream_start(self) -> bytes:
         return b""
 
-    def stream_chunk(self, text, logprobs, finish_reason, include_usage: bool, index: int = 0) -> bytes:
-        return sse(self.chunk(text, logprobs, finish_reason, include_usage, index))
+    def stream_chunk(
+        self, text, logprobs, finish_reason, include_usage: bool, index: int = 0, usage: dict | None = None
+    ) -> bytes:
+        return sse(self.chunk(text, logprobs, finish_reason, include_usage, index, usage))
 
     def stream_end(self, usage: dict | None) -> bytes:
         return (sse(self.usage_chunk(usage)) if usage is not None else b"") + SSE_DONE

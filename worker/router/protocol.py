@@ -83,6 +83,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (guidellm asks for it)
+    continuous_usage_stats: bool = False
 
 
 class JSONSchemaFormat(_Strict):

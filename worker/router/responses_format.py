@@ -145,7 +145,13 @@ class ResponsesBuilder:
         return self._event("response.created", response=r) + self._event("response.in_progress", response=r)
 
     def stream_chunk(
-        self, text: str, logprobs, finish_reason: str | None, include_usage: bool, index: int = 0
+        self,
+        text: str,
+        logprobs,
+        finish_reason: str | None,
+        include_usage: bool,
+        index: int = 0,
+        usage: dict | None = None,  # the Responses API sends usage in its final event only
     ) -> bytes:
         calls: list[dict] = []
         if self.tools is not None:

@@ -48,6 +48,7 @@ class GenerationSpec:
     sampling: SamplingSpec
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage in every chunk (with include_usage, as vLLM)
     n: int = 1  # samples per prompt
     prompts: list[str | list[int]] = field(default_factory=list)  # completion: texts or token ids
     messages: list[dict] | None = None  # chat, content flattened to text
@@ -208,7 +209,7 @@ def parse_completion(body: Any) -> GenerationSpec:
         model=req.model,
         sampling=sampling,
         stream=req.stream,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        **_usage_options(req.stream_options),
         n=req.n,
         prompts=req.prompt,
         echo=req.echo,
@@ -233,12 +234,17 @@ def parse_chat(body: Any) -> GenerationSpec:
         model=req.model,
         sampling=sampling,
         stream=req.stream,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        **_usage_options(req.stream_options),
         n=req.n,
         messages=[_message(m) for m in req.messages],
         tools=tools,
         user=req.user,
     )
+
+
+def _usage_options(opts: protocol.StreamOptions | None) -> dict[str, bool]:
+    include = bool(opts and opts.include_usage)
+    return {"include_usage": include, "continuous_usage": include and opts.continuous_usage_stats}
 
 
 def _message(m: protocol.ChatMessage) -> dict:
