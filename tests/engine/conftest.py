@@ -1,4 +1,4 @@
-"""Tiny random Llama, Qwen2 and Mistral checkpoints built with `transformers` (no downloads).
+"""Tiny random Llama, Qwen2, Qwen3 and Mistral checkpoints built with `transformers` (no downloads).
 
 Each is float32, hidden 64, 2 layers, 4 query heads / 2 KV heads, saved with safetensors next to
 the project's own byte-level BPE tokenizer files. Weights are drawn wider than the usual 0.02 and
@@ -86,6 +86,17 @@ def qwen2_config(**overrides):
     return Qwen2Config(**kwargs)
 
 
+def qwen3_config(**overrides):
+    """head_dim 32 with 4 heads in hidden 64: q/o projections wider than the model, as Qwen3's are."""
+    from transformers import Qwen3Config
+
+    kwargs = dict(
+        _COMMON, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0, bos_token_id=0, eos_token_id=1
+    )
+    kwargs.update(overrides)
+    return Qwen3Config(**kwargs)
+
+
 def mistral_config(**overrides):
     from transformers import MistralConfig
 
@@ -119,6 +130,12 @@ def tiny_llama_sharded_dir(tmp_path_factory) -> Path:
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     """Qwen2: q/k/v bias, tied embeddings."""
     return save_hf_model(qwen2_config(), tmp_path_factory.mktemp("tiny-qwen2"), seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    """Qwen3: per-head q/k RMSNorm, no biases, head_dim * heads != hidden."""
+    return save_hf_model(qwen3_config(), tmp_path_factory.mktemp("tiny-qwen3"), seed=4)
 
 
 @pytest.fixture(scope="session")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from disagg.worker.model.llama import rope_inv_freq
 from disagg.worker.model.loader import load_model
+
+from .conftest import TINY_VOCAB
 
 BLOCK_SIZE = 16
 PROMPT_LENS = (1, 5, 17, 33)
@@ -23,8 +26,31 @@ def _hf_last_logits(hf, ids: list[int]) -> torch.Tensor:
 
 
 def test_ragged_prefill_then_decode_match_transformers(tiny_model_dir, hf_model, paged):
-    model, config = load_model(tiny_model_dir)
-    hf = hf_model(tiny_model_dir)
+    assert_ragged_steps_match(tiny_model_dir, hf_model, paged)
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
+def test_qwen3_matches_transformers(tiny_qwen3_dir, hf_model, paged, native, monkeypatch):
+    """Qwen3's q/k norm on both CPU paths: the native per-op kernels and the plain-torch one."""
+    monkeypatch.setenv("DISAGG_CPU_NATIVE", native)
+    model, config = load_model(tiny_qwen3_dir)
+    assert config.architecture == "Qwen3ForCausalLM" and config.qk_norm and config.head_dim == 32
+    assert_ragged_steps_match(tiny_qwen3_dir, hf_model, paged)
+
+
+def test_qwen3_bfloat16(tiny_qwen3_dir, hf_model, paged):
+    model, _ = load_model(tiny_qwen3_dir, dtype="bfloat16")
+    ids = _prompts(TINY_VOCAB, lens=(9,))[0]
+    kv = model.allocate_kv_cache(num_blocks=4, block_size=BLOCK_SIZE)
+    logits = model.forward(paged(BLOCK_SIZE).prefill([(0, ids)]), kv)[0]
+    expected = _hf_last_logits(hf_model(tiny_qwen3_dir, torch.bfloat16), ids)
+    torch.testing.assert_close(logits, expected, atol=0.15, rtol=0.05)
+
+
+def assert_ragged_steps_match(model_dir, hf_model, paged) -> None:
+    """Packed ragged prefill, then decode steps, each equal to a full recompute by transformers."""
+    model, config = load_model(model_dir)
+    hf = hf_model(model_dir)
     prompts = _prompts(config.vocab_size)
     seqs = paged(BLOCK_SIZE)
     kv = model.allocate_kv_cache(num_blocks=32, block_size=BLOCK_SIZE)

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -44,6 +44,7 @@ class ModelConfig:
     qkv_bias: bool  # q/k/v projections carry a bias (Qwen2; Llama with attention_bias)
     o_bias: bool  # o_proj carries a bias (Llama/Mistral with attention_bias)
     mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm of q and k before RoPE (Qwen3)
     torch_dtype: str  # dtype the checkpoint was saved in
     sliding_window: int | None
     bos_token_id: int | None
@@ -72,7 +73,7 @@ class ModelConfig:
         if self.o_bias:
             attn += h
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + embed + h
 
@@ -117,9 +118,9 @@ class ModelConfig:
                 f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
             )
         attention_bias = bool(raw.get("attention_bias", False))
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen2 = arch == "Qwen2ForCausalLM"  # q/k/v always biased, o_proj never
         sliding = raw.get("sliding_window")
-        if is_qwen2 and not raw.get("use_sliding_window", False):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
             sliding = None
         return cls(
             architecture=arch,
@@ -137,6 +138,7 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=(not is_qwen2) and attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a paged KV cache.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Weights live in plain tensors, q/k/v and gate/up fused at load time so each layer runs four
 matmuls. Attention, norm, RoPE and activation go through the `disagg.kernels` op table so the
@@ -37,6 +37,8 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor | QuantizedWeight  # [H, I]
     down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None = None  # [D], one RMSNorm weight every head shares (Qwen3)
+    k_norm: torch.Tensor | None = None  # [D]
 
 
 @dataclass
@@ -92,6 +94,15 @@ def rotate_heads_full_width(x: torch.Tensor, cos_full: torch.Tensor, sin_signed:
     t, h, d = x.shape
     swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)
     x.copy_(x * cos_full + swapped * sin_signed)
+
+
+def qk_norm_(qkv: torch.Tensor, layer: LayerWeights, hq: int, hkv: int, d: int, eps: float, rms_norm) -> None:
+    """Qwen3's per-head RMSNorm of q and k, in place in the fused qkv rows, before RoPE (and before
+    K is cached). `rms_norm`: the op table's, over one row per head."""
+    t, q_end = qkv.shape[0], hq * d
+    q, k = qkv[:, :q_end], qkv[:, q_end : q_end + hkv * d]
+    q.copy_(rms_norm(q.reshape(t * hq, d), layer.q_norm, eps).view(t, q_end))
+    k.copy_(rms_norm(k.reshape(t * hkv, d), layer.k_norm, eps).view(t, hkv * d))
 
 
 def single_decode_group(plan: list[torch_ops.DecodeGroup]) -> torch_ops.DecodeGroup | None:
@@ -191,7 +202,9 @@ class LlamaForCausalLM:
         # the native whole-step decode takes float32 models (with float32 or 8-bit matmul weights)
         # and bf16 ones
         mats = [getattr(layer, name) for layer in weights.layers for name in cpu_decode_step.MATMULS]
-        self._whole_step_native = all(cpu_decode_step.supports(t, dtype) for t in (*mats, weights.lm_head))
+        self._whole_step_native = not config.qk_norm and all(
+            cpu_decode_step.supports(t, dtype) for t in (*mats, weights.lm_head)
+        )  # the native step has no q/k norm
         self.kv_cache_dtype = "auto"  # the model's dtype; int8 / fp8: `use_kv_cache_dtype`
         self.kv_format: KVQuantFormat | None = None  # set when a quantized cache is allocated
 
@@ -286,6 +299,8 @@ class LlamaForCausalLM:
             else:
                 hidden, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
             qkv = linear(hidden, layer.qkv, layer.qkv_bias)
+            if layer.q_norm is not None:
+                qk_norm_(qkv, layer, hq, hkv, d, eps, ops.rms_norm)
             q = qkv[:, :q_end].view(num_tokens, hq, d)
             k = qkv[:, q_end:k_end].view(num_tokens, hkv, d)
             v = qkv[:, k_end:].view(num_tokens, hkv, d)
@@ -392,7 +407,10 @@ class LlamaForCausalLM:
         """The whole-step native decode of small batches, bound to this model's weights once."""
         if self._native_decode_step is None:
             w = self.weights
-            layers = [cpu_decode_step.DecodeLayer(**vars(layer)) for layer in w.layers]
+            fields = [f.name for f in dataclasses.fields(cpu_decode_step.DecodeLayer)]
+            layers = [
+                cpu_decode_step.DecodeLayer(**{f: getattr(layer, f) for f in fields}) for layer in w.layers
+            ]
             self._native_decode_step = cpu_decode_step.NativeDecodeStep(
                 layers, w.norm, w.lm_head, self.cos_sin_cache, num_q_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, eps=self.config.rms_norm_eps, scale=self.scale,
@@ -442,6 +460,8 @@ class LlamaForCausalLM:
             if i > 0:
                 hidden = kernels.add_rms_norm(hidden, layer.input_norm, eps, residual)
             qkv = linear(hidden, layer.qkv, layer.qkv_bias)
+            if layer.q_norm is not None:
+                qk_norm_(qkv, layer, hq, hkv, d, eps, self.ops.rms_norm)
             kv_cache = kv_caches[i]
             if quantized is None:
                 kernels.rotary_write_kv(

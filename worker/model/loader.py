@@ -105,6 +105,8 @@ def expected_names(config: ModelConfig) -> list[str]:
             names += [f"{p}self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
         if config.o_bias:
             names.append(f"{p}self_attn.o_proj.bias")
+        if config.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         for proj in ("gate_proj", "up_proj", "down_proj"):
             names.append(f"{p}mlp.{proj}.weight")
             if config.mlp_bias:
@@ -236,6 +238,8 @@ def build_weights(
                 gate_up_bias=gate_up_bias,
                 down=matmul((m + "down_proj.weight", (h, i_size)), split=lambda full: [down_cols(full[0])]),
                 down_bias=down_bias,
+                q_norm=place(get(a + "q_norm.weight", (d,))) if config.qk_norm else None,
+                k_norm=place(get(a + "k_norm.weight", (d,))) if config.qk_norm else None,
             )
         )
     embed = place(vocab(get("model.embed_tokens.weight", (config.vocab_size, h))))
