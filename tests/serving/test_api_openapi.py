@@ -31,7 +31,8 @@ def released(api_cluster, redis_server):
 
 def test_the_document_is_the_models(api_cluster):
     doc = httpx.get(f"{api_cluster.url}/openapi.json").json()
-    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models"}
+    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
+                                 "/v1/models/{model_id}"}  # fmt: skip
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]
     assert set(chat["properties"]) == {f.alias or n for n, f in ChatCompletionRequest.model_fields.items()}
     assert chat["properties"]["model"] == {"type": "string", "const": api_cluster.model_name}

@@ -32,7 +32,7 @@ from disagg.worker.router.policy import Lending, WorkerView, choose_decode, rank
 from disagg.worker.router.responses_format import ResponsesBuilder
 from disagg.worker.router.responses_request import parse_responses
 from disagg.worker.router.tools import ToolCalls
-from disagg.worker.router.unsupported import unsupported_endpoint
+from disagg.worker.router.unsupported import fallback
 from disagg.worker.router.validation import (
     GenerationSpec,
     check_choice_count,
@@ -127,16 +127,32 @@ class Router:
             client_max_size=self.config.max_body_bytes,
             handler_args={"auto_decompress": False},
         )
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_post("/v1/responses", self.responses)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/internal/workers", self.internal_workers)
-        app.router.add_get("/openapi.json", self.openapi)
-        app.router.add_get("/metrics", self.metrics_page)
+        served = {
+            "/v1/completions": ("POST", self.completions),
+            "/v1/chat/completions": ("POST", self.chat_completions),
+            "/v1/responses": ("POST", self.responses),
+            "/v1/models": ("GET", self.models),
+            "/v1/models/{model_id}": ("GET", self.model),
+            "/health": ("GET", self.health),
+            "/internal/workers": ("GET", self.internal_workers),
+            "/openapi.json": ("GET", self.openapi),
+            "/metrics": ("GET", self.metrics_page),
+        }
+        for path, (method, handler) in served.items():
+            # clients and proxies add a trailing slash: the same route, not a 405 or a redirect
+            path = path.replace("{model_id}", "{model_id:.+}")  # model ids hold slashes (org/model)
+            for p in (path, path + "/") if not path.endswith("}") else (path,):
+                app.router.add_route(method, p, handler)
+                if method == "GET":
+                    app.router.add_route("HEAD", p, handler)
+        methods = {path: [m, *(["HEAD"] if m == "GET" else [])] for path, (m, _) in served.items()}
+        catch_all = fallback(methods)
+        app.router.add_route("*", "/v1/{endpoint:.*}", catch_all)  # after every served route
+        for path in methods:
+            if not path.startswith("/v1/"):  # another method on a served path outside /v1: 405 too
+                app.router.add_route("*", path, catch_all)
+                app.router.add_route("*", path + "/", catch_all)
         app.on_response_prepare.append(self._echo_headers)
-        app.router.add_route("*", "/v1/{endpoint:.*}", unsupported_endpoint)  # after every served route
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -179,16 +195,30 @@ class Router:
             )
             raise APIError(401, msg, code="invalid_api_key")
 
-    async def models(self, request: web.Request) -> web.Response:
-        self._check_key(request)
-        card = {
+    def _card(self) -> dict:
+        return {
             "id": self.config.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "disagg",
             "quantization": served_quantization(self.pool.views()),
         }
-        return web.json_response({"object": "list", "data": [card]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        self._check_key(request)
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """`GET /v1/models/{id}` (the SDKs' `models.retrieve`)."""
+        self._check_key(request)
+        model_id = request.match_info["model_id"].rstrip("/")
+        if model_id != self.config.model_name:
+            raise self._unknown_model(model_id)
+        return web.json_response(self._card())
+
+    @staticmethod
+    def _unknown_model(name: str) -> APIError:
+        return APIError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
 
     async def openapi(self, _request: web.Request) -> web.Response:
         return web.json_response(openapi_spec(self.config.model_name))
@@ -331,9 +361,7 @@ class Router:
             await read_body(request, self.config.max_body_bytes)
         )  # JSON decoding and validation in one pass (protocol.py)
         if spec.model != self.config.model_name:
-            raise APIError(
-                404, f"The model '{spec.model}' does not exist.", param="model", code="model_not_found"
-            )
+            raise self._unknown_model(spec.model)
         check_choice_count(spec, self.config.max_choices)
         check_prompt_size(spec, self.config.max_prompt_bytes, self.config.max_model_len)
         plans = plan_choices(spec.num_prompts, spec.n, spec.sampling.seed)

@@ -6,6 +6,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -25,6 +26,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after: float | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -32,6 +34,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self._headers = dict(headers or {})
 
     @property
     def type(self) -> str:
@@ -42,8 +45,8 @@ class APIError(Exception):
 
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:
-            return {}
-        return {"Retry-After": str(max(1, round(self.retry_after)))}
+            return dict(self._headers)
+        return {**self._headers, "Retry-After": str(max(1, round(self.retry_after)))}
 
 
 def invalid(param: str | None, message: str, code: str | None = None) -> APIError:

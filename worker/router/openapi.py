@@ -42,12 +42,31 @@ def _errors() -> dict:
     }
 
 
+_BOUND_KEYWORDS = {"ge": ("minimum", max), "le": ("maximum", min),
+                   "gt": ("exclusiveMinimum", max), "lt": ("exclusiveMaximum", min)}  # fmt: skip
+
+
+def _json_schema_bounds(node):
+    """Bounds that pydantic leaves under their own names (`ge`, `le`: the wire-type range of the
+    integers, applied after their strict-integer check) as JSON Schema's, merged with the field's
+    own so the document refuses what the validator refuses."""
+    if isinstance(node, list):
+        return [_json_schema_bounds(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _json_schema_bounds(v) for k, v in node.items() if k not in _BOUND_KEYWORDS}
+    for key, (keyword, tighter) in _BOUND_KEYWORDS.items():
+        if key in node and isinstance(node[key], int | float):
+            out[keyword] = tighter(node[key], out[keyword]) if keyword in out else node[key]
+    return out
+
+
 def openapi_spec(model_name: str | None = None) -> dict:
     """The document; with `model_name`, `model` is documented as the one model this router
     serves (any other is a 404)."""
     # request models as the validator sees them, responses as they are serialized
     requests = [(req, "validation") for _, req, _, _ in _GENERATION]
-    responses = [(m, "serialization") for m in (*(resp for _, _, resp, _ in _GENERATION), rm.ModelList,
+    responses = [(m, "serialization") for m in (*(resp for _, _, resp, _ in _GENERATION), rm.ModelList, rm.ModelCard,
                                                 rm.ErrorResponse)]  # fmt: skip
     _, defs = models_json_schema([*requests, *responses], by_alias=True, ref_template=_REF)
     paths: dict = {}
@@ -68,6 +87,22 @@ def openapi_spec(model_name: str | None = None) -> dict:
                 },
             }
         }
+    paths["/v1/models/{model_id}"] = {
+        "get": {
+            "summary": "The served model by its id (a 404 naming any other)",
+            "parameters": [
+                {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+            ],
+            "responses": {
+                "200": {
+                    "description": "model",
+                    "content": {"application/json": {"schema": _ref(rm.ModelCard)}},
+                },
+                "401": _errors()["401"],
+                "404": _errors()["404"],
+            },
+        }
+    }
     paths["/v1/models"] = {
         "get": {
             "summary": "The served model",
@@ -80,7 +115,7 @@ def openapi_spec(model_name: str | None = None) -> dict:
             },
         }
     }
-    schemas = defs.get("$defs", {})
+    schemas = _json_schema_bounds(defs.get("$defs", {}))
     if model_name is not None:
         for _, req, _, _ in _GENERATION:
             schemas[req.__name__]["properties"]["model"] = {"type": "string", "const": model_name}

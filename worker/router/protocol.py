@@ -155,14 +155,14 @@ class ToolCall(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: str
+    role: Literal[CHAT_ROLES]  # an enum in /openapi.json; `_known_role` words the refusal
     content: Text | list[TextPart] | None = None
     name: Text | None = None  # see IGNORED_FIELDS
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # a tool message's answer to that call
     function_call: ToolCallFunction | None = None  # legacy form of tool_calls
 
-    @field_validator("role")
+    @field_validator("role", mode="before")
     @classmethod
     def _known_role(cls, v: str) -> str:
         if v not in CHAT_ROLES:
@@ -267,8 +267,22 @@ class _Sampling(_Strict):
         return None
 
 
+# The prompt forms `completion_prompts` accepts, as /openapi.json documents them.
+_TOKEN_IDS = {
+    "type": "array",
+    "minItems": 1,
+    "items": {"type": "integer", "minimum": 0, "maximum": INT32_MAX},
+}
+_TEXT = {"type": "string", "minLength": 1}
+PROMPT_SCHEMA = {
+    "anyOf": [_TEXT, _TOKEN_IDS, {"type": "array", "minItems": 1, "items": _TEXT},
+              {"type": "array", "minItems": 1, "items": _TOKEN_IDS}],
+    "description": "a string, a list of token ids, or a batch (list) of either kind",
+}  # fmt: skip
+
+
 class CompletionRequest(_Sampling):
-    prompt: Any
+    prompt: Any = Field(json_schema_extra=PROMPT_SCHEMA)
     max_tokens: Int = Field(16, ge=0)  # 0: score the prompt only (with echo and logprobs)
     logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False

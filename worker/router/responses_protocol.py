@@ -125,7 +125,7 @@ class TextConfig(_Strict):
 
 class ResponsesRequest(_Strict):
     model: Text = Field(min_length=1)
-    input: Text | list[InputItem]
+    input: Annotated[Text, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)]
     instructions: Text | None = None
     max_output_tokens: Int | None = Field(None, ge=1)
     temperature: Number = Field(1.0, ge=0.0, le=2.0)
