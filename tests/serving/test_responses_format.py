@@ -93,3 +93,21 @@ def test_an_empty_answer_is_still_a_message_and_failures_are_events():
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2]["code"] == "x"
     assert events[-1]["response"]["error"] == {"code": "server_error", "message": "gone"}
+
+
+def test_a_forced_call_cut_by_the_limit_is_an_incomplete_function_call():
+    b = _builder(tools=[{"type": "function", "name": "add"}], tool_choice="required")
+    body = b.response([b.choice(0, '[{"name": "add", "parameters": {"a": 1', [], "length")], USAGE)
+    assert body["status"] == "incomplete"
+    (item,) = body["output"]
+    assert (
+        item["type"] == "function_call" and item["status"] == "incomplete" and item["arguments"] == '{"a": 1'
+    )
+    b = _builder(tools=[{"type": "function", "name": "add"}], tool_choice="required")
+    text = '[{"name": "add", "parameters": {"a": 1'
+    events = _events(b.stream_start() + b.stream_chunk(text, [], "length", True) + b.stream_end(USAGE))
+    assert events[-1]["type"] == "response.incomplete"
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert [e["item"]["type"] for e in done] == ["function_call"] and done[0]["item"][
+        "status"
+    ] == "incomplete"

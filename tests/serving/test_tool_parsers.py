@@ -44,13 +44,9 @@ def test_required_named_and_auto_responses():
     assert finish == "tool_calls" and msg["content"] is None
     assert msg["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2}'}
     assert msg["tool_calls"][0]["id"].startswith("call_") and msg["refusal"] is None
-    msg, finish = required.message('[{"name": "add", "param', "length")  # cut short: text, no call
-    assert finish == "length" and "tool_calls" not in msg
     named = ToolCalls(ToolSpec(TOOLS, "named", named="get_weather"), None)
     msg, finish = named.message('{"city": "Oslo"}', "stop")
     assert finish == "stop" and msg["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
-    msg, finish = named.message('{"city": "Os', "length")
-    assert finish == "length" and msg["content"] == '{"city": "Os' and "tool_calls" not in msg
     legacy = ToolCalls(ToolSpec(TOOLS, "named", named="add", legacy=True), None)
     msg, finish = legacy.message("{}", "stop")
     assert finish == "function_call" and msg["function_call"] == {"name": "add", "arguments": "{}"}
@@ -59,6 +55,36 @@ def test_required_named_and_auto_responses():
     assert (
         e.value.status == 400 and e.value.param == "tool_choice" and "--tool-call-parser" in e.value.message
     )
+
+
+@pytest.mark.parametrize(
+    "mode, text, calls",
+    [
+        ("named", '{"city": "Os', [("get_weather", '{"city": "Os')]),
+        ("named", "", [("get_weather", "")]),
+        ("required", '[{"name": "add", "param', [("add", "")]),
+        ("required", '[{"name": "add", "parameters": {"a": 1', [("add", '{"a": 1')]),
+        ("required", '[{"name": "add", "parameters": {"a": 1}}, {"name": "get_weather", "parameters": {"ci',
+         [("add", '{"a": 1}'), ("get_weather", '{"ci')]),
+        ("required", '[{"parameters": {"a": 1}, "name": "add"', [("add", '{"a": 1}')]),
+        ("required", '[{"na', []),  # cut before any name: no call to report, and still no content
+    ],
+)  # fmt: skip
+def test_a_forced_call_cut_by_the_limit_is_a_partial_tool_call(mode, text, calls):
+    """As OpenAI answers: finish_reason length, the call so far in tool_calls, never as content."""
+    spec = ToolSpec(TOOLS, mode, named="get_weather" if mode == "named" else None)
+    msg, finish = ToolCalls(spec, None).message(text, "length")
+    assert finish == "length" and msg["content"] is None, msg
+    got = [(c["function"]["name"], c["function"]["arguments"]) for c in msg.get("tool_calls", [])]
+    assert got == calls
+    streamed = ToolCalls(spec, None)
+    content, fields, finish = streamed.stream(0, text, None)
+    assert content == "" and fields == {} and finish is None
+    content, fields, finish = streamed.stream(0, "", "length")
+    assert content == "" and finish == "length"
+    assert [
+        (c["function"]["name"], c["function"]["arguments"]) for c in fields.get("tool_calls", [])
+    ] == calls
 
 
 def test_streamed_auto_holds_calls_and_sends_text():

@@ -123,11 +123,11 @@ class ResponsesBuilder:
         if self.tools is not None:
             message, finish_reason = self.tools.message(text, finish_reason)
             content, calls = message["content"], message.get("tool_calls", [])
-        status = self._status(finish_reason) if not calls else "completed"
+        status = self._status(finish_reason)  # a call cut by the limit is incomplete too
         items = []
         if content is not None and (content or not calls):
             items.append(_message(_id("msg"), content, status))
-        items += [_function_call(c, "completed") for c in calls]
+        items += [_function_call(c, status) for c in calls]
         return {"index": index, "output": items, "status": status}
 
     def response(self, choices: list[dict], usage: dict) -> dict:
@@ -165,7 +165,7 @@ class ResponsesBuilder:
                                content_index=0, delta=text, logprobs=[])  # fmt: skip
         if finish_reason is None:
             return out
-        self._finish = "stop" if calls else finish_reason
+        self._finish = "stop" if calls and finish_reason != "length" else finish_reason
         if self._msg is None and not calls:
             out += self._open_message()  # an empty answer is still a message
         if self._msg is not None:
@@ -195,7 +195,7 @@ class ResponsesBuilder:
     def _stream_call(self, call: dict) -> bytes:
         i = len(self._output)
         added = _function_call(call, "in_progress", arguments="")
-        done = {**added, "arguments": call["function"]["arguments"], "status": "completed"}
+        done = {**added, "arguments": call["function"]["arguments"], "status": self._status(self._finish)}
         out = self._event("response.output_item.added", output_index=i, item=added)
         out += self._event("response.function_call_arguments.delta", item_id=added["id"], output_index=i,
                            delta=done["arguments"])  # fmt: skip

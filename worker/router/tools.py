@@ -9,13 +9,15 @@
 
 A response with calls has `tool_calls` (legacy: `function_call`), content null unless the model
 wrote text before them, and finish_reason "tool_calls" ("function_call"; "stop" for a named
-function, as OpenAI answers). Streamed, text flows until a call may have started; the calls
+function, as OpenAI answers). A forced call cut by max_tokens is still a call, as OpenAI reports
+it: finish_reason "length" and the arguments written so far in `tool_calls`, never as content. Streamed, text flows until a call may have started; the calls
 follow as `tool_calls` deltas when the generation ends.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -118,24 +120,20 @@ class ToolCalls:
         mode = self.spec.mode
         if mode == "none":
             return text, []
-        if mode == "named":
-            try:
-                json.loads(text)
-            except ValueError:
-                return text, []  # cut short (length): what was generated, as text
+        if mode == "named":  # the arguments, whole or cut short (finish_reason says which)
             return None, [ParsedCall(self.spec.named, text)]
         if mode == "required":
             try:
                 calls = [ParsedCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                          for c in json.loads(text)]  # fmt: skip
             except (ValueError, TypeError, KeyError):
-                return text, []  # cut short (length): what was generated, as text
+                return None, _cut_calls(text)  # cut short (length): the calls so far
             return None, calls
         return self.parser.parse(text)
 
     def finish_reason(self, calls: list[ParsedCall], finish: str) -> str:
-        # calls that parsed are whole, even when the limit came before the end-of-turn token
-        if not calls:
+        # a forced call cut by the limit is reported as cut (OpenAI's "length")
+        if not calls or (finish == "length" and self.spec.mode in ("named", "required")):
             return finish
         if self.spec.legacy:
             return "function_call"
@@ -166,14 +164,47 @@ class ToolCalls:
             out, s.sent = s.text[s.sent : upto], upto
         if finished is None:
             return out, {}, None
-        _content, calls = self.parse(s.text)
-        if not calls:  # no call after all: the held text is content
-            return out + s.text[s.sent :], {}, finished
+        content, calls = self.parse(s.text)
+        if not calls:  # no call after all: the held text is content (none, for a forced call)
+            return out + (s.text[s.sent :] if content is not None else ""), {}, finished
         if self.spec.legacy:
             fields = {"function_call": {"name": calls[0].name, "arguments": calls[0].arguments}}
         else:
             fields = {"tool_calls": [{"index": i, **_call_body(c)} for i, c in enumerate(calls)]}
         return out, fields, self.finish_reason(calls, finished)
+
+
+_NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_PARAMETERS = re.compile(r'"parameters"\s*:\s*')
+
+
+def _cut_calls(text: str) -> list[ParsedCall]:
+    """The calls of a `required` array cut short: the whole ones, then the last one with its name
+    and the arguments written so far (cut before its name: not reported, there is no call yet)."""
+    start = text.find("[")
+    if start < 0:
+        return []
+    calls, pos, decoder = [], start + 1, json.JSONDecoder()
+    while True:
+        while pos < len(text) and text[pos] in " \t\n\r,":
+            pos += 1
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            break
+        if isinstance(item, dict) and isinstance(item.get("name"), str):
+            calls.append(ParsedCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
+    rest = text[pos:]
+    name, params = _NAME.search(rest), _PARAMETERS.search(rest)
+    if name is None:
+        return calls
+    if params is None:
+        arguments = ""
+    elif params.start() < name.start():  # the arguments came first: they end where the name starts
+        arguments = rest[params.end() : name.start()].rstrip().rstrip(",").rstrip()
+    else:
+        arguments = rest[params.end() :]
+    return [*calls, ParsedCall(json.loads(name.group(1)), arguments)]
 
 
 def _call_body(c: ParsedCall) -> dict:
