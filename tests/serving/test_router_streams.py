@@ -55,3 +55,44 @@ async def test_continuous_usage_stats_puts_usage_in_every_chunk(tokenizer, path,
         assert all(e["usage"] is None for e in _events(await r.text()) if e["choices"])
     finally:
         await client.close()
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _observed(router: Router, name: str) -> tuple[float, float]:
+    """(count, sum) of one of the router's histograms."""
+    text = router.metrics.exposition().decode()
+    count = sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(f"{name}_count"))
+    total = sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(f"{name}_sum"))
+    return count, total
+
+
+async def test_ttft_is_from_arrival_to_the_first_chunk_written(tokenizer):
+    """The first token's text is held back (an incomplete character): the client's first byte is
+    the second token's chunk, and the router's TTFT says so."""
+    clock = Clock()
+    script = messages(["", "a", "b"], "stop")  # tokens at t = 10, 20, 30
+
+    def at(i: int) -> None:
+        clock.now = 10.0 * (i + 1)
+
+    client, router = await _client(tokenizer, FakePool(lambda req: script, on_message=at), clock=clock)
+    names = ("disagg_time_to_first_token_seconds", "disagg_e2e_request_latency_seconds")
+    try:
+        before = [_observed(router, n) for n in names]  # the histograms are shared by the module's routers
+        r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert r.status == 200 and "[DONE]" in await r.text()
+        after = [_observed(router, n) for n in names]
+        (ttft_n, ttft), (e2e_n, e2e) = [
+            (a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)
+        ]
+        assert (ttft_n, ttft) == (1, 20.0)
+        assert (e2e_n, e2e) == (1, 30.0)
+    finally:
+        await client.close()

@@ -49,6 +49,9 @@ from disagg.worker.serving.metrics import CONTENT_TYPE, ServingMetrics
 log = logging.getLogger("disagg.router")
 
 ECHO_HEADERS = web.RequestKey("echo_headers", dict)
+# When the request arrived: its latency is measured from here (before its body is read or parsed)
+# to the first and last byte written, as its client sees it.
+ARRIVAL = web.RequestKey("arrival", float)
 
 
 @dataclass
@@ -104,8 +107,10 @@ class Router:
         prefix_lookup: Callable[[list[int]], dict[str, int]] | None = None,
         metrics: ServingMetrics | None = None,
         internal_auth: InternalAuth = INSECURE,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.config = config
+        self.clock = clock  # every latency the router reports (tests inject theirs)
         self.internal_auth = internal_auth
         # Tokenizing and chat templates run here, off the event loop: a long prompt must not hold
         # up /health or other requests.
@@ -123,7 +128,7 @@ class Router:
     def app(self) -> web.Application:
         # bodies are decoded by read_body under max_body_bytes, not by aiohttp (router/body.py)
         app = web.Application(
-            middlewares=[self._errors_middleware],
+            middlewares=[self._arrival_middleware, self._errors_middleware],
             client_max_size=self.config.max_body_bytes,
             handler_args={"auto_decompress": False},
         )
@@ -167,6 +172,11 @@ class Router:
     async def _on_cleanup(self, _app) -> None:
         await self.pool.stop()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    @web.middleware
+    async def _arrival_middleware(self, request: web.Request, handler):
+        request[ARRIVAL] = self.clock()  # the outermost middleware: before anything reads the body
+        return await handler(request)
 
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler):
@@ -355,7 +365,7 @@ class Router:
         return t
 
     async def _generate(self, request: web.Request, parse, builder_cls=ResponseBuilder) -> web.StreamResponse:
-        arrival = time.monotonic()
+        arrival = request.get(ARRIVAL) or self.clock()
         self._check_key(request)
         spec = parse(
             await read_body(request, self.config.max_body_bytes)
@@ -422,7 +432,7 @@ class Router:
                 choices.append(_Choice(state, req, decode, [decode], len(hashes[p]), matches[p]))
             if spec.stream:
                 return await self._stream(request, spec, choices, builder, arrival)
-            return await self._unary(choices, builder, [len(ids) for ids in prompts], arrival)
+            return await self._unary(request, choices, builder, [len(ids) for ids in prompts], arrival)
         finally:
             self.inflight -= len(plans)
             for c in choices:
@@ -559,19 +569,27 @@ class Router:
             return Router._msg_error(item)
         return None
 
-    def _record(self, arrival: float, state: ChoiceState, finish: str) -> None:
-        """One generation as its client saw it: TTFT, each later token's gap, its tokens."""
-        if state.first_token_at is not None:
-            self.metrics.ttft.observe(state.first_token_at - arrival)
+    def _record(
+        self, arrival: float, state: ChoiceState, finish: str, first: float | None, end: float
+    ) -> None:
+        """One generation as its client saw it: TTFT (from arrival to `first`, its first byte
+        written), each later token's gap, its tokens, and e2e (to `end`, its last byte written)."""
+        if first is not None:
+            self.metrics.ttft.observe(first - arrival)
         for gap in state.itl:
             self.metrics.itl.observe(gap)
         self.metrics.prompt_tokens.inc(state.prompt_tokens or 0)
         self.metrics.generation_tokens.inc(state.output_tokens)
-        self.metrics.e2e.observe((state.last_at or time.monotonic()) - arrival)
+        self.metrics.e2e.observe(end - arrival)
         self.metrics.request_finished(finish)
 
     async def _unary(
-        self, choices: list[_Choice], builder: ResponseBuilder, prompt_lengths: list[int], arrival: float
+        self,
+        request,
+        choices: list[_Choice],
+        builder: ResponseBuilder,
+        prompt_lengths: list[int],
+        arrival: float,
     ) -> web.Response:
         events: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._run_choice(c, events)) for c in choices]
@@ -584,9 +602,8 @@ class Router:
                     raise err
                 if item is None:
                     pending -= 1
-                    self._record(arrival, c.state, c.state.finish_reason or "stop")
                 else:
-                    c.state.add(item, time.monotonic())
+                    c.state.add(item, self.clock())
         finally:
             await self._stop_choices(tasks)
         states = [c.state for c in choices]
@@ -599,7 +616,15 @@ class Router:
             ],
             total_usage(states, prompt_lengths),
         )
-        return web.json_response(body, headers=self._served_headers(choices))
+        resp = web.json_response(body, headers=self._served_headers(choices))
+        await resp.prepare(request)
+        await resp.write_eof()
+        end = self.clock()
+        for s in states:
+            # a whole body has no first byte before its last: TTFT here is when the first token
+            # reached the router, so that prefill scales on prefill time whatever the client asked
+            self._record(arrival, s, s.finish_reason or "stop", s.first_token_at, end)
+        return resp
 
     @staticmethod
     def _served_headers(choices: list[_Choice]) -> dict[str, str]:
@@ -641,17 +666,19 @@ class Router:
                 await resp.write(start)
             pending = len(choices)
             error = None
+            first_written: dict[int, float] = {}  # choice index -> when its first chunk was written
             while pending:
                 c, item = held.pop(0) if held else await events.get()
                 error = self._failure(item)
                 if error is not None:
-                    self._record(arrival, c.state, "error")
+                    self._record(
+                        arrival, c.state, "error", first_written.get(c.state.plan.index), self.clock()
+                    )
                     break
                 if item is None:
                     pending -= 1
-                    self._record(arrival, c.state, c.state.finish_reason or "stop")
                     continue
-                delta = c.state.add(item, time.monotonic())
+                delta = c.state.add(item, self.clock())
                 # tokens whose text is held back (an incomplete UTF-8 character, a possible stop
                 # string) produce no chunk unless their logprobs were asked for
                 if delta.text or delta.finish_reason or (delta.logprobs and builder.want_logprobs):
@@ -665,6 +692,7 @@ class Router:
                         c.state.plan.index, usage,
                     )  # fmt: skip
                     await resp.write(chunk)
+                    first_written.setdefault(c.state.plan.index, self.clock())
             if error is not None:
                 await resp.write(builder.stream_error(error))
             else:
@@ -676,6 +704,11 @@ class Router:
                     usage = total_usage([c.state for c in choices], lengths)
                 await resp.write(builder.stream_end(usage))
             await resp.write_eof()
+            if error is None:
+                end = self.clock()  # the last byte written: every generation's end, as the client saw it
+                for c in choices:
+                    s = c.state
+                    self._record(arrival, s, s.finish_reason or "stop", first_written.get(s.plan.index), end)
             return resp
         finally:
             await self._stop_choices(tasks)
