@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from disagg.worker.serving.vllm_metrics import VLLMAliases
+
 LABELS = ("role", "model")
 
 # Latency buckets from 1 ms to 2 min: CPU tiny models answer in ms, big prompts take seconds.
@@ -207,6 +209,7 @@ def _families(registry: CollectorRegistry) -> _Families:
                 registry=registry,
             ),
         )
+        registry.register(VLLMAliases(_FAMILIES[key]))  # vllm:* names for GIE / llm-d
     return _FAMILIES[key]
 
 
