@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -31,10 +33,18 @@ from disagg.worker.router.openapi import openapi_spec
 from disagg.worker.router.policy import Lending, WorkerView, choose_decode, rank_prefill, served_quantization
 from disagg.worker.router.responses_format import ResponsesBuilder
 from disagg.worker.router.responses_request import parse_responses
+from disagg.worker.router.tokenize_api import (
+    TokenizeChat,
+    chat_messages,
+    parse_detokenize,
+    parse_tokenize,
+    tokenize_body,
+)
 from disagg.worker.router.tools import ToolCalls
 from disagg.worker.router.unsupported import fallback
 from disagg.worker.router.validation import (
     GenerationSpec,
+    SamplingSpec,
     check_choice_count,
     check_prompt_size,
     fit_to_context,
@@ -47,6 +57,11 @@ from disagg.worker.serving.convert import structured_output_to_proto
 from disagg.worker.serving.metrics import CONTENT_TYPE, ServingMetrics
 
 log = logging.getLogger("disagg.router")
+
+try:
+    VERSION = importlib.metadata.version("disagg")
+except importlib.metadata.PackageNotFoundError:  # a source tree without the distribution installed
+    VERSION = "unknown"
 
 ECHO_HEADERS = web.RequestKey("echo_headers", dict)
 # When the request arrived: its latency is measured from here (before its body is read or parsed)
@@ -139,6 +154,10 @@ class Router:
             "/v1/models": ("GET", self.models),
             "/v1/models/{model_id}": ("GET", self.model),
             "/health": ("GET", self.health),
+            "/ping": ("GET", self.health),  # vLLM's (SageMaker's) name for the same readiness
+            "/version": ("GET", self.version),
+            "/tokenize": ("POST", self.tokenize),
+            "/detokenize": ("POST", self.detokenize),
             "/internal/workers": ("GET", self.internal_workers),
             "/openapi.json": ("GET", self.openapi),
             "/metrics": ("GET", self.metrics_page),
@@ -229,6 +248,59 @@ class Router:
     @staticmethod
     def _unknown_model(name: str) -> APIError:
         return APIError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+
+    async def version(self, _request: web.Request) -> web.Response:
+        return web.json_response({"version": VERSION})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `/tokenize`: a prompt, or chat messages rendered by the chat template."""
+        self._check_key(request)
+        req = parse_tokenize(await read_body(request, self.config.max_body_bytes))
+        self._check_model(req.model)
+        if isinstance(req, TokenizeChat):
+            messages = chat_messages(req)
+            tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or []] or None
+            spec = GenerationSpec("chat", "", SamplingSpec(None), messages=messages)
+            check_prompt_size(spec, self.config.max_prompt_bytes, self.config.max_model_len)
+            render = functools.partial(self._render_chat, messages, tools, req.add_generation_prompt,
+                                       req.add_special_tokens)  # fmt: skip
+        else:
+            spec = GenerationSpec("completion", "", SamplingSpec(None), prompts=[req.prompt])
+            check_prompt_size(spec, self.config.max_prompt_bytes, self.config.max_model_len)
+            render = functools.partial(
+                self.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens
+            )
+        ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, render)
+        strs = [self.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
+        return web.json_response(tokenize_body(ids, self.config.max_model_len, strs))
+
+    def _render_chat(
+        self, messages, tools, add_generation_prompt: bool, add_special_tokens: bool
+    ) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools
+            )
+        except Exception as e:  # template errors (raise_exception in the template) are the caller's
+            raise invalid("messages", f"the chat template rejected the messages: {e}") from e
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `/detokenize`: token ids back to text."""
+        self._check_key(request)
+        req = parse_detokenize(await read_body(request, self.config.max_body_bytes))
+        self._check_model(req.model)
+        vocab = self.tokenizer.vocab_size
+        bad = next((i for i, t in enumerate(req.tokens) if t >= vocab), None)
+        if bad is not None:
+            raise invalid(
+                f"tokens[{bad}]", f"token id {req.tokens[bad]} is out of the vocabulary (size {vocab})"
+            )
+        return web.json_response({"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise self._unknown_model(model)
 
     async def openapi(self, _request: web.Request) -> web.Response:
         return web.json_response(openapi_spec(self.config.model_name))

@@ -110,7 +110,8 @@ _FIELDS = {
                   protocol.Tool, protocol.FunctionDef, protocol.NamedToolChoice, protocol.FunctionName,
                   protocol.ToolCall, protocol.ToolCallFunction, *responses_protocol.MODELS)
     for name in model.model_fields
-} | {"schema"}  # fmt: skip
+} | {"schema", "tokens", "add_special_tokens", "add_generation_prompt", "return_token_strs"}  # fmt: skip
+# (the last four: /tokenize and /detokenize, tokenize_api.py)
 
 
 def _field_path(loc: tuple) -> list:
