@@ -108,15 +108,16 @@ def context_length(model_dir: Path) -> int:
 
 def build_router(args):
     from disagg.worker.engine.tokenizer import Tokenizer
+    from disagg.worker.model.gguf_checkpoint import served_name
     from disagg.worker.router.app import Router, RouterConfig
     from disagg.worker.router.workers import WorkerPool
 
     if not args.model:
         raise SystemExit("disagg router: --model (or DISAGG_MODEL) is required: it holds the tokenizer")
     model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        raise SystemExit(f"disagg router: --model {args.model}: no such directory")
-    model_name = args.model_name or model_dir.name
+    if not model_dir.exists():  # a checkpoint directory or a GGUF file
+        raise SystemExit(f"disagg router: --model {args.model}: no such file or directory")
+    model_name = args.model_name or served_name(model_dir)
     choices = max_choices(args)
     max_len = args.max_model_len or context_length(model_dir)
     tokenizer = Tokenizer.from_pretrained(model_dir)

@@ -71,13 +71,14 @@ def _password(args) -> str | None:
 
 
 def config_from_args(args):
+    from disagg.worker.model.gguf_checkpoint import served_name
     from disagg.worker.serving.main import WorkerConfig
 
     if not args.model:
         raise SystemExit("disagg worker: --model (or DISAGG_MODEL) is required")
     model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        raise SystemExit(f"disagg worker: --model {args.model}: no such directory")
+    if not model_dir.exists():  # a checkpoint directory or a GGUF file
+        raise SystemExit(f"disagg worker: --model {args.model}: no such file or directory")
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{args.port or os.getpid()}"
     engine = EngineArgs.from_cli_args(args, model=str(model_dir))
     if engine.tensor_parallel_size > 1 and args.role != "both" and args.kv_transfer != "nixl":
@@ -93,7 +94,7 @@ def config_from_args(args):
         engine=engine,
         role=args.role,
         worker_id=worker_id,
-        model_name=args.model_name or model_dir.name,
+        model_name=args.model_name or served_name(model_dir),
         host=args.host,
         advertise_host=args.advertise_host,
         port=args.port,

@@ -38,7 +38,8 @@ def _setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
 @dataclass
 class EngineArgs:
     model: str = field(
-        default="", metadata={"help": "model directory (config.json, *.safetensors, tokenizer.json)"}
+        default="",
+        metadata={"help": "model directory (config.json, *.safetensors, tokenizer.json) or a GGUF file"},
     )
     dtype: str = _setting(
         "auto",

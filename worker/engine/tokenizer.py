@@ -1,4 +1,5 @@
-"""A checkpoint's tokenizer: `tokenizer.json` through `tokenizers`, chat template through jinja2.
+"""A checkpoint's tokenizer: `tokenizer.json` (or a GGUF file's tokenizer metadata,
+`gguf_tokenizer`) through `tokenizers`, chat template through jinja2.
 
 The chat template is rendered the way Hugging Face renders it (sandboxed environment,
 `trim_blocks`/`lstrip_blocks`, `raise_exception`, a non-ASCII-escaping `tojson`, the special
@@ -13,6 +14,8 @@ from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+
+from disagg.worker.model import gguf_checkpoint
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -61,6 +64,10 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
+        if gguf_checkpoint.is_gguf(path):
+            from disagg.worker.engine import gguf_tokenizer
+
+            return cls(*gguf_tokenizer.build(gguf_checkpoint.open_gguf(path)))
         if not path.is_dir():
             raise FileNotFoundError(f"model directory not found: {path}")
         tok_file = path / TOKENIZER_FILE

@@ -2,7 +2,8 @@
 the router reads it too).
 
 Reads `config.json` (written by transformers 4.x or 5.x: RoPE settings may be `rope_theta` +
-`rope_scaling` or a single `rope_parameters` dict) and `generation_config.json` for the EOS ids.
+`rope_scaling` or a single `rope_parameters` dict) and `generation_config.json` for the EOS ids, or
+the same fields from a GGUF file's metadata (`gguf_checkpoint`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from disagg.worker.model import gguf_checkpoint
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -80,6 +83,8 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
+        if gguf_checkpoint.is_gguf(path):
+            return cls.from_dict(gguf_checkpoint.open_gguf(path).config_dict(), path=str(path))
         if not path.is_dir():
             raise FileNotFoundError(f"model directory not found: {path}")
         config_file = path / "config.json"

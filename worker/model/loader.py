@@ -1,24 +1,31 @@
-"""Load a Hugging Face safetensors checkpoint into `LlamaForCausalLM` (no transformers needed).
-
-Accepts a single `model.safetensors` or shards listed in `model.safetensors.index.json`.
+"""Load a checkpoint into `LlamaForCausalLM` (no transformers needed): Hugging Face safetensors
+(a single `model.safetensors` or shards listed in `model.safetensors.index.json`) or a GGUF file
+(`gguf_checkpoint`: its tensors dequantized to float32, then converted like safetensors ones).
 q/k/v and gate/up are concatenated into fused weights here, once, so every forward pass runs
 fewer, larger matmuls.
+
+`--quantization int8` from a Q8_0 GGUF dequantizes the file's 32-weight blocks and quantizes again
+with one scale per output channel: the 8-bit values are not kept as stored.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from disagg.kernels.quantized import QuantizedWeight
-from disagg.worker.model import parallel, quantization
+from disagg.worker.model import gguf_checkpoint, parallel, quantization
 from disagg.worker.model.config import ModelConfig
 from disagg.worker.model.llama import LayerWeights, LlamaForCausalLM, ModelWeights
 from disagg.worker.model.parallel import ShardPlan, TensorParallel
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -91,6 +98,49 @@ class CheckpointTensors(Mapping):
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+class GGUFTensors(Mapping):
+    """Tensor name -> float32 tensor over a GGUF file (Hugging Face names and row order), each
+    dequantized when asked for. `progress(done, total)` is called after every tensor read."""
+
+    def __init__(
+        self, checkpoint: gguf_checkpoint.GGUFCheckpoint, progress: Callable[[int, int], None] | None = None
+    ):
+        self._checkpoint = checkpoint
+        self._names = checkpoint.tensor_names()
+        self._progress = progress
+        self._done = 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        t = torch.from_numpy(self._checkpoint.tensor(name))
+        self._done += 1
+        if self._progress is not None:
+            self._progress(self._done, len(self._names))
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def log_progress(label: str, every: float = 2.0) -> Callable[[int, int], None]:
+    """A `progress(done, total)` that logs `label: done/total` at most every `every` seconds and at
+    the end: a model that takes a while to load says where it is."""
+    start = last = time.monotonic()
+
+    def report(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if done == total or now - last >= every:
+            last = now
+            log.info("%s: %d/%d tensors (%.1fs)", label, done, total, now - start)
+
+    return report
 
 
 def expected_names(config: ModelConfig) -> list[str]:
@@ -270,7 +320,11 @@ def load_model(
     device = torch.device(device)
     in_checkpoint = quantization.checkpoint_scheme(path)
     scheme = quantization.resolve(quantization_setting, in_checkpoint)
-    tensors = CheckpointTensors(checkpoint_files(path))
+    if gguf_checkpoint.is_gguf(path):
+        gguf = gguf_checkpoint.open_gguf(path)
+        tensors = GGUFTensors(gguf, log_progress(f"loading {gguf.path.name}"))
+    else:
+        tensors = CheckpointTensors(checkpoint_files(path))
     weights = build_weights(
         config, tensors, torch_dtype, device, None if tp is None else tp.plan, quantize=scheme,
         prequantized=in_checkpoint is not None,
