@@ -9,6 +9,7 @@ from engine.conftest import llama_config, save_hf_model
 from triton_cases import TOLERANCE, case_id
 
 from disagg.kernels import cpu_decode_step, cpu_native, torch_ops
+from disagg.worker.model.llama import decode_layers
 from disagg.worker.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
@@ -190,7 +191,7 @@ def test_bf16_decode_step_refuses_what_it_cannot_run(tiny_llama_dir):
     with pytest.raises(ValueError, match="needs a float32 model"):
         step(hidden.clone(), pos, slots, cache, tables, lens, kv_format)
     assert torch.isfinite(step(hidden.clone(), pos, slots, cache, tables, lens)).all()
-    layers = [cpu_decode_step.DecodeLayer(**vars(layer)) for layer in model.weights.layers]
+    layers = decode_layers(model.weights)
     layers[0].o = quantize(layers[0].o.float(), "int8")
     assert not cpu_decode_step.supports(layers[0].o, torch.bfloat16)
     with pytest.raises(ValueError, match="takes bf16 weights"):
@@ -365,7 +366,7 @@ def test_decode_step_runs_8bit_weights_whole_in_the_kernel(tiny_llama_dir, paged
     model.forward(seqs.prefill([(0, [10, 11, 12])]), cache)
     model.forward(seqs.decode([(0, 20)]), cache)
     assert (step.phase_seconds > 0).all()
-    layers = [cpu_decode_step.DecodeLayer(**vars(layer)) for layer in model.weights.layers]
+    layers = decode_layers(model.weights)
     other = "fp8" if scheme == "int8" else "int8"
     layers[0].o = quantize(layers[0].o.dequantize(), other)
     with pytest.raises(ValueError, match="one kind of 8-bit weights per model"):

@@ -105,6 +105,13 @@ def qk_norm_(qkv: torch.Tensor, layer: LayerWeights, hq: int, hkv: int, d: int, 
     k.copy_(rms_norm(k.reshape(t * hkv, d), layer.k_norm, eps).view(t, hkv * d))
 
 
+def decode_layers(weights: ModelWeights) -> list[cpu_decode_step.DecodeLayer]:
+    """The layers as the native whole-step decode takes them (it has no q/k norm: a model with one
+    never runs it)."""
+    names = [f.name for f in dataclasses.fields(cpu_decode_step.DecodeLayer)]
+    return [cpu_decode_step.DecodeLayer(**{n: getattr(layer, n) for n in names}) for layer in weights.layers]
+
+
 def single_decode_group(plan: list[torch_ops.DecodeGroup]) -> torch_ops.DecodeGroup | None:
     """The plan's only group when it covers the whole batch with no padding (always so for one
     sequence), else None."""
@@ -407,12 +414,8 @@ class LlamaForCausalLM:
         """The whole-step native decode of small batches, bound to this model's weights once."""
         if self._native_decode_step is None:
             w = self.weights
-            fields = [f.name for f in dataclasses.fields(cpu_decode_step.DecodeLayer)]
-            layers = [
-                cpu_decode_step.DecodeLayer(**{f: getattr(layer, f) for f in fields}) for layer in w.layers
-            ]
             self._native_decode_step = cpu_decode_step.NativeDecodeStep(
-                layers, w.norm, w.lm_head, self.cos_sin_cache, num_q_heads=self.num_heads,
+                decode_layers(w), w.norm, w.lm_head, self.cos_sin_cache, num_q_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, eps=self.config.rms_norm_eps, scale=self.scale,
             )  # fmt: skip
         return self._native_decode_step
