@@ -16,7 +16,7 @@ from disagg.worker.engine.args import EngineArgs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="model directory (Hugging Face layout)")
+    parser.add_argument("model", help="model directory (Hugging Face layout) or GGUF file")
     EngineArgs.add_cli_args(parser, model=False)
     parser.add_argument(
         "prompts", nargs="*", help="prompts (read from stdin, one per line, when none are given)"
