@@ -10,7 +10,7 @@ TORCH := torch==2.13.0
 # from the repository root; safe-path mode keeps the working directory off sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install redis compiler kernels proto test lint bench bench-transfer bench-serve bench-autoscale bench-kernels demo serve clean
+.PHONY: install redis compiler kernels proto test lint bench bench-transfer bench-serve bench-autoscale bench-kernels gpu-wheels gpu-check demo serve clean
 
 install: $(STAMP) redis compiler proto kernels
 
@@ -75,6 +75,17 @@ bench-autoscale: install
 
 bench-kernels: install
 	$(PY) bench/kernels.py
+
+# The GPU check runs on a bare GPU machine under its own python3 (torch, Triton, transformers);
+# `gpu-wheels` fills .gpu/ (ignored by git) with what that machine lacks, and the trained tiny
+# models, to carry along with the working tree. Without CUDA, gpu-check is a dry run.
+gpu-wheels: install
+	$(PY) bench/gpu/wheels.py
+	$(PY) bench/gpu/models.py --carry
+
+GPU_PYTHON := $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PYTHON) bench/gpu/check.py --wheels .gpu/wheels
 
 demo: install
 	$(VENV)/bin/disagg up --demo

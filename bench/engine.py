@@ -88,10 +88,12 @@ def run_engine(
     return elapsed, tokens, llm
 
 
-def run_transformers(args, model_dir: Path, work) -> tuple[float, int]:
+def run_transformers(
+    args, model_dir: Path, work, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(device)
     order = sorted(range(len(work)), key=lambda i: (work[i][1], len(work[i][0])))
     batches = [order[i : i + args.hf_batch_size] for i in range(0, len(order), args.hf_batch_size)]
     tokens = 0
@@ -107,13 +109,15 @@ def run_transformers(args, model_dir: Path, work) -> tuple[float, int]:
             mask[row, width - len(p) :] = 1
         with torch.no_grad():
             model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
                 do_sample=False,
                 max_new_tokens=new,
                 min_new_tokens=new,
                 pad_token_id=0,
             )
+        if device != "cpu":
+            torch.cuda.synchronize()
         tokens += sum(work[i][1] for i in batch)
         rate = tokens / (time.perf_counter() - t)
         log(f"transformers: batch {k + 1}/{len(batches)} done, {tokens} tokens, {rate:.1f} tok/s")
