@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from disagg.kernels.triton_dot import dot_precision
+
 # A partition shorter than this does not pay for the extra launch and the merge.
 MIN_PARTITION_TOKENS = 256
 MAX_SPLITS = 32
@@ -52,6 +54,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -84,14 +87,14 @@ def _decode_kernel(
         rows = pages * stride_cb + (n % PAGE) * stride_cs + kv_head * stride_ch
         nd_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(cache_ptr + rows[:, None] + d[None, :], mask=nd_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(cache_ptr + stride_ckv + rows[:, None] + d[None, :], mask=nd_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
         m_i = m_new
 
     # an empty partition (past the end of a short sequence) leaves l_i == 0: output 0, lse -inf
@@ -206,7 +209,14 @@ def paged_decode_attention(
     block_d = max(16, triton.next_power_of_2(D))
     partition = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     splits = triton.cdiv(max_context, partition) if num_splits > 1 else 1
-    common = dict(GROUP=group, PAGE=page, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d)
+    common = dict(
+        GROUP=group,
+        PAGE=page,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision(q.dtype),
+    )
     cache_strides = (kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3))
     if splits == 1:
         _decode_kernel[(B, Hkv, 1)](

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from disagg.kernels.kv_quant import KVQuantFormat
+from disagg.kernels.triton_dot import dot_precision
 
 
 @triton.jit
@@ -150,6 +151,7 @@ def _decode_q8_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One program per (sequence, KV head) and its GQA group of query heads; online softmax in
     float32 over tiles of BLOCK_N cached tokens, each row dequantized with its own scale."""
@@ -180,7 +182,7 @@ def _decode_q8_kernel(
             tl.load(values_ptr + rows[:, None] + d[None, :], mask=nd_mask, other=0.0).to(tl.float32)
             * ks[:, None]
         )
-        s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -188,7 +190,7 @@ def _decode_q8_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         vs = tl.load(scales_ptr + stride_skv + srows, mask=n_mask, other=0.0)
         v = tl.load(values_ptr + stride_vkv + rows[:, None] + d[None, :], mask=nd_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32) * vs[:, None])
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32) * vs[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -230,5 +232,6 @@ def decode_attention_quantized(
         GROUP=group, PAGE=page,
         BLOCK_H=max(16, triton.next_power_of_2(group)),  # tl.dot needs at least 16 rows on GPUs
         BLOCK_N=min(max(32, page), 64), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        DOT_PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     return out

@@ -4,8 +4,8 @@ One program computes a tile of BLOCK_M query rows of one sequence for one query 
 first attends to the sequence's earlier positions (a cached prefix or earlier chunks of a
 chunked prefill) read from the paged cache through the block table, then to this chunk's own
 keys/values, read from the packed k/v tensors, under the causal mask. Softmax is online and in
-float32; `tl.dot` operands are float32 (the Triton interpreter computes bfloat16 dots wrongly,
-and on GPUs float32 operands run on TF32 tensor cores).
+float32; `tl.dot` operands are float32 (the Triton interpreter computes bfloat16 dots wrongly),
+rounded on a GPU as `triton_dot.dot_precision` says.
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+from disagg.kernels.triton_dot import dot_precision
+
 
 @triton.jit
-def _online_softmax_step(s, m_i, l_i, acc, v):
+def _online_softmax_step(s, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, v)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -55,6 +57,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -88,14 +91,14 @@ def _prefill_kernel(
             kt = tl.load(
                 cache_ptr + rows[None, :] + d[:, None], mask=d_mask[:, None] & n_mask[None, :], other=0.0
             )
-            s = tl.dot(q, kt.to(tl.float32))
+            s = tl.dot(q, kt.to(tl.float32), input_precision=DOT_PRECISION)
             s = tl.where(n_mask[None, :], s, float("-inf"))
             v = tl.load(
                 cache_ptr + stride_ckv + rows[:, None] + d[None, :],
                 mask=n_mask[:, None] & d_mask[None, :],
                 other=0.0,
             )
-            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v.to(tl.float32))
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v.to(tl.float32), DOT_PRECISION)
 
         # this chunk, causal: row m sees chunk keys 0..m; no tile past the last row is needed
         hi = tl.minimum(q_len, (tile + 1) * BLOCK_M)
@@ -107,14 +110,14 @@ def _prefill_kernel(
                 mask=d_mask[:, None] & n_mask[None, :],
                 other=0.0,
             )
-            s = tl.dot(q, kt.to(tl.float32))
+            s = tl.dot(q, kt.to(tl.float32), input_precision=DOT_PRECISION)
             s = tl.where(n_mask[None, :] & (n[None, :] <= m[:, None]), s, float("-inf"))
             v = tl.load(
                 v_ptr + (q_start + n)[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
                 mask=n_mask[:, None] & d_mask[None, :],
                 other=0.0,
             )
-            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v.to(tl.float32))
+            m_i, l_i, acc = _online_softmax_step(s, m_i, l_i, acc, v.to(tl.float32), DOT_PRECISION)
 
         out = acc / l_i[:, None]
         tl.store(
@@ -174,7 +177,8 @@ def varlen_prefill_attention(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1), D,
         GROUP=Hq // Hkv, PAGE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, num_warps=8 if block_d >= 128 else 4,  # float32 tiles: spread the registers
+        BLOCK_D=block_d, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=8 if block_d >= 128 else 4,  # float32 tiles: spread the registers
     )  # fmt: skip
     return out
 
