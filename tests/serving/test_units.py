@@ -91,10 +91,13 @@ def test_engine_loop_runs_calls_on_its_thread_and_fails_pending_on_stop():
     seen = []
     steps = []
     work = {"n": 3}
+    drained = threading.Event()
 
     def step():
         steps.append(threading.get_ident())
         work["n"] -= 1
+        if not work["n"]:
+            drained.set()
 
     loop.step_fn = step
     loop.has_work = lambda: work["n"] > 0
@@ -103,8 +106,8 @@ def test_engine_loop_runs_calls_on_its_thread_and_fails_pending_on_stop():
     with pytest.raises(KeyError):
         loop.call(lambda: {}["missing"]).result(5)
     assert seen == [loop.thread_id]
-    deadline = threading.Event()
-    deadline.wait(0.2)
+    assert drained.wait(30)
+    loop.call(lambda: None).result(5)  # an iteration after the last step: no step without work
     assert len(steps) == 3 and set(steps) == {loop.thread_id}
     loop.stop()
     assert not loop.alive
@@ -112,32 +115,60 @@ def test_engine_loop_runs_calls_on_its_thread_and_fails_pending_on_stop():
         loop.call(lambda: 1).result(1)
 
 
+class VirtualTimeLoop(EngineLoop):
+    """The engine loop on a virtual clock: every wait it asks for passes at once (and is recorded),
+    then the queued closures run, so what it polls is counted per virtual second whatever the
+    machine's load. It stops itself once `until` virtual seconds have passed."""
+
+    def __init__(self, until: float, **kw):
+        self.now, self.until, self.waits = 0.0, until, []
+        super().__init__(clock=lambda: self.now, **kw)
+
+    def _drain(self, wait: float) -> bool:
+        self.waits.append(wait)
+        self.now += wait
+        if self.now >= self.until:
+            self._stop.set()
+        return super()._drain(0)
+
+    def run_to_the_end(self) -> None:
+        self.start(lambda: None).result(5)
+        self._thread.join(60)
+        assert not self.alive
+        self.stop()
+
+
 def test_engine_loop_polls_a_pending_transfer_without_spinning():
     """A poller with work pending (sends in flight, a decode worker awaiting a remote prefill's
     KV) is polled every spin_wait for spin_seconds after a step (the tail of the sends it posted),
     then every poll_wait: a bounded number of times, not back to back (which kept a core busy and
     the GIL from the thread sending the Prefill call), and a submitted closure is still served."""
-    loop = EngineLoop(spin_seconds=0.05, spin_wait=0.002, poll_wait=0.05)
-    polls, steps = [], []
+    loop = VirtualTimeLoop(0.55, spin_seconds=0.05, spin_wait=0.002, poll_wait=0.05)
+    polls, steps, served = [], [], []
     work = {"n": 1}
 
     def step():
-        steps.append(time.monotonic())
+        steps.append(loop.now)
         work["n"] -= 1
+
+    def poll():
+        polls.append(loop.now)
+        if loop.now > 0.3 and not served:  # long after the spin: a closure comes in
+            served.append(loop.call(lambda: loop.now))
+        return True
 
     loop.step_fn = step
     loop.has_work = lambda: work["n"] > 0
-    loop.add_poller(lambda: polls.append(time.monotonic()) or True)
-    loop.start(lambda: None).result(5)
-    threading.Event().wait(0.5)
-    assert loop.call(lambda: "served").result(5) == "served"
-    loop.stop()
+    loop.add_poller(poll)
+    loop.run_to_the_end()
     assert len(steps) == 1
     spinning = [t for t in polls if t - steps[0] < 0.05]
     later = [t for t in polls if t - steps[0] >= 0.05]
-    # back to back these were tens of thousands; sleeping, at most ~25 in the spin, ~9 after
-    assert 5 <= len(spinning) <= 30, len(spinning)
-    assert 3 <= len(later) <= 15, len(later)
+    # 0.05 s at 2 ms, then 0.45 s at 50 ms (back to back they were tens of thousands)
+    assert 24 <= len(spinning) <= 26, len(spinning)
+    assert 8 <= len(later) <= 10, len(later)
+    assert loop.waits.count(0) == 1  # no wait only right after the step
+    assert served[0].result(0) == pytest.approx(0.3, abs=0.06)  # served on the next iteration
 
 
 def test_engine_loop_polls_at_the_spin_rate_while_a_poller_says_soon():
@@ -145,25 +176,22 @@ def test_engine_loop_polls_at_the_spin_rate_while_a_poller_says_soon():
     parts are landing) is polled every spin_wait; back to a plain True, every poll_wait."""
     from disagg.worker.serving.engine_loop import SOON
 
-    loop = EngineLoop(spin_seconds=0.0, spin_wait=0.002, poll_wait=0.05)
+    loop = VirtualTimeLoop(0.5, spin_seconds=0.0, spin_wait=0.002, poll_wait=0.05)
     polls = []
-    soon_until = time.monotonic() + 0.2
 
     def poll():
-        now = time.monotonic()
-        polls.append(now)
-        return SOON if now < soon_until else True
+        polls.append(loop.now)
+        return SOON if loop.now < 0.2 else True
 
     loop.add_poller(lambda: False)  # another poller's answer does not hide it
     loop.add_poller(poll)
     loop.add_poller(lambda: True)
-    loop.start(lambda: None).result(5)
-    threading.Event().wait(0.5)
-    loop.stop()
-    soon = [t for t in polls if t < soon_until]
-    later = [t for t in polls if t >= soon_until]
-    assert len(soon) >= 25, len(soon)  # ~100 at 2 ms; at poll_wait it would be 4
-    assert len(later) <= 10, len(later)
+    loop.run_to_the_end()
+    # the first poll comes after an idle wait of 0.05 s; at poll_wait it would be 3, not 75
+    soon = [t for t in polls if t < 0.2]
+    later = [t for t in polls if t >= 0.2]
+    assert 74 <= len(soon) <= 76, len(soon)
+    assert 5 <= len(later) <= 7, len(later)
 
 
 def test_engine_loop_init_failure_is_reported():

@@ -55,16 +55,19 @@ class EngineLoop:
         spin_seconds: float = 0.002,
         spin_wait: float = 0.0001,
         poll_wait: float = 0.001,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """max_step_failures: consecutive failed engine steps after which the loop gives up:
         `on_fatal(error)` runs on this thread (fail the requests) and the loop stops, so liveness
-        turns false and the process can exit instead of retrying forever."""
+        turns false and the process can exit instead of retrying forever. clock: what the spin
+        window after a step is measured by."""
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._pollers: list[Callable[[], bool]] = []
         self._idle_wait = idle_wait
         self._spin_seconds = spin_seconds
         self._spin_wait = spin_wait
         self._poll_wait = poll_wait
+        self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.engine = None
@@ -158,7 +161,7 @@ class EngineLoop:
             return 0.0
         if not polling:
             return self._idle_wait
-        if polling == SOON or time.monotonic() - last_step < self._spin_seconds:
+        if polling == SOON or self._clock() - last_step < self._spin_seconds:
             return self._spin_wait
         return self._poll_wait
 
@@ -193,7 +196,7 @@ class EngineLoop:
                         self._give_up(e)
                         break
                     time.sleep(0.1)  # do not spin on a persistent failure
-                stepped, last_step = True, time.monotonic()
+                stepped, last_step = True, self._clock()
             if self.on_iteration is not None:
                 self.on_iteration()
         self._stop.set()
