@@ -41,7 +41,7 @@ class Step:
 STEPS = (
     Step("kernels", "Triton kernels vs torch twins (fp32/bf16/fp16, 8-bit; small and Llama-3-8B shapes)", 120, "step_kernels"),
     Step("graphs", "decode CUDA graphs: capture every bucket, replay = eager", 60, "step_graphs"),
-    Step("pd", "prefill and decode processes on one GPU, KV GPU to GPU: output = colocated", 120, "step_pd"),
+    Step("pd", "prefill and decode processes on one GPU, KV GPU to GPU: output = colocated", 180, "step_pd"),
     Step("engine", "engine vs transformers on the GPU: greedy identical, ragged-workload throughput", 120, "step_engine"),
     Step("roofline", "decode step vs HBM floor (B=1, 64); 2048-token prefill vs bf16 matmul peak", 100, "step_roofline"),
     Step("spec_kvq", "speculative decoding and the 8-bit KV cache on the GPU", 80, "step_spec_kvq"),

@@ -32,6 +32,7 @@ from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.kv_transfer.handle import PENDING
 from disagg.worker.serving.disagg_policy import PrefillSite
 from disagg.worker.serving.engine_loop import SOON, yield_cpu
+from disagg.worker.serving.layer_sends import LayerSends
 from disagg.worker.serving.metrics import ServingMetrics
 from disagg.worker.serving.prefill_estimate import DecodeStepTime, PrefillRate
 
@@ -62,7 +63,7 @@ class PrefillJob:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: int = 0
     handles: list = field(default_factory=list)
-    layers_sent: int = 0
+    sends: LayerSends | None = None  # its per-layer sends, once a layer hook ran
     failed: str = ""
     state: str = "prefilling"  # prefilling -> sending -> (aborting) -> released
     abort: object = None  # the transport's abort handle while "aborting"
@@ -424,7 +425,9 @@ class WorkerCore:
         job.prefilled_at = time.monotonic()
         job.state = "sending"  # from here on the blocks are pinned until `release`
         try:
-            if not job.layers_sent:  # no layer hook ran (e.g. the whole prompt was cached): all at once
+            if job.sends is not None:  # the step is over: every layer's K/V is written or being written
+                job.sends.flush()
+            else:  # no layer hook ran (e.g. the whole prompt was cached): all at once
                 src, dst = self._send_blocks(job)
                 job.handles.append(self.transport.send(job.peer_id, job.engine_id, src, dst))
             job.handles.append(self.transport.finish(job.peer_id, job.engine_id, first_token=job.token_id))
@@ -440,20 +443,40 @@ class WorkerCore:
         k = job.skip_blocks
         return src[k:], job.dst_block_ids[k:]
 
+    def _layer_sends(self, job: PrefillJob) -> LayerSends:
+        if job.sends is None:
+
+            def post(layer: int) -> None:
+                src, dst = self._send_blocks(job)
+                job.handles.append(self.transport.send(job.peer_id, job.engine_id, src, dst, layers=[layer]))
+
+            job.sends = LayerSends(post)
+        return job.sends
+
+    def _kv_written(self) -> torch.cuda.Event | None:
+        """An event that completes once the K/V the device has been given so far is written (None
+        on a CPU, whose forward pass is synchronous)."""
+        if not self.engine.kv_cache.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.engine.kv_cache.device))
+        return event
+
     def _layer_hook(self, layer: int) -> None:
-        """After layer `layer` wrote its K/V: ship that layer of every prompt this step completes,
-        so the transfer of early layers overlaps the compute of later ones."""
+        """After layer `layer` was given its K/V writes: ship that layer of every prompt this step
+        completes once the device has written it (`LayerSends`), so the transfer of early layers
+        overlaps the compute of later ones."""
         scheduled = self.engine.scheduled
         if scheduled is None:
             return
+        written = None
         for chunk in scheduled.chunks:
             job = self.prefills.get(chunk.request.request_id)
             if job is None or job.state != "prefilling" or not chunk.samples or job.failed:
                 continue
             try:
-                src, dst = self._send_blocks(job)
-                job.handles.append(self.transport.send(job.peer_id, job.engine_id, src, dst, layers=[layer]))
-                job.layers_sent += 1
+                written = written or self._kv_written()
+                self._layer_sends(job).add(layer, written)
             except Exception as e:
                 # the engine is mid-step: fail the job once the step is over (see `_prefilled`)
                 job.failed = f"KV send failed: {e}"
@@ -496,6 +519,8 @@ class WorkerCore:
         self.prefills.pop(job.engine_id, None)
         self.sinks.pop(job.engine_id, None)
         job.failed = reason
+        if job.sends is not None:  # nothing more may be posted after the ABORT notice
+            job.sends.drop()
         try:
             job.abort = self.transport.abort(job.peer_id, job.engine_id, reason)
         except Exception:
