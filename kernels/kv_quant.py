@@ -23,9 +23,11 @@ import torch
 
 from disagg.kernels import torch_ops
 
-KV_CACHE_DTYPES = ("int8", "fp8")
 REGION_ALIGN = 64  # bytes: regions start on cache lines
+# How each 8-bit kind is stored. The kinds themselves are named in worker/model/precisions.py
+# (KV_CACHE_DTYPES), a layer above the kernels; a test checks this table covers exactly those.
 _VALUE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = tuple(_VALUE_DTYPES)
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _MIN_AMAX = 1e-30  # an all-zero row gets a tiny scale instead of a division by zero
 

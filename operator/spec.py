@@ -14,6 +14,8 @@ from typing import Any
 from disagg.operator import rules
 from disagg.operator.autoscaling.spec import AutoscalingSpec, AutoscalingSpecError, parse_autoscaling
 from disagg.operator.constants import ROLES
+from disagg.worker.model.precisions import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
+from disagg.worker.serving.args import KV_TRANSFERS, ServingArgs
 
 
 class SpecError(ValueError):
@@ -361,11 +363,11 @@ def parse_spec(spec: dict) -> Spec:
         model=Model(
             name=_get(model, "name", "spec.model", str, required=True),
             source=_source(model),
-            dtype=_choice(model, "dtype", "spec.model", ("auto", "float32", "bfloat16", "float16"), "auto"),
+            dtype=_choice(model, "dtype", "spec.model", ("auto", *DTYPES), "auto"),
             quantization=_choice(
-                model, "quantization", "spec.model", ("auto", "none", "int8", "fp8"), "auto"
+                model, "quantization", "spec.model", ("auto", "none", *QUANTIZATIONS), "auto"
             ),
-            kv_cache_dtype=_choice(model, "kvCacheDtype", "spec.model", ("auto", "int8", "fp8"), "auto"),
+            kv_cache_dtype=_choice(model, "kvCacheDtype", "spec.model", ("auto", *KV_CACHE_DTYPES), "auto"),
             max_model_length=_int(model, "maxModelLength", "spec.model", None, 1),
         ),
         image=Image(
@@ -390,7 +392,7 @@ def parse_spec(spec: dict) -> Spec:
         prefill=_role(spec, "prefill"),
         decode=_role(spec, "decode"),
         kv_transfer=KvTransfer(
-            backend=_choice(kvt, "backend", "spec.kvTransfer", ("nixl", "grpc"), "nixl"),
+            backend=_choice(kvt, "backend", "spec.kvTransfer", KV_TRANSFERS, ServingArgs.kv_transfer),
             ucx_transports=tuple(_get(kvt, "ucxTransports", "spec.kvTransfer", list, [])),
             rdma_resource=_get(rdma, "resourceName", "spec.kvTransfer.rdma", str, "rdma/hca"),
             rdma_count=_int(rdma, "count", "spec.kvTransfer.rdma", 0, 0),

@@ -31,7 +31,13 @@ LAYERS: dict[str, int] = {
     "disagg.operator": 7,
 }
 # The operator image carries no torch: of the worker it may use only these torch-free modules.
-OPERATOR_MAY_IMPORT = ("disagg.worker.engine.args", "disagg.worker.kv_state.keys")
+OPERATOR_MAY_IMPORT = (
+    "disagg.worker.engine.args",
+    "disagg.worker.kv_state.keys",
+    "disagg.worker.model.precisions",
+    "disagg.worker.router.args",
+    "disagg.worker.serving.args",
+)
 
 
 def _package(module: str) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from disagg.operator.builders import common, config, hardening, model, secrets, workers
 from disagg.operator.spec import InferenceDeployment
+from disagg.worker.router.args import RouterArgs
 
 API_KEYS_DIR = "/etc/disagg/api-keys"
 HEALTH_PATH = "/health"  # 200 once a decode worker is known, else 503: readiness only
@@ -27,13 +28,13 @@ def _args(idep: InferenceDeployment) -> list[str]:
         "--model-name",
         idep.spec.model.name,
         # The router hashes prompts into blocks for the prefix index: the workers' block size.
-        "--block-size",
+        RouterArgs.cli_flag("block_size"),
         str(idep.spec.decode.block_size),
     ]
     if idep.spec.model.max_model_length is not None:
-        args += ["--max-model-len", str(idep.spec.model.max_model_length)]
+        args += [RouterArgs.cli_flag("max_model_len"), str(idep.spec.model.max_model_length)]
     if router.prefill_overflow is not None:
-        args += ["--prefill-overflow", f"{router.prefill_overflow:g}"]
+        args += [RouterArgs.cli_flag("prefill_overflow"), f"{router.prefill_overflow:g}"]
     if router.api_key is not None:
         args += ["--api-key-file", f"{API_KEYS_DIR}/{router.api_key.key}"]
     return args

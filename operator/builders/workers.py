@@ -12,6 +12,7 @@ from disagg.operator import constants as c
 from disagg.operator.builders import common, config, hardening, model, secrets
 from disagg.operator.spec import InferenceDeployment, Role, SpecError
 from disagg.worker.engine.args import cli_flag
+from disagg.worker.serving.args import ServingArgs
 
 GPU = "nvidia.com/gpu"
 SHM_VOLUME = "dshm"
@@ -129,7 +130,7 @@ def _args(idep: InferenceDeployment, role: Role) -> list[str]:
         common.redis_url(idep),
         "--deployment",
         idep.deployment_id,
-        "--kv-transfer",
+        ServingArgs.cli_flag("kv_transfer"),
         spec.kv_transfer.backend,
         cli_flag("block_size"),
         str(role.block_size),
@@ -143,7 +144,7 @@ def _args(idep: InferenceDeployment, role: Role) -> list[str]:
         spec.model.quantization,
         cli_flag("kv_cache_dtype"),
         spec.model.kv_cache_dtype,
-        "--drain-timeout",
+        ServingArgs.cli_flag("drain_timeout"),
         f"{drain_timeout(role.termination_grace_seconds):g}",
     ]
     if spec.model.max_model_length is not None:

@@ -501,6 +501,7 @@ def test_a_rank_asked_again_after_it_settled_does_not_fail_the_handle():
 # ---- the decode worker's gRPC service, in-process over the same engine -----------------------------
 def _service(engine, core, state=None):
     """The engine loop running `core`, and a decode worker's service over them."""
+    from disagg.worker.serving.args import ServingArgs
     from disagg.worker.serving.engine_loop import EngineLoop
     from disagg.worker.serving.servicer import ServingOptions, WorkerService
 
@@ -508,8 +509,8 @@ def _service(engine, core, state=None):
     loop.step_fn, loop.has_work = core.step, core.has_work
     loop.add_poller(core.poll_receiver)
     loop.start(lambda: None).result(timeout=10)
-    opts = ServingOptions("decode-0", "decode", "tiny", "127.0.0.1:1", disagg_threshold=1,
-                          prefill_placement="threshold")  # fmt: skip
+    opts = ServingOptions("decode-0", "decode", "tiny", "127.0.0.1:1",
+                          ServingArgs(disagg_threshold=1, prefill_placement="threshold"))  # fmt: skip
     service = WorkerService(opts, loop, core, state, core.metrics, engine.max_model_len)
     service.ready = True
     return loop, service

@@ -300,8 +300,10 @@ def test_engine_step_that_keeps_failing_fails_its_requests_and_stops_the_loop(ti
 def test_decode_quarantine_outlasts_the_prefill_timeout():
     """Blocks of an aborted transfer are held longer than a prefill worker may still write into them."""
     from disagg.worker.engine.args import EngineArgs
+    from disagg.worker.serving.args import ServingArgs
     from disagg.worker.serving.main import WorkerConfig, quarantine_seconds
 
     for timeout in (5.0, 120.0, 600.0):
-        cfg = WorkerConfig(EngineArgs(model="m"), "decode", "d", "m", prefill_timeout=timeout)
+        serving = ServingArgs(prefill_timeout=timeout)
+        cfg = WorkerConfig(EngineArgs(model="m"), "decode", "d", "m", serving=serving)
         assert quarantine_seconds(cfg) > timeout

@@ -27,6 +27,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """`--help` shows every option's default: those whose help does not say it already get
+    "(default: X)"; options without one (unset, empty, a switch) say nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is argparse.SUPPRESS or action.default in ("", [])
+        if "default" in text or unset or not action.option_strings or action.nargs == 0:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def _available() -> dict[str, tuple[str, str]]:
     found = {}
     for name, (module, help_text) in COMMANDS.items():
@@ -40,7 +52,9 @@ def parse(argv: list[str]) -> tuple[object, argparse.Namespace]:
     command line does it (also used by tests that check what pods are told to run)."""
     name = argv[0]
     module = importlib.import_module(_available()[name][0])
-    cmd_parser = argparse.ArgumentParser(prog=f"disagg {name}", description=COMMANDS[name][1])
+    cmd_parser = argparse.ArgumentParser(
+        prog=f"disagg {name}", description=COMMANDS[name][1], formatter_class=DefaultsHelpFormatter
+    )
     module.add_arguments(cmd_parser)
     # intermixed: options may follow positionals (`disagg generate MODEL --chat "Hi"`)
     return module, cmd_parser.parse_intermixed_args(argv[1:])

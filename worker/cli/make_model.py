@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from disagg.worker.model.precisions import DTYPES
 from disagg.worker.tools.make_model import PRESETS, make_model
 
 
@@ -19,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "small: ~100M random, for benchmarks",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the written weights")
     parser.add_argument(
         "--shard-size",
         type=_size,

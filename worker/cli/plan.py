@@ -18,6 +18,10 @@ import argparse
 import sys
 
 from disagg.worker.engine.args import EngineArgs
+from disagg.worker.serving.args import ServingArgs
+
+# serving settings the simulation has no use for (it models no transport, timeout or drain)
+PLACEMENT_EXCLUDED = ("kv_transfer", "prefill_timeout", "lease_seconds", "drain_timeout")
 
 
 def _replica_list(text: str) -> list[int]:
@@ -72,8 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overflow-margin", type=_margin, default=None, metavar="MARGIN",
                    help="the served split's router --prefill-overflow margin (default: none, the router "
                         "lends no prefill worker, as it serves by default)")  # fmt: skip
-    p.add_argument("--disagg-threshold", type=int, default=64,
-                   help="the served split's decode workers' --disagg-threshold")  # fmt: skip
+    # the served split's decode workers place prompts as `disagg worker` does, with its defaults
+    ServingArgs.add_cli_args(p, skip=PLACEMENT_EXCLUDED)
 
 
 def run(args) -> int:
@@ -104,6 +108,8 @@ def run(args) -> int:
         chunk_tokens=args.chunk_tokens,
         overflow_margin=args.overflow_margin,
         disagg_threshold=args.disagg_threshold,
+        prefill_placement=args.prefill_placement,
+        disagg_busy_slack=args.disagg_busy_slack,
     )
     print(
         f"engine profile ({raw.get('model', '?')}, {raw.get('machine', '?')}, {raw.get('measured_at', '?')}):"

@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from disagg.worker.engine import args as engine_args
+from disagg.worker.router.args import RouterArgs
 from disagg.worker.serving import auth
 
 
@@ -15,21 +15,11 @@ def _env(name: str, default=None):
     return os.environ.get(f"DISAGG_{name}", default)
 
 
-DEFAULT_MAX_CHOICES = 64
-
-
-def max_choices(args) -> int:
-    """--max-choices, checked against --max-queue: a request larger than the queue would get 429
-    forever, so the default shrinks to the queue and an explicit larger value is refused."""
-    if args.max_choices is None:
-        return max(1, min(DEFAULT_MAX_CHOICES, args.max_queue))
-    if args.max_choices < 1:
-        raise SystemExit(f"disagg router: --max-choices must be >= 1, got {args.max_choices}")
-    if args.max_choices > args.max_queue:
-        raise SystemExit(
-            f"disagg router: --max-choices ({args.max_choices}) must not exceed --max-queue ({args.max_queue})"
-        )
-    return args.max_choices
+def router_args(args) -> RouterArgs:
+    try:
+        return RouterArgs.from_cli_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"disagg router: {exc}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,34 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated worker gRPC addresses, in addition to the registry")  # fmt: skip
     p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
     p.add_argument("--api-key-file", default=_env("API_KEY_FILE"), help="file with one API key per line")
-    p.add_argument("--max-queue", type=int, default=int(_env("MAX_QUEUE", 256)),
-                   help="generations in flight before answering 429 (a request with n=4 counts 4)")  # fmt: skip
-    p.add_argument("--max-choices", type=int, default=_env("MAX_CHOICES") and int(_env("MAX_CHOICES")),
-                   help="most generations one request may ask for (n x number of prompts; more is a 400); "
-                        f"default {DEFAULT_MAX_CHOICES}, at most --max-queue")  # fmt: skip
-    p.add_argument("--max-prompt-bytes", type=int, default=int(_env("MAX_PROMPT_BYTES", 1 << 20)),
-                   help="most bytes of prompt text (or chat message text) one request may send, summed over "
-                        "its prompts; more is a 400 before any tokenizing")  # fmt: skip
-    p.add_argument("--max-model-len", type=int, default=_env("MAX_MODEL_LEN") and int(_env("MAX_MODEL_LEN")))
-    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", engine_args.default("block_size"))),
-                   help="the workers' KV block size: prompts are hashed per block for prefix-aware routing")  # fmt: skip
-    p.add_argument("--tool-call-parser", default=_env("TOOL_CALL_PARSER"), choices=["llama3_json", "hermes"],
-                   help="the model family's tool-call format, parsed for tool_choice 'auto' (as vLLM's flag)")  # fmt: skip
-    p.add_argument("--prefill-overflow", type=float, metavar="MARGIN",
-                   default=_env("PREFILL_OVERFLOW") and float(_env("PREFILL_OVERFLOW")),
-                   help="let a prefill worker with no prompt queued serve a whole request (prefill and "
-                        "decode) when every decode worker is busier than it by more than MARGIN requests; "
-                        "off when not given")  # fmt: skip
     p.add_argument("--redis-password-file", default=None,
                    help="file with the Redis password (or DISAGG_REDIS_PASSWORD / DISAGG_REDIS_PASSWORD_FILE)")  # fmt: skip
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     auth.add_cli_args(p)
-
-
-def prefill_overflow(args) -> float | None:
-    if args.prefill_overflow is not None and args.prefill_overflow < 0:
-        raise SystemExit(f"disagg router: --prefill-overflow must be >= 0, got {args.prefill_overflow}")
-    return args.prefill_overflow
+    RouterArgs.add_cli_args(p, env=True)
 
 
 def api_keys(args) -> frozenset[str]:
@@ -118,8 +85,8 @@ def build_router(args):
     if not model_dir.exists():  # a checkpoint directory or a GGUF file
         raise SystemExit(f"disagg router: --model {args.model}: no such file or directory")
     model_name = args.model_name or served_name(model_dir)
-    choices = max_choices(args)
-    max_len = args.max_model_len or context_length(model_dir)
+    settings = router_args(args)
+    max_len = settings.max_model_len or context_length(model_dir)
     tokenizer = Tokenizer.from_pretrained(model_dir)
     source = lookup = None
     if args.redis_url:
@@ -140,13 +107,13 @@ def build_router(args):
     config = RouterConfig(
         model_name=model_name,
         max_model_len=max_len,
-        block_size=args.block_size,
+        block_size=settings.block_size,
         api_keys=api_keys(args),
-        max_queue=args.max_queue,
-        max_choices=choices,
-        tool_call_parser=args.tool_call_parser,
-        max_prompt_bytes=args.max_prompt_bytes,
-        prefill_overflow=prefill_overflow(args),
+        max_queue=settings.max_queue,
+        max_choices=settings.resolved_max_choices(),
+        tool_call_parser=settings.tool_call_parser,
+        max_prompt_bytes=settings.max_prompt_bytes,
+        prefill_overflow=settings.prefill_overflow,
     )
     return Router(config, tokenizer, pool, lookup, internal_auth=internal)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import secrets
@@ -33,8 +34,11 @@ from pathlib import Path
 from disagg.worker.cli.ports import free_port
 from disagg.worker.cli.restart_policy import RestartPolicy
 from disagg.worker.engine.args import EngineArgs
+from disagg.worker.engine.settings import given
 from disagg.worker.model import pretrained
 from disagg.worker.model.gguf_checkpoint import served_name
+from disagg.worker.router.args import RouterArgs
+from disagg.worker.serving.args import ServingArgs
 
 
 def redis_command(port: int, data_dir: Path | None = None, config: Path | None = None) -> list[str]:
@@ -83,7 +87,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument("--both", type=int, default=0, help="number of colocated workers (role both)")
     p.add_argument("--port", type=int, default=8000, help="router port")
-    p.add_argument("--kv-transfer", choices=("nixl", "grpc"), default="nixl")
     p.add_argument(
         "--prefill-tp",
         type=int,
@@ -93,19 +96,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tp", type=int, default=None,
                    help="tensor-parallel ranks of each decode worker (default: --tensor-parallel-size); "
                         "it may differ from --prefill-tp: each rank receives its own KV heads")  # fmt: skip
-    p.add_argument("--disagg-threshold", type=int, default=32)
-    p.add_argument("--prefill-placement", choices=("load", "threshold"), default=None,
-                   help="where decode workers prefill (see `disagg worker --help`); default: load, "
-                        "except --demo, which sends its prompt through a prefill worker to show that path")  # fmt: skip
-    p.add_argument("--prefill-overflow", type=float, metavar="MARGIN", default=None,
-                   help="the router's --prefill-overflow: prefill workers serve whole requests when the "
-                        "decode workers are busier by more than MARGIN requests")  # fmt: skip
     p.add_argument("--run-dir", default=".run", help="where logs go")
-    p.add_argument("--demo", action="store_true", help="stream one chat completion once ready, then exit")
+    p.add_argument("--demo", action="store_true",
+                   help="stream one chat completion once ready, then exit; its prompt goes through a prefill "
+                        "worker to show that path (--prefill-placement threshold --disagg-threshold 1) "
+                        "unless either flag is given")  # fmt: skip
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for everything to be ready")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker")
     # every worker gets these; --threads defaults to cores / workers here
     EngineArgs.add_cli_args(p, model=False)
+    ServingArgs.add_cli_args(p)
+    # the router gets these; its block size and context are the workers' (--block-size, --max-model-len)
+    RouterArgs.add_cli_args(p, skip=("block_size", "max_model_len"))
+
+
+def serving_args(args) -> ServingArgs:
+    """The workers' serving settings. --demo sends its prompt through a prefill worker to show that
+    path (placement threshold, from the first uncached token) unless the placement flags are given."""
+    try:
+        serving = ServingArgs.from_cli_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"disagg up: {exc}") from None
+    if args.demo and not given(args) & {"prefill_placement", "disagg_threshold"}:
+        serving = dataclasses.replace(serving, prefill_placement="threshold", disagg_threshold=1)
+    return serving
+
+
+def router_args(args) -> RouterArgs:
+    try:
+        return RouterArgs.from_cli_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"disagg up: {exc}") from None
 
 
 def role_ranks(args, tensor_parallel_size: int) -> dict[str, int]:
@@ -220,7 +241,7 @@ class Deployment:
         # file paths, not values, in the environment: the values stay in the 0600 files
         secret_env = {"DISAGG_INTERNAL_TOKEN_FILE": str(token_file.resolve()),
                       "DISAGG_REDIS_PASSWORD_FILE": str(password_file.resolve())}  # fmt: skip
-        placement = a.prefill_placement or ("threshold" if a.demo else "load")
+        serving, router = serving_args(a), router_args(a)
         engine = EngineArgs.from_cli_args(a, model=str(model))
         ranks = role_ranks(a, engine.tensor_parallel_size)
         if engine.threads is None:  # per rank: every rank of every worker shares this machine
@@ -235,8 +256,7 @@ class Deployment:
                 cmd = py + [
                     "worker", "--role", role, "--model", str(model), "--worker-id", name,
                     "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport),
-                    "--redis-url", self.redis_url, "--deployment", "local", "--kv-transfer", a.kv_transfer,
-                    "--disagg-threshold", str(a.disagg_threshold), "--prefill-placement", placement,
+                    "--redis-url", self.redis_url, "--deployment", "local", *serving.to_cli_args(),
                     *(engine.without_speculation() if role == "prefill" else engine).to_cli_args(),
                     "--tensor-parallel-size", str(ranks[role]), *a.worker_arg,
                 ]  # fmt: skip
@@ -252,9 +272,8 @@ class Deployment:
         self.router_url = f"http://127.0.0.1:{a.port}"
         cmd = py + [
             "router", "--host", "127.0.0.1", "--port", str(a.port), "--model", str(model),
-            "--redis-url", self.redis_url, "--deployment", "local", "--block-size", str(engine.block_size),
-            *(["--max-model-len", str(engine.max_model_len)] if engine.max_model_len else []),
-            *(["--prefill-overflow", str(a.prefill_overflow)] if a.prefill_overflow is not None else []),
+            "--redis-url", self.redis_url, "--deployment", "local",
+            *dataclasses.replace(router, block_size=engine.block_size, max_model_len=engine.max_model_len).to_cli_args(),
         ]  # fmt: skip
         self.children.append(
             Child("router", cmd, self.run_dir / "router.log", f"{self.router_url}/health", env=secret_env)

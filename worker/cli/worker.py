@@ -12,9 +12,9 @@ from pathlib import Path
 
 from disagg.worker.engine.args import EngineArgs
 from disagg.worker.kv_state.link import redis_password
+from disagg.worker.kv_state.records import ROLES
 from disagg.worker.serving import auth
-
-ROLES = ("prefill", "decode", "both")
+from disagg.worker.serving.args import ServingArgs
 
 
 def _env(name: str, default=None):
@@ -43,23 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-password-file", default=None,
                    help="file with the Redis password (or DISAGG_REDIS_PASSWORD / DISAGG_REDIS_PASSWORD_FILE)")  # fmt: skip
     p.add_argument("--deployment", default=_env("DEPLOYMENT", "default"), help="namespace of the Redis keys")
-    p.add_argument("--kv-transfer", choices=("nixl", "grpc"), default=_env("KV_TRANSFER", "nixl"))
-    p.add_argument("--disagg-threshold", type=int, default=int(_env("THRESHOLD", 64)),
-                   help="decode workers prefill locally when fewer prompt tokens than this are uncached")  # fmt: skip
-    p.add_argument("--prefill-placement", choices=("load", "threshold"), default=_env("PREFILL_PLACEMENT", "load"),
-                   help="load: a decode worker prefills where the first token comes sooner (protecting its "
-                        "running streams); threshold: every prompt with --disagg-threshold uncached tokens "
-                        "goes to a prefill worker")  # fmt: skip
-    p.add_argument("--disagg-busy-slack", type=float, default=float(_env("DISAGG_BUSY_SLACK", 2.0)),
-                   help="with load placement, a decoding worker sends a prompt to a prefill worker unless "
-                        "that delays its first token more than this factor over a local prefill")  # fmt: skip
-    p.add_argument("--lease-seconds", type=float, default=float(_env("LEASE_SECONDS", 30)),
-                   help="lease of a KV transfer record; a dead peer's blocks are reclaimed after it")  # fmt: skip
-    p.add_argument("--prefill-timeout", type=float, default=float(_env("PREFILL_TIMEOUT", 120)))
-    p.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT", 30)),
-                   help="longest wait for in-flight streams when draining (/drain, then SIGTERM share it)")  # fmt: skip
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     auth.add_cli_args(p)
+    ServingArgs.add_cli_args(p, env=True)
     EngineArgs.add_cli_args(p, env=True)
 
 
@@ -81,12 +67,13 @@ def config_from_args(args):
         raise SystemExit(f"disagg worker: --model {args.model}: no such file or directory")
     worker_id = args.worker_id or f"{args.role}-{socket.gethostname()}-{args.port or os.getpid()}"
     engine = EngineArgs.from_cli_args(args, model=str(model_dir))
-    if engine.tensor_parallel_size > 1 and args.role != "both" and args.kv_transfer != "nixl":
+    serving = ServingArgs.from_cli_args(args)
+    if engine.tensor_parallel_size > 1 and args.role != "both" and serving.kv_transfer != "nixl":
         # each rank's process owns a transport over its part of the cache; the gRPC fallback
         # would need a KVTransfer server in every rank's process
         raise SystemExit(
             f"disagg worker: --tensor-parallel-size {engine.tensor_parallel_size} with --role {args.role} "
-            f"needs --kv-transfer nixl (got --kv-transfer {args.kv_transfer})"
+            f"needs --kv-transfer nixl (got --kv-transfer {serving.kv_transfer})"
         )
     # resolved here so that every later reader (KV layout, handshake, logs) sees the real values
     engine = dataclasses.replace(engine, dtype=engine.resolved_dtype(), device=engine.resolved_device())
@@ -103,13 +90,7 @@ def config_from_args(args):
         redis_password=_password(args),
         auth=auth.from_cli_args(args, "disagg worker"),
         deployment=args.deployment,
-        kv_transfer=args.kv_transfer,
-        disagg_threshold=args.disagg_threshold,
-        prefill_placement=args.prefill_placement,
-        disagg_busy_slack=args.disagg_busy_slack,
-        lease_seconds=args.lease_seconds,
-        prefill_timeout=args.prefill_timeout,
-        drain_timeout=args.drain_timeout,
+        serving=serving,
     )
 
 

@@ -11,32 +11,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8", "fp8")
-KV_CACHE_DTYPES = ("int8", "fp8")
+from disagg.worker.engine.settings import ENV_PREFIX, Settings
+from disagg.worker.engine.settings import env_name as env_name
+from disagg.worker.engine.settings import setting as _setting
+from disagg.worker.model.precisions import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
+
+__all__ = ["DTYPES", "ENV_PREFIX", "KV_CACHE_DTYPES", "QUANTIZATIONS", "SPECULATIVE_METHODS", "EngineArgs"]
+
 SPECULATIVE_METHODS = ("ngram", "draft")
-ENV_PREFIX = "DISAGG_"
-
-
-def _setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None, minimum: float | None = None,
-             maximum: float | None = None, exclusive_min: bool = False) -> Any:  # fmt: skip
-    meta = {
-        "help": help,
-        "choices": choices,
-        "minimum": minimum,
-        "maximum": maximum,
-        "exclusive_min": exclusive_min,
-    }
-    return field(default=default, metadata=meta)
 
 
 @dataclass
-class EngineArgs:
+class EngineArgs(Settings):
+    GROUP = "engine"
+    CLI_EXCLUDED = ("model",)  # a command names its model itself
+
     model: str = field(
         default="",
         metadata={"help": "model directory (config.json, *.safetensors, tokenizer.json) or a GGUF file"},
@@ -150,8 +143,7 @@ class EngineArgs:
 
     def __post_init__(self):
         self.model = str(self.model)
-        for f in dataclasses.fields(self):
-            _check(f, getattr(self, f.name))
+        self.check()
         if self.num_gpu_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("set at most one of num_gpu_blocks and kv_cache_memory")
         if self.speculative_method == "draft" and not self.speculative_draft_model:
@@ -201,62 +193,24 @@ class EngineArgs:
 
     # ---- command lines -----------------------------------------------------------------
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, *, model: bool = True, env: bool = False) -> None:
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, model: bool = True, env: bool = False,
+                     defaults: dict[str, Any] | None = None) -> None:  # fmt: skip
         """One flag per setting (`--block-size` for `block_size`); with `env`, DISAGG_BLOCK_SIZE
         gives the default (what a pod's environment sets)."""
-        group = parser.add_argument_group("engine")
-        for f in dataclasses.fields(cls):
-            if f.name == "model" and not model:
-                continue
-            default = f.default
-            if env and (raw := os.environ.get(env_name(f.name))) is not None:
-                default = _parse(f, raw)
-            kwargs: dict[str, Any] = {"default": default, "dest": f.name, "help": _help(f)}
-            if _kind(f) is bool:
-                kwargs["action"] = argparse.BooleanOptionalAction
-            else:
-                kwargs["type"] = _argparse_type(f)
-                if f.metadata.get("choices"):
-                    kwargs["choices"] = f.metadata["choices"]
-            group.add_argument(cli_flag(f.name), **kwargs)
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace, **overrides) -> EngineArgs:
-        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-        values.update(overrides)
-        return cls(**values)
-
-    def to_cli_args(self) -> list[str]:
-        """Flags for the settings that differ from the defaults (`model` excluded)."""
-        out: list[str] = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "model" or value == f.default:
-                continue
-            if _kind(f) is bool:
-                out.append(cli_flag(f.name) if value else "--no-" + cli_flag(f.name)[2:])
-            else:
-                out += [cli_flag(f.name), str(value)]
-        return out
+        super().add_cli_args(parser, env=env, skip=() if model else ("model",), defaults=defaults)
 
 
 def setting_names() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(EngineArgs))
+    return EngineArgs.names()
 
 
 def cli_flag(name: str) -> str:
     """The command-line flag of a setting; refuses names that are not settings."""
-    if name not in setting_names():
-        raise KeyError(f"{name!r} is not an engine setting")
-    return "--" + name.replace("_", "-")
-
-
-def env_name(name: str) -> str:
-    return ENV_PREFIX + name.upper()
+    return EngineArgs.cli_flag(name)
 
 
 def default(name: str) -> Any:
-    return next(f.default for f in dataclasses.fields(EngineArgs) if f.name == name)
+    return EngineArgs.default(name)
 
 
 def checkpoint_dtype(model_dir: Path) -> str:
@@ -267,72 +221,3 @@ def checkpoint_dtype(model_dir: Path) -> str:
     # transformers 5 writes `dtype`, 4.x `torch_dtype`: the same precedence as ModelConfig
     name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch.")
     return name if name in DTYPES else "float32"
-
-
-# ---- field helpers ------------------------------------------------------------------------
-def _kind(f: dataclasses.Field) -> type:
-    """bool, int, float or str, from the annotation (which is a string under postponed evaluation)."""
-    base = str(f.type).split("|")[0].strip()
-    return {"bool": bool, "int": int, "float": float, "str": str}[base]
-
-
-def _nullable(f: dataclasses.Field) -> bool:
-    return "None" in str(f.type)
-
-
-def _parse(f: dataclasses.Field, raw: str) -> Any:
-    kind = _kind(f)
-    if _nullable(f) and raw.strip().lower() in ("", "none"):
-        return None
-    if kind is bool:
-        if raw.strip().lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.strip().lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{f.name}: expected true or false, got {raw!r}")
-    try:
-        return kind(raw)
-    except ValueError:
-        raise ValueError(f"{f.name}: expected {kind.__name__}, got {raw!r}") from None
-
-
-def _argparse_type(f: dataclasses.Field):
-    def convert(raw: str):
-        try:
-            value = _parse(f, raw)
-            _check(f, value)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{f.name}: ")) from None
-        return value
-
-    convert.__name__ = _kind(f).__name__  # argparse names the type in its error message
-    return convert
-
-
-def _check(f: dataclasses.Field, value: Any) -> None:
-    """Raise ValueError naming the setting when `value` is not allowed."""
-    if value is None:
-        if not _nullable(f):
-            raise ValueError(f"{f.name} must be set")
-        return
-    kind = _kind(f)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ValueError(f"{f.name} must be {kind.__name__}, got {type(value).__name__} {value!r}")
-    meta = f.metadata
-    if meta.get("choices") and value not in meta["choices"]:
-        raise ValueError(f"{f.name} must be one of {', '.join(meta['choices'])}; got {value!r}")
-    low, high = meta.get("minimum"), meta.get("maximum")
-    if low is not None and (value <= low if meta.get("exclusive_min") else value < low):
-        op = ">" if meta.get("exclusive_min") else ">="
-        raise ValueError(f"{f.name} must be {op} {low:g}, got {value}")
-    if high is not None and value > high:
-        raise ValueError(f"{f.name} must be <= {high:g}, got {value}")
-
-
-def _help(f: dataclasses.Field) -> str:
-    text = f.metadata.get("help", "")
-    if f.default is not None and _kind(f) is not bool:
-        text += f" (default: {f.default})"
-    return text

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from disagg.kernels.kv_quant import region_bytes
+from disagg.worker.model import precisions
 
 PROTOCOL_VERSION = 2  # 2: kv_cache_dtype and weight_quantization in the layout
 
@@ -30,8 +31,8 @@ _ITEMSIZE = {
     "uint8": 1,
     "int8": 1,
 }
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-WEIGHT_QUANTIZATIONS = ("none", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", *precisions.KV_CACHE_DTYPES)  # auto: the model's dtype
+WEIGHT_QUANTIZATIONS = ("none", *precisions.QUANTIZATIONS)
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,14 @@ import torch
 from safetensors import safe_open
 
 from disagg.kernels.quantized import QuantizedWeight
-from disagg.worker.model import gguf_checkpoint, parallel, quantization
+from disagg.worker.model import gguf_checkpoint, parallel, precisions, quantization
 from disagg.worker.model.config import ModelConfig
 from disagg.worker.model.llama import LayerWeights, LlamaForCausalLM, ModelWeights
 from disagg.worker.model.parallel import ShardPlan, TensorParallel
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in precisions.DTYPES}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

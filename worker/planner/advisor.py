@@ -12,17 +12,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.planner import routing, simulate
 from disagg.worker.planner.goodput import SLO, attainment, max_rate
 from disagg.worker.planner.profile import Profile
 from disagg.worker.planner.simulate import Outcome
 from disagg.worker.planner.workload import Requests, Workload
+from disagg.worker.serving.args import ServingArgs
 
 
 @dataclass(frozen=True)
 class Settings:
-    max_batch: int = 64  # decode batch cap (the engine's max_num_seqs)
-    chunk_tokens: int = 2048  # colocated prefill chunk (max_num_batched_tokens)
+    # what the workers run: the engine's and the serving settings' own defaults
+    max_batch: int = EngineArgs.max_num_seqs  # decode batch cap
+    chunk_tokens: int = EngineArgs.max_num_batched_tokens  # colocated prefill chunk
     # Simulated arrivals span this many unloaded lifetimes of the workload's longest request, so
     # that queues reach their steady state before the stream ends (bounded by max_requests).
     horizon_lifetimes: float = 20.0
@@ -35,10 +38,11 @@ class Settings:
     window_seconds: float | None = None
     windows: int = 1
     # the served split's policies: the router's --prefill-overflow margin (None: off), the decode
-    # workers' --disagg-threshold and --prefill-placement
+    # workers' --disagg-threshold, --prefill-placement and --disagg-busy-slack
     overflow_margin: float | None = None
-    disagg_threshold: int = 64
-    prefill_placement: str = "load"
+    disagg_threshold: int = ServingArgs.disagg_threshold
+    prefill_placement: str = ServingArgs.prefill_placement
+    disagg_busy_slack: float = ServingArgs.disagg_busy_slack
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ def goodput_served(
 
     def run(req: Requests) -> Outcome:
         return routing.simulate(prof, req, prefill, decode, s.overflow_margin, s.max_batch, s.chunk_tokens,
-                                s.prefill_placement, s.disagg_threshold)  # fmt: skip
+                                s.prefill_placement, s.disagg_threshold, s.disagg_busy_slack)  # fmt: skip
 
     attain = _attainment_at(run, prof, workload, slo, s)
     return max_rate(attain, guess=_colocated_guess(prof, workload, prefill + decode))

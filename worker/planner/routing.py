@@ -32,10 +32,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.planner.profile import Profile
 from disagg.worker.planner.simulate import Outcome, decode_context, outcome
 from disagg.worker.planner.workload import Requests
 from disagg.worker.router.policy import WAITING_WEIGHT, WorkerView, worth_lending
+from disagg.worker.serving.args import PREFILL_PLACEMENTS, ServingArgs
 from disagg.worker.serving.disagg_policy import PrefillSite, choose_prefill_site
 
 
@@ -73,16 +75,16 @@ def simulate(
     prefill: int,
     decode: int,
     margin: float | None,
-    max_batch: int = 64,
-    chunk_tokens: int = 2048,
-    placement: str = "load",
-    threshold: int = 32,
-    busy_slack: float = 2.0,
+    max_batch: int = EngineArgs.max_num_seqs,
+    chunk_tokens: int = EngineArgs.max_num_batched_tokens,
+    placement: str = ServingArgs.prefill_placement,
+    threshold: int = ServingArgs.disagg_threshold,
+    busy_slack: float = ServingArgs.disagg_busy_slack,
 ) -> Outcome:
     if prefill < 1 or decode < 1:
         raise ValueError(f"needs a prefill and a decode replica, got {prefill}:{decode}")
-    if placement not in ("load", "threshold"):
-        raise ValueError(f"placement must be load or threshold, got {placement!r}")
+    if placement not in PREFILL_PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PREFILL_PLACEMENTS)}, got {placement!r}")
     rate = 1.0 / float(prof.prefill_per_token)  # tokens/s, the same on every replica
     # service times as plain floats: the loop below asks for them tens of thousands of times
     step_of = [float(v) for v in prof.step_seconds(np.arange(max_batch + 1))]

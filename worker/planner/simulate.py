@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.planner.profile import Profile
 from disagg.worker.planner.workload import Requests
 
@@ -79,7 +80,9 @@ def _round_robin(values: np.ndarray, replicas: int) -> list[np.ndarray]:
     return [np.arange(r, len(values), replicas) for r in range(replicas)]
 
 
-def disaggregated(prof: Profile, req: Requests, prefill: int, decode: int, max_batch: int = 64) -> Outcome:
+def disaggregated(
+    prof: Profile, req: Requests, prefill: int, decode: int, max_batch: int = EngineArgs.max_num_seqs
+) -> Outcome:
     service = prof.prefill_seconds(req.prompt)
     free = [0.0] * prefill
     done = np.empty(len(req))
@@ -149,7 +152,11 @@ def _colocated_replica(prof: Profile, arrival, prompt, output, context, max_batc
 
 
 def colocated(
-    prof: Profile, req: Requests, replicas: int, max_batch: int = 64, chunk_tokens: int = 2048
+    prof: Profile,
+    req: Requests,
+    replicas: int,
+    max_batch: int = EngineArgs.max_num_seqs,
+    chunk_tokens: int = EngineArgs.max_num_batched_tokens,
 ) -> Outcome:
     first, finish = np.empty(len(req)), np.empty(len(req))
     context = decode_context(req.prompt, req.output)

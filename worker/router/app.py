@@ -25,6 +25,7 @@ from aiohttp import web
 
 from disagg.proto import worker_pb2
 from disagg.worker.engine.block_hash import block_hashes
+from disagg.worker.router.args import DEFAULT_MAX_CHOICES, RouterArgs
 from disagg.worker.router.body import read_body
 from disagg.worker.router.errors import APIError, invalid
 from disagg.worker.router.fanout import ChoiceState, Echo, plan_choices, total_usage
@@ -73,23 +74,24 @@ ARRIVAL = web.RequestKey("arrival", float)
 class RouterConfig:
     model_name: str
     max_model_len: int
-    block_size: int = 16
+    # the settings a command line gives (RouterArgs holds their defaults, help and checks)
+    block_size: int = RouterArgs.block_size
     api_keys: frozenset[str] = field(default_factory=frozenset)
-    max_queue: int = 256  # generations in flight in this router before 429
-    max_choices: int = 64  # generations one request may fan out to (n x prompts)
+    max_queue: int = RouterArgs.max_queue  # generations in flight in this router before 429
+    max_choices: int = DEFAULT_MAX_CHOICES  # generations one request may fan out to (n x prompts)
     prefill_candidates: int = 2  # the first is tried, the next one on failure
     request_timeout: float = 600.0
-    tool_call_parser: str | None = None  # how `tool_choice: auto` finds calls (router/tool_parsers.py)
+    tool_call_parser: str | None = RouterArgs.tool_call_parser  # how `tool_choice: auto` finds calls
     # Text one request may ask to tokenize (the sum over its prompts, or its messages and tools):
     # bounds the CPU one request can take; larger is a 400. Token-id prompts are bounded by the
     # context length instead (validation.check_prompt_size).
-    max_prompt_bytes: int = 1 << 20
+    max_prompt_bytes: int = RouterArgs.max_prompt_bytes
     # A request body, decoded (router/body.py): a compressed body stops inflating one byte past it.
     max_body_bytes: int = 32 << 20
     decode_attempts: int = 3  # decode workers tried for a generation before nothing was streamed
     # A prefill worker less loaded than every decode worker by more than this (in requests, as
     # `policy.decode_cost` counts them) serves a request whole; None: prefill workers only prefill.
-    prefill_overflow: float | None = None
+    prefill_overflow: float | None = RouterArgs.prefill_overflow
 
 
 def _load_fields(v: WorkerView) -> dict[str, int | float]:

@@ -55,7 +55,7 @@ def choose_prefill_site(
     remote: PrefillSite | None,
     remote_extra_s: float,
     decoding: int,
-    busy_slack: float = 2.0,
+    busy_slack: float,
 ) -> Decision:
     """Decide for one prompt. `remote_extra_s`: the transfer and hop cost for this prompt
     (`RemoteCost.seconds`); `decoding`: streams D is generating for right now."""

@@ -6,13 +6,14 @@ import asyncio
 import concurrent.futures
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from aiohttp import web
 
 from disagg.proto import worker_pb2_grpc as pb_grpc
 from disagg.worker.engine.args import EngineArgs
+from disagg.worker.serving.args import ServingArgs
 from disagg.worker.serving.auth import INSECURE, REFUSED, InternalAuth
 from disagg.worker.serving.core import WorkerCore
 from disagg.worker.serving.engine_loop import EngineLoop
@@ -27,7 +28,8 @@ log = logging.getLogger("disagg.worker")
 @dataclass
 class WorkerConfig:
     """What one worker process serves and how it joins its deployment; `engine` holds every
-    engine setting (`EngineArgs`), resolved before the process starts."""
+    engine setting (`EngineArgs`), resolved before the process starts, `serving` every serving
+    setting (`ServingArgs`)."""
 
     engine: EngineArgs
     role: str
@@ -39,13 +41,7 @@ class WorkerConfig:
     metrics_port: int = 0
     redis_url: str | None = None
     deployment: str = "default"
-    kv_transfer: str = "nixl"
-    disagg_threshold: int = 64
-    prefill_placement: str = "load"
-    disagg_busy_slack: float = 2.0
-    prefill_timeout: float = 120.0
-    lease_seconds: float = 30.0
-    drain_timeout: float = 30.0
+    serving: ServingArgs = field(default_factory=ServingArgs)
     auth: InternalAuth = INSECURE
     redis_password: str | None = None
 
@@ -87,20 +83,20 @@ def _build_transport(cfg: WorkerConfig, engine, address: str):
         **kv_storage(engine),
     )
     options = {}
-    if cfg.kv_transfer == "nixl":
+    if cfg.serving.kv_transfer == "nixl":
         from disagg.worker.kv_transfer.nixl_transport import restrict_ucx_to
 
         # UCX would otherwise listen on every interface, whatever --host says
         restrict_ucx_to(cfg.host)
-    if cfg.kv_transfer == "grpc":
+    if cfg.serving.kv_transfer == "grpc":
         options = {"advertise_address": address, "connect": cfg.auth.channel, "wrap_stub": cfg.auth.wrap}
-    transport = create_transport(cfg.kv_transfer, engine.kv_cache, layout, cfg.worker_id, **options)
+    transport = create_transport(cfg.serving.kv_transfer, engine.kv_cache, layout, cfg.worker_id, **options)
     if engine.ranks is None:
         return transport
     from disagg.worker.kv_transfer.sharded import ShardedTransport
 
     try:  # every other rank gets its own transport over its part of the cache
-        return ShardedTransport(transport, engine.ranks, cfg.kv_transfer, cfg.worker_id, cfg.host)
+        return ShardedTransport(transport, engine.ranks, cfg.serving.kv_transfer, cfg.worker_id, cfg.host)
     except BaseException:
         transport.close()
         raise
@@ -118,9 +114,7 @@ def _kv_state(cfg: WorkerConfig, address: str, metrics_url: str):
 
 
 def quarantine_seconds(cfg: WorkerConfig) -> float:
-    """How long a decode worker holds the blocks of an aborted transfer whose KV may still land:
-    longer than the prefill worker can keep writing (its Prefill call's timeout) plus a lease."""
-    return cfg.prefill_timeout + cfg.lease_seconds
+    return cfg.serving.quarantine_seconds()
 
 
 class WorkerProcess:
@@ -248,11 +242,7 @@ class WorkerProcess:
             role=self.cfg.role,
             model_name=self.cfg.model_name,
             address=self.address,
-            disagg_threshold=self.cfg.disagg_threshold,
-            prefill_placement=self.cfg.prefill_placement,
-            disagg_busy_slack=self.cfg.disagg_busy_slack,
-            prefill_timeout=self.cfg.prefill_timeout,
-            lease_seconds=self.cfg.lease_seconds,
+            args=self.cfg.serving,
             quantization=engine.model.quantization,
             dtype=str(engine.model.dtype).removeprefix("torch."),
         )
@@ -283,7 +273,7 @@ class WorkerProcess:
         print(
             f"worker {self.cfg.worker_id} ready: role={self.cfg.role} grpc={self.address} "
             f"metrics=http://{self.cfg.advertise_host}:{self.metrics_port}/metrics "
-            f"blocks={engine.num_total_blocks} kv={self.cfg.kv_transfer if holder['transport'] else 'none'}",
+            f"blocks={engine.num_total_blocks} kv={self.cfg.serving.kv_transfer if holder['transport'] else 'none'}",
             flush=True,
         )
         await self._stop.wait()
@@ -334,7 +324,7 @@ class WorkerProcess:
         """
         now = asyncio.get_running_loop().time()
         if self._drain_deadline is None:
-            self._drain_deadline = now + self.cfg.drain_timeout
+            self._drain_deadline = now + self.cfg.serving.drain_timeout
         deadline = self._drain_deadline
         while s.streams > 0 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)

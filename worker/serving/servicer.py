@@ -14,13 +14,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from disagg.proto import worker_pb2 as pb
 from disagg.proto import worker_pb2_grpc as pb_grpc
 from disagg.worker.engine.block_manager import NoFreeBlocksError
+from disagg.worker.serving.args import ServingArgs
 from disagg.worker.serving.auth import INSECURE, InternalAuth
 from disagg.worker.serving.convert import (
     error,
@@ -47,26 +48,10 @@ class ServingOptions:
     role: str  # prefill | decode | both
     model_name: str
     address: str  # our gRPC host:port as peers reach it
-    disagg_threshold: int = 64  # uncached prompt tokens below which D prefills locally
-    # "load": D prices both sites (serving/disagg_policy.py); "threshold": every prompt with at
-    # least `disagg_threshold` uncached tokens goes to a prefill worker
-    prefill_placement: str = "load"
-    # a decoding D sends a prompt away unless that delays its first token by more than this
-    # factor over a local prefill
-    disagg_busy_slack: float = 2.0
-    prefill_timeout: float = 120.0
+    args: ServingArgs = field(default_factory=ServingArgs)  # placement, timeouts, leases
     kv_wait_timeout: float = 60.0
-    lease_seconds: float = 30.0
     quantization: str = "none"  # the engine's weights, reported by Health
     dtype: str = ""
-
-    def __post_init__(self):
-        if self.prefill_placement not in ("load", "threshold"):
-            raise ValueError(f"prefill_placement must be load or threshold, got {self.prefill_placement!r}")
-        if not self.disagg_busy_slack >= 1.0:
-            raise ValueError(
-                f"disagg_busy_slack must be >= 1 (a factor over the local price), got {self.disagg_busy_slack}"
-            )
 
 
 class PrefillFailed(Exception):
@@ -339,17 +324,17 @@ class WorkerService(pb_grpc.WorkerServicer):
     ) -> tuple[bool, str]:
         """Remote or local, and why (runs on the engine loop, inside `on_loop_place`)."""
         uncached = prompt_len - cached
-        if self.opts.prefill_placement == "threshold":
-            remote = uncached >= self.opts.disagg_threshold
+        if self.opts.args.prefill_placement == "threshold":
+            remote = uncached >= self.opts.args.disagg_threshold
             return remote, "threshold" if remote else "short"
         decision = choose_prefill_site(
             uncached,
-            self.opts.disagg_threshold,
+            self.opts.args.disagg_threshold,
             local,
             PrefillSite(target.queued_prefill_tokens, target.prefill_tokens_per_s or None),
             self.remote_cost.seconds(uncached),
             decoding,
-            self.opts.disagg_busy_slack,
+            self.opts.args.disagg_busy_slack,
         )
         if decision.local_s is not None:
             log.debug(
@@ -364,7 +349,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         write finishes in its thread regardless, and a record nobody finishes would hold the
         transfer's blocks in the index until its lease ran out."""
         begin = asyncio.ensure_future(
-            self.state.begin_transfer(rid, prefill_owner, blocks, self.opts.lease_seconds, previous)
+            self.state.begin_transfer(rid, prefill_owner, blocks, self.opts.args.lease_seconds, previous)
         )
         try:
             return await asyncio.shield(begin)
@@ -490,7 +475,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 sent = time.monotonic()
                 handshakes += sent - shaking
                 attempt.in_flight = True
-                call = asyncio.ensure_future(stub.Prefill(req, timeout=self.opts.prefill_timeout))
+                call = asyncio.ensure_future(stub.Prefill(req, timeout=self.opts.args.prefill_timeout))
                 await asyncio.wait((call, attempt.landed), return_when=asyncio.FIRST_COMPLETED)
                 if attempt.committed_at is not None:
                     break  # landed and committed on the loop: the first token is on its way
@@ -577,8 +562,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def _renew_lease(self, rid: str, record: asyncio.Future) -> None:
         gen = await asyncio.shield(record)
         while True:
-            await asyncio.sleep(self.opts.lease_seconds / 3)
-            await self.state.renew_transfer(rid, gen, self.opts.lease_seconds)
+            await asyncio.sleep(self.opts.args.lease_seconds / 3)
+            await self.state.renew_transfer(rid, gen, self.opts.args.lease_seconds)
 
     async def _handshake(self, target: pb.PrefillTarget) -> None:
         # one handshake per peer at a time: concurrent requests to a new peer wait for the first

@@ -1,0 +1,74 @@
+"""`RouterArgs`: the router's serving settings (admission bounds, prompt hashing, tool calls,
+prefill overflow), each declared once with its default, help and check, like `EngineArgs`.
+
+`disagg router` generates its flags from these fields (`DISAGG_<FLAG>` gives a pod's default),
+`RouterConfig` takes its defaults from them, `disagg up` passes them on with `to_cli_args`, and
+the operator names the flags it writes into the router's pod through `cli_flag`.
+Standard library only: the operator imports it without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disagg.worker.engine.args import EngineArgs
+from disagg.worker.engine.settings import Settings, setting
+
+# how `tool_choice: auto` finds calls in the output (router/tool_parsers.py, as vLLM names them)
+TOOL_CALL_PARSERS = ("llama3_json", "hermes")
+DEFAULT_MAX_CHOICES = 64
+
+
+@dataclass
+class RouterArgs(Settings):
+    GROUP = "router"
+
+    block_size: int = setting(
+        EngineArgs.block_size,
+        "the workers' KV block size: prompts are hashed per block for prefix-aware routing",
+        minimum=1,
+    )
+    max_model_len: int | None = setting(
+        None,
+        "longest sequence (prompt + output) a request may ask for; default: the model's limit",
+        minimum=2,
+    )
+    max_queue: int = setting(
+        256, "generations in flight before answering 429 (a request with n=4 counts 4)", minimum=0
+    )
+    max_choices: int | None = setting(
+        None,
+        "most generations one request may ask for (n x number of prompts; more is a 400); "
+        f"default: {DEFAULT_MAX_CHOICES}, at most --max-queue",
+        minimum=1,
+    )
+    max_prompt_bytes: int = setting(
+        1 << 20,
+        "most bytes of prompt text (or chat message text) one request may send, summed over its "
+        "prompts; more is a 400 before any tokenizing",
+        minimum=1,
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        "the model family's tool-call format, parsed for tool_choice 'auto' (as vLLM's flag); "
+        "default: none, tool_choice 'auto' is refused",
+        choices=TOOL_CALL_PARSERS,
+    )
+    prefill_overflow: float | None = setting(
+        None,
+        "let a prefill worker with no prompt queued serve a whole request (prefill and decode) when "
+        "every decode worker is busier than it by more than this many requests; default: off",
+        minimum=0.0,
+    )
+
+    def check(self) -> None:
+        super().check()
+        if self.max_choices is not None and self.max_choices > self.max_queue:
+            # a request larger than the queue would get 429 forever
+            raise ValueError(f"max_choices ({self.max_choices}) must not exceed max_queue ({self.max_queue})")
+
+    def resolved_max_choices(self) -> int:
+        """max_choices, or by default DEFAULT_MAX_CHOICES shrunk to the queue."""
+        if self.max_choices is not None:
+            return self.max_choices
+        return max(1, min(DEFAULT_MAX_CHOICES, self.max_queue))
