@@ -157,6 +157,8 @@ def decode_step_times(
                     ratio.append(mine[-1] / (w * floor))
     out = []
     for mine, ratio in zip(times, ratios, strict=True):
+        if not mine:
+            raise ValueError(f"no decode step ran {batch} sequences at once: is max_num_seqs below {batch}?")
         mine.sort()
         ratio.sort()
         out.append(
@@ -196,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"))
     ap.add_argument("--decode-batch", type=int, default=32, help="the larger decode batch measured")
     args = ap.parse_args(argv)
+    if args.decode_batch > args.max_num_seqs:
+        ap.error(f"--decode-batch {args.decode_batch} exceeds --max-num-seqs {args.max_num_seqs}")
     baseline = (args.dtype, args.quantization, args.kv_cache_dtype) != ("float32", "none", "auto")
     if args.threads:
         torch.set_num_threads(args.threads)
