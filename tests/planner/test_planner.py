@@ -230,17 +230,46 @@ def test_plan_command_prints_the_advice(tmp_path, capsys):
         parse(["plan", "--profile", str(path), "--replicas", "1"])
 
 
-def test_the_engine_profile_measures_batches_and_the_cost_of_context(tmp_path):
-    """On the real engine (tiny model): decode steps by batch at a short context, and what a
-    long context adds to a step, which the tiny model's attention makes plain (~9x at 1000 tokens)."""
+def test_the_engine_profile_measures_batches_and_the_cost_of_context(tmp_path, monkeypatch):
+    """On the real engine (tiny model), timed by a clock that counts the work of each forward pass
+    the engine runs (its prompt tokens, its decode rows and the context those rows attend to), so
+    what is measured does not depend on the machine's load: decode steps by batch at a short
+    context, and what each further token of context adds to a step."""
+    from disagg.worker.model.runner import ModelRunner
     from disagg.worker.planner import profile as profiles
     from disagg.worker.tools.make_model import make_model
 
-    data = profiles.measure(make_model(tmp_path / "tiny", preset="tiny"), progress=lambda _m: None)
+    prefill_fixed, per_token = 2e-3, 5e-6  # a prompt's forward pass
+    step_fixed, per_row, per_context = 1e-3, 2e-5, 3e-7  # a decode step
+
+    clock = {"now": 0.0}
+    forward = ModelRunner.forward
+
+    def counted(self, batch, *args, **kwargs):
+        if batch.is_prefill:
+            clock["now"] += prefill_fixed + per_token * len(batch.input_ids)
+        else:
+            rows, context = len(batch.seq_lens), int(batch.seq_lens.sum())
+            clock["now"] += step_fixed + per_row * rows + per_context * context
+        return forward(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "forward", counted)
+    tiny = make_model(tmp_path / "tiny", preset="tiny")
+    data = profiles.measure(tiny, progress=lambda _m: None, clock=lambda: clock["now"])
     prof = Profile.from_json(data)
+    assert [tokens for tokens, _s in data["prefill_seconds_by_tokens"]] == [64, 256, 512, 1024]
+    assert prof.prefill_fixed == pytest.approx(prefill_fixed)
+    assert prof.prefill_per_token == pytest.approx(per_token)
+    # 12 steps over prompts of 32 tokens and their first token: 33 to 44 tokens of context per row
+    assert data["decode_context_tokens"] == 39
+    for batch, seconds in data["decode_step_seconds_by_batch"]:
+        assert seconds == pytest.approx(step_fixed + per_row * batch + per_context * batch * 38.5), batch
     assert [b for b, _s in data["decode_step_seconds_by_batch"]] == [1, 4, 16, 32, 64]
-    assert data["decode_context_tokens"] == 39 and prof.context_seconds_per_token > 0
-    assert prof.decode_seconds(4, 4 * 1031) > 2 * prof.decode_seconds(4, 4 * 39)
+    # the same batch of 4 over long prompts: the difference is the context alone
+    assert prof.context_seconds_per_token == pytest.approx(per_context)
+    assert prof.decode_seconds(4, 4 * 1031) - prof.decode_seconds(4, 4 * 39) == pytest.approx(
+        per_context * 4 * (1031 - 39)
+    )
     assert "per further context token" in prof.describe()
 
 

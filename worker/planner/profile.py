@@ -96,9 +96,11 @@ class Profile:
         return out
 
 
-def decode_step_seconds(engine, prompts: list[list[int]], steps: int, attempts: int = 2) -> float:
+def decode_step_seconds(
+    engine, prompts: list[list[int]], steps: int, attempts: int = 2, clock=time.perf_counter
+) -> float:
     """The fastest of `attempts` runs of `steps` decode steps over a batch of `prompts` (prefilled
-    first, outside the timing)."""
+    first, outside the timing), timed by `clock`."""
     from disagg.worker import SamplingParams
 
     runs = []
@@ -109,18 +111,24 @@ def decode_step_seconds(engine, prompts: list[list[int]], steps: int, attempts: 
         started = set()
         while len(started) < len(prompts):  # prefill every request first
             started.update(o.request_id for o in engine.step())
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(steps):
             engine.step()
-        runs.append((time.perf_counter() - t0) / steps)
+        runs.append((clock() - t0) / steps)
         for rid in ids:
             engine.abort(rid)
     return min(runs)
 
 
-def measure(model_dir: str | Path, transfer_bytes_per_second: float | None = None, progress=None) -> dict:
+def measure(
+    model_dir: str | Path,
+    transfer_bytes_per_second: float | None = None,
+    progress=None,
+    clock=time.perf_counter,
+) -> dict:
     """Prefill seconds vs prompt length and decode step seconds vs batch, on the real engine
-    (the fastest of a few runs: other processes on the machine only ever add time)."""
+    (the fastest of a few runs: other processes on the machine only ever add time), timed by
+    `clock`."""
     from disagg.worker import LLM, SamplingParams
 
     say = progress or (lambda message: print(message, file=sys.stderr, flush=True))
@@ -136,21 +144,23 @@ def measure(model_dir: str | Path, transfer_bytes_per_second: float | None = Non
     for tokens in (64, 256, 512, 1024):
         runs = []
         for _ in range(3):
-            t0 = time.perf_counter()
+            t0 = clock()
             llm.generate([prompt(tokens)], SamplingParams(max_tokens=1, ignore_eos=True))
-            runs.append(time.perf_counter() - t0)
+            runs.append(clock() - t0)
         prefill.append([tokens, min(runs)])
         say(f"  prefill {tokens:5d} tokens: {prefill[-1][1] * 1000:8.1f} ms")
     decode = []
     engine = llm.engine
     steps = 12
     for batch in (1, 4, 16, 32, 64):
-        decode.append([batch, decode_step_seconds(engine, [prompt(32) for _ in range(batch)], steps)])
+        decode.append(
+            [batch, decode_step_seconds(engine, [prompt(32) for _ in range(batch)], steps, clock=clock)]
+        )
         say(f"  decode batch {batch:3d}: {decode[-1][1] * 1000:8.1f} ms/step")
     short_context = 32 + 1 + steps / 2  # the prompt, its first token, half the measured steps
     # the same batch of 4 over long prompts: what each further token of context costs a step
     long_prompt = min(1024, engine.max_model_len - steps - 16)
-    long_step = decode_step_seconds(engine, [prompt(long_prompt) for _ in range(4)], steps)
+    long_step = decode_step_seconds(engine, [prompt(long_prompt) for _ in range(4)], steps, clock=clock)
     long_context = long_prompt + 1 + steps / 2
     per_context = max(long_step - dict(decode)[4], 0.0) / (4 * (long_context - short_context))
     say(f"  decode batch   4 at {long_context:.0f} tokens of context: {long_step * 1000:8.1f} ms/step")
