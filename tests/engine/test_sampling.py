@@ -56,8 +56,8 @@ def test_invalid_params_name_the_field(kwargs, field):
 
 
 def test_params_normalised():
-    p = SamplingParams(stop="x", top_k=-1, temperature=1e-7)
-    assert p.stop_strings == ["x"] and p.top_k == 0 and p.greedy and p.stop_token_ids == []
+    p = SamplingParams(stop="x", top_k=0, temperature=1e-7)
+    assert p.stop_strings == ["x"] and p.top_k == -1 and p.greedy and p.stop_token_ids == []
     assert SamplingParams(stop=["ab", "abcd"]).max_stop_len == 4
     assert SamplingParams(max_tokens=None).max_tokens is None
 

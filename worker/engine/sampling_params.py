@@ -14,7 +14,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: no top-k
+    top_k: int = -1  # -1: no top-k, as in the API and on the wire (0 is taken as -1, as vLLM does)
     min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -41,8 +41,8 @@ class SamplingParams:
         else:
             self.stop_strings = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
-            self.top_k = 0
+        if self.top_k == 0:
+            self.top_k = -1
         # near-zero temperatures sample like greedy; treat them as greedy to avoid inf/nan
         if self.temperature < _EPS:
             self.temperature = 0.0
@@ -61,7 +61,7 @@ class SamplingParams:
         need(is_int(self.n) and self.n == 1, "n", "1 (one completion per request)")
         need(is_num(self.temperature) and self.temperature >= 0, "temperature", ">= 0")
         need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
-        need(is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", "-1, 0 (off) or >= 1")
+        need(is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", "-1 (off) or >= 1")
         need(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
         need(self.seed is None or is_int(self.seed), "seed", "an integer or None")
         need(
