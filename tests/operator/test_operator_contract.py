@@ -332,7 +332,7 @@ def test_worker_containers_parse_with_the_real_cli(example, variant, role, tmp_p
 
     cfg, read_later = _worker_config(args, tmp_path, env)
     assert cfg.engine.dtype == (idep.spec.model.dtype if idep.spec.model.dtype != "auto" else "bfloat16")
-    assert cfg.drain_timeout == args.drain_timeout
+    assert cfg.serving.drain_timeout == args.drain_timeout
     assert cfg.engine.gpu_memory_utilization == pytest.approx(r.memory_fraction)
     assert cfg.worker_id == POD_NAME and cfg.role == role
     _check_redis_url(cfg.redis_url, idep, kids, cfg.redis_password)

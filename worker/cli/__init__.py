@@ -8,6 +8,7 @@ Each sub-command lives in its own module exposing `add_arguments(parser)` and
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import importlib.util
 import sys
@@ -34,9 +35,16 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         unset = action.default is None or action.default is argparse.SUPPRESS or action.default in ("", [])
-        if "default" in text or unset or not action.option_strings or action.nargs == 0:
+        switch = action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction)
+        if "default" in text or unset or switch or not action.option_strings:
             return text
         return f"{text} (default: %(default)s)".lstrip()
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._get_help_string(action):  # argparse prints no line for no help
+            action = copy.copy(action)
+            action.help = self._get_help_string(action)
+        return super()._format_action(action)
 
 
 def _available() -> dict[str, tuple[str, str]]:
