@@ -58,7 +58,7 @@ def test_batched_prompts_and_n_are_parsed():
         ({"prompt": "x", "n": 2, "best_of": 1}, "best_of", "greater than or equal to n"),
         ({"prompt": "x", "n": 2, "best_of": 4}, "best_of", "not supported"),
         ({"prompt": "x", "best_of": 2}, "best_of", "not supported"),
-        ({"prompt": "x", "seed": 2**63}, "seed", "64-bit"),
+        ({"prompt": "x", "seed": 2**63}, "seed", "<= 9223372036854775807"),
     ],
 )
 def test_batch_refusals_name_the_field(body, param, words):
