@@ -10,9 +10,11 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import inspect  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
@@ -94,3 +96,89 @@ def secure_redis(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis-secure"), password=f"planted-{secrets.token_hex(8)}")
     yield server
     server.stop()
+
+
+# ---- the e2e marker ------------------------------------------------------------------------------
+# A test is `e2e` when it starts processes: a serving Cluster (router and workers), a redis-server,
+# `disagg up`, tensor-parallel ranks, a transfer peer, a compiler or a fresh interpreter. It is
+# found from the code the test runs, not marked by hand: the test function, every fixture it
+# uses (directly or through other fixtures), and the functions and classes of tests/ those call,
+# searched for a name that starts a process. `make test-fast` runs the tests without the marker.
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# names (globals, attributes) whose use starts a process
+PROCESS_NAMES = frozenset(
+    {
+        "subprocess",  # subprocess.run / Popen: redis-server, the product's commands, cc, python -c
+        "Popen",
+        "create_subprocess_exec",
+        "create_subprocess_shell",
+        "get_context",  # multiprocessing.get_context("spawn"): the transfer peers
+    }
+)
+# keyword arguments that start processes: an engine of two or more ranks starts its rank processes
+PROCESS_KEYWORDS = frozenset({"tensor_parallel_size"})
+
+
+def _codes_of(obj) -> list:
+    """The code objects of a function (unwrapped), or of every method of a class."""
+    obj = getattr(obj, "__wrapped__", obj)
+    if isinstance(obj, type):
+        return [c for v in vars(obj).values() for c in _codes_of(v)]
+    if isinstance(obj, staticmethod | classmethod):
+        obj = obj.__func__
+    code = getattr(obj, "__code__", None)
+    return [(code, obj.__globals__)] if code is not None else []
+
+
+def _in_tests(obj) -> bool:
+    path = getattr(getattr(obj, "__code__", None), "co_filename", None)
+    if path is None:
+        module = sys.modules.get(getattr(obj, "__module__", None) or "")
+        path = getattr(module, "__file__", None)
+    return bool(path) and os.path.abspath(path).startswith(TESTS_DIR + os.sep)
+
+
+def starts_processes(objs, seen: set | None = None) -> bool:
+    """Whether any of `objs` (functions, classes), or a helper of tests/ they name, uses a name of
+    PROCESS_NAMES or passes a keyword of PROCESS_KEYWORDS."""
+    seen = set() if seen is None else seen
+    todo = [pair for obj in objs for pair in _codes_of(obj)]
+    while todo:
+        code, scope = todo.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        keywords = set()
+        for const in code.co_consts:
+            if hasattr(const, "co_code"):  # a nested function, lambda or comprehension
+                todo.append((const, scope))
+            elif isinstance(const, tuple):  # a call's keyword names, a dict literal's keys
+                keywords.update(c for c in const if isinstance(c, str))
+        if PROCESS_NAMES.intersection(code.co_names) or PROCESS_KEYWORDS & keywords:
+            return True
+        for name in code.co_names:
+            helper = scope.get(name)
+            if (
+                helper is not None
+                and (inspect.isfunction(helper) or inspect.isclass(helper))
+                and _in_tests(helper)
+            ):
+                todo.extend(_codes_of(helper))
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    verdicts: dict = {}  # one verdict per test function or fixture function
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        fixtures = [d.func for defs in info.name2fixturedefs.values() for d in defs] if info else []
+        for func in [getattr(item, "function", None), *(f for f in fixtures if _in_tests(f))]:
+            if func is None:
+                continue
+            if func not in verdicts:
+                verdicts[func] = starts_processes([func])
+            if verdicts[func]:
+                item.add_marker(pytest.mark.e2e)
+                break
