@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import signal
 
 import pytest
 import torch
@@ -65,10 +66,39 @@ def test_trained_preset_recipe_is_a_distinct_checkpoint(tmp_path, monkeypatch):
     ).read_text()
 
 
+class StallGuard:
+    """Fails the test when `seconds` pass without a progress report: a hang, not a slow machine,
+    since every report (a tenth of the training steps) grants the next one the same time. Stands in
+    for pytest-timeout's limit on the whole test, which a loaded machine exceeded while training."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.reports = seconds, []
+
+    def _stalled(self, _signum, _frame):
+        pytest.fail(f"no progress for {self.seconds} s after {self.reports[-1:] or 'the start'}")
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGALRM, self._stalled)
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def __call__(self, message: str) -> None:
+        self.reports.append(message)
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+
+    def __exit__(self, *exc):
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, self.previous)
+
+
 @pytest.mark.slow
-def test_the_demo_model_writes_the_corpus_words(tmp_path):
-    # the draft-sized preset: the same recipe at a quarter of the training cost
-    path = mm.make_model(tmp_path / "draft", preset="tiny-trained-draft")
+@pytest.mark.timeout(0)  # the stall guard instead
+def test_the_demo_model_writes_the_corpus_words(tmp_path, one_torch_thread):
+    # the draft-sized preset: the same recipe at a quarter of the training cost; one torch thread,
+    # as the engine tests run (spinning intra-op threads made a loaded machine many times slower)
+    with StallGuard(300) as progress:
+        path = mm.make_model(tmp_path / "draft", preset="tiny-trained-draft", progress=progress)
+    assert sum("training step" in m for m in progress.reports) == 10
     llm = LLM(path, dtype="float32")
     words = {w.lower() for line in mm.training_corpus(0) for w in re.findall(r"[A-Za-z]+", line)}
     for prompt in ("The engineer", "A small robot"):
