@@ -10,7 +10,7 @@ TORCH := torch==2.13.0
 # from the repository root; safe-path mode keeps the working directory off sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install redis compiler kernels proto test lint bench bench-transfer bench-serve bench-autoscale bench-kernels gpu-wheels gpu-check demo serve clean
+.PHONY: install redis compiler kernels proto test test-fast lint bench bench-transfer bench-serve bench-autoscale bench-kernels gpu-wheels gpu-check demo serve clean
 
 install: $(STAMP) redis compiler proto kernels
 
@@ -53,8 +53,14 @@ kernels: $(STAMP) compiler
 proto: $(STAMP)
 	$(PY) -m disagg.proto.build
 
+# Everything, with the 25 slowest tests listed at the end.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
+
+# The tests that run in this process only: no worker/router clusters, redis-server or other
+# subprocesses (tests that start one are marked e2e by tests/conftest.py).
+test-fast: install
+	$(PY) -m pytest -q -m "not e2e and not cluster" --durations=10
 
 lint: install
 	$(VENV)/bin/ruff check .
