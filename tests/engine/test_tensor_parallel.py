@@ -5,6 +5,7 @@ instead of hanging it."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -82,11 +83,11 @@ def test_a_killed_rank_fails_the_next_step(tiny_llama_dir, one_torch_thread):
         engine.step()
         os.kill(engine.ranks.procs[0].pid, signal.SIGKILL)
         engine.ranks.procs[0].wait(10)
-        start = time.monotonic()
-        with pytest.raises(RankFailedError, match="rank 1"):
+        # found by the rank's exit, not by a collective's timeout ("... within <timeout>")
+        with pytest.raises(RankFailedError, match="rank 1") as failed:
             while engine.has_unfinished():
                 engine.step()
-        assert time.monotonic() - start < 10
+        assert "exited" in str(failed.value) and "within" not in str(failed.value)
     finally:
         engine.close()
 
@@ -105,10 +106,9 @@ def test_a_rank_killed_inside_a_collective_fails_the_step(tiny_llama_dir, one_to
             os.kill(ranks.procs[0].pid, signal.SIGKILL)
 
         ranks.send = send_then_kill
-        start = time.monotonic()
-        with pytest.raises(RankFailedError):
+        with pytest.raises(RankFailedError) as failed:  # the closed connection, not a timeout
             engine.step()
-        assert time.monotonic() - start < 30
+        assert not re.search(r"within|timed? ?out", str(failed.value), re.IGNORECASE), failed.value
     finally:
         engine.close()
 

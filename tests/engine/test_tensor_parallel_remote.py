@@ -83,11 +83,10 @@ def test_a_lost_follower_fails_the_next_step(tiny_llama_dir, one_torch_thread):
             engine.step()
             follower.send_signal(signal.SIGKILL)  # its rank dies with it (parent-death signal)
             follower.wait(10)
-            start = time.monotonic()
-            with pytest.raises(RankFailedError, match="rank 1 \\(on 127.0.0.1\\)"):
+            with pytest.raises(RankFailedError, match="rank 1 \\(on 127.0.0.1\\)") as failed:
                 while engine.has_unfinished():
                     engine.step()
-            assert time.monotonic() - start < 30
+            assert "within" not in str(failed.value)  # its connection closed: no timeout waited for
         finally:
             engine.close()
     finally:

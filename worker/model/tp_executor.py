@@ -44,6 +44,8 @@ from disagg.worker.model.tp_join import (
 )
 
 log = logging.getLogger(__name__)
+# after a failed step, how long to look for a rank whose exit explains it before naming none
+DEAD_RANK_GRACE_SECONDS = 2.0
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
 DEFAULT_JOIN_TIMEOUT = timedelta(seconds=600)  # ranks on other hosts: their pods may start later
@@ -369,11 +371,18 @@ class RankProcesses:
             except OSError as exc:
                 raise RankFailedError(f"tensor-parallel rank {rank} is unreachable: {exc}") from exc
 
-    def check_alive(self) -> None:
+    def check_alive(self, grace: float = 0.0) -> None:
         """Raise RankFailedError if any rank has exited (with what it reported, if anything): a
         child that exited, a rank from another host whose connection closed or that reported an
-        error."""
-        self._check_alive()
+        error. With `grace`, look again until that many seconds passed: a collective fails on a
+        dying peer's reset before its exit or closed connection shows."""
+        deadline = time.monotonic() + grace
+        while True:
+            self._check_alive()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            time.sleep(min(remaining, 0.05))
 
     def _check_alive(self) -> None:
         if self._closed:
@@ -431,7 +440,9 @@ class TensorParallelRunner:
             self.failure = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, RankFailedError):
                 raise
-            self.ranks.check_alive()  # a dead rank is the likeliest cause: name it
+            self.ranks.check_alive(
+                grace=DEAD_RANK_GRACE_SECONDS
+            )  # a dead rank is the likeliest cause: name it
             raise RankFailedError(f"a tensor-parallel step failed on rank 0: {self.failure}") from exc
 
     def close(self) -> None:
