@@ -7,7 +7,6 @@ ends once Redis resumes."""
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import redis
@@ -20,7 +19,7 @@ pytestmark = pytest.mark.timeout(180)
 
 # Redis holds every write this long: less than the state link's 2 s call timeout, so the record's
 # write and finish complete once it resumes (a timed-out write would leave its record to the lease)
-PAUSE_MS = 1800
+PAUSE_MS = 120_000  # longer than the Generate call's deadline: only an unpause ends it
 
 
 @pytest.fixture(scope="module")
@@ -61,19 +60,16 @@ def test_first_token_does_not_wait_for_redis_writes(cluster, redis_server):
     client = redis.Redis.from_url(redis_server.url)
     client.execute_command("CLIENT", "PAUSE", PAUSE_MS, "WRITE")
     try:
-        began = time.monotonic()
         stream = _generate(cluster, "stalled", prompt)
-        first = next(stream)
-        waited = time.monotonic() - began
+        first = next(stream)  # while Redis still refuses writes: it comes only if it waits for none
         rest = list(stream)
     finally:
         client.execute_command("CLIENT", "UNPAUSE")
 
     assert not first.error.code, first.error
     assert first.served_by.disaggregated and first.served_by.prefill_worker == "prefill-0", first
-    # A record written before the Prefill call would hold the first token until Redis resumed
-    # (the whole pause); the tiny model's remote prefill takes a small fraction of it.
-    assert waited < PAUSE_MS / 2000, f"first token after {waited:.2f} s of a {PAUSE_MS} ms Redis write stall"
+    # A record written before the Prefill call would hold the first token until Redis resumed,
+    # after the Generate call's deadline: the stream would have ended with an error instead.
     tokens = [t for m in [first, *rest] for t in m.token_ids]
     assert tokens == [t for m in reference for t in m.token_ids]
     # the record was written and finished once Redis resumed: none is left, nor any block
