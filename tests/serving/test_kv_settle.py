@@ -119,7 +119,7 @@ def _idle(core) -> None:
 
 
 def test_prefill_aborted_while_sending_keeps_its_blocks_and_answers_after_the_sends(engine):
-    from disagg.worker.serving.core import PrefillJob
+    from disagg.worker.serving.prefill_job import PrefillError, PrefillJob
 
     t = _transport(engine.kv_cache)
     core = _core(engine, t, "prefill")
@@ -130,21 +130,21 @@ def test_prefill_aborted_while_sending_keeps_its_blocks_and_answers_after_the_se
         core.step()
     assert t.posted and all(h.state == PENDING for h in t.posted)
     core.on_loop_abort("r:1:0")  # D gave up on a slow transfer
-    core.poll_sender()
+    core.sender.poll()
     core.refresh_load()
     # the posted writes still read these blocks and may still land on D: no notice, no answer
     assert core.load["pinned_blocks"] == 3 and core.load["free_blocks"] < core.load["total_blocks"]
     assert t.kinds("r:1:0") == [pb.KVNotice.FINAL] and answers == []
     for h in t.posted:
         h.succeed()
-    assert not core.poll_sender()
+    assert not core.sender.poll()
     assert t.kinds("r:1:0") == [pb.KVNotice.FINAL, pb.KVNotice.ABORT]
-    assert answers == [{"error": ("prefill_failed", "aborted by the decode worker")}]
+    assert answers == [PrefillError("prefill_failed", "aborted by the decode worker")]
     _idle(core)
 
 
 def test_an_abort_before_its_prefill_arrives_refuses_the_prefill_so_not_found_means_settled(engine):
-    from disagg.worker.serving.core import PrefillJob
+    from disagg.worker.serving.prefill_job import PrefillError, PrefillJob
 
     t = _transport(engine.kv_cache)
     core = _core(engine, t, "prefill")
@@ -153,7 +153,7 @@ def test_an_abort_before_its_prefill_arrives_refuses_the_prefill_so_not_found_me
     answers = []
     job = PrefillJob("r:1:0", "r", "decode-0", list(range(3)), 0, answers.append)
     core.on_loop_prefill(job, _prompt(40, 2), SamplingParams(max_tokens=1), 0.0)
-    assert answers == [{"error": ("prefill_failed", "aborted by the decode worker before it started")}]
+    assert answers == [PrefillError("prefill_failed", "aborted by the decode worker before it started")]
     assert not engine.has_unfinished() and t.posted == []
     # a dropped prefill whose sends have not settled is still "found": its ABORT notice follows
     job = PrefillJob("s:1:0", "s", "decode-0", list(range(3)), 0, answers.append)
@@ -163,7 +163,7 @@ def test_an_abort_before_its_prefill_arrives_refuses_the_prefill_so_not_found_me
     assert core.on_loop_abort("s:1:0") is True and core.on_loop_abort("s:1:0") is True
     for h in t.posted:
         h.succeed()
-    core.poll_sender()
+    core.sender.poll()
     assert core.on_loop_abort("s:1:0") is False  # settled and released: nothing more will land
     _idle(core)
 
@@ -178,7 +178,7 @@ def _land(t: HeldTransport, transfer_id: str) -> None:
 
 
 def _finish(core, engine, rid: str, outs: list) -> None:
-    assert core.on_loop_commit(rid, 7, None)
+    assert core.receiver.commit(rid, 7, None)
     while engine.has_unfinished():
         core.step()
     assert outs[-1].finished
@@ -189,15 +189,15 @@ def test_failed_attempt_that_has_not_settled_is_quarantined_and_the_retry_gets_f
     prompt = _prompt(40, 2)
     params = SamplingParams(max_tokens=3, temperature=0)
     outs, reasons = [], []
-    dst = core.on_loop_reserve("r", prompt, params, outs.append)
-    assert core.on_loop_expect_kv("r:1:0", "r", reasons.append, dst.fresh_block_ids)
+    dst = core.receiver.reserve("r", prompt, params, outs.append)
+    assert core.receiver.expect("r:1:0", "r", reasons.append, dst.fresh_block_ids)
     # the Prefill call timed out and P did not answer the Abort: it may still write into dst
-    assert core.on_loop_end_attempt("r:1:0", sender_settled=False)
-    retry = core.on_loop_rereserve("r", prompt, params)
+    assert core.receiver.end_attempt("r:1:0", sender_settled=False)
+    retry = core.receiver.rereserve("r", prompt, params)
     assert not set(retry.fresh_block_ids) & set(dst.fresh_block_ids)
-    assert core.on_loop_expect_kv("r:2:1", "r", reasons.append, retry.fresh_block_ids)
+    assert core.receiver.expect("r:2:1", "r", reasons.append, retry.fresh_block_ids)
     _land(t, "r:2:1")
-    assert core.poll_receiver()  # the quarantine still holds the first attempt's blocks
+    assert core.receiver.poll()  # the quarantine still holds the first attempt's blocks
     assert reasons == [None]
     _finish(core, engine, "r", outs)
     core.refresh_load()
@@ -205,7 +205,7 @@ def test_failed_attempt_that_has_not_settled_is_quarantined_and_the_retry_gets_f
     assert core.metrics.kv_quarantined._value.get() >= 1
     # the slow P's abort notice (sent once its writes settled) ends the quarantine
     t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.ABORT, request_id="r:1:0", reason="cancelled"))
-    assert not core.poll_receiver()
+    assert not core.receiver.poll()
     _idle(core)
 
 
@@ -214,9 +214,9 @@ def test_all_attempts_failed_the_local_prefill_reuses_the_id_while_blocks_stay_q
     prompt = _prompt(40, 3)
     params = SamplingParams(max_tokens=3, temperature=0)
     outs = []
-    dst = core.on_loop_reserve("r", prompt, params, outs.append)
-    core.on_loop_expect_kv("r:1:0", "r", lambda _r: None, dst.fresh_block_ids)
-    assert core.on_loop_end_attempt("r:1:0", sender_settled=False)
+    dst = core.receiver.reserve("r", prompt, params, outs.append)
+    core.receiver.expect("r:1:0", "r", lambda _r: None, dst.fresh_block_ids)
+    assert core.receiver.end_attempt("r:1:0", sender_settled=False)
     core.on_loop_abort("r")  # every attempt failed: the request prefills locally, same id
     core.on_loop_add("r", prompt, params, outs.append, 0.0)
     while engine.has_unfinished():
@@ -227,9 +227,9 @@ def test_all_attempts_failed_the_local_prefill_reuses_the_id_while_blocks_stay_q
     # a failure that is no abort notice (a stall) does not say the writes stopped
     t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.PART, request_id="r:1:0", bytes=1))
     t.tracker.fail_sender("p", "disconnect: peer removed")
-    assert core.poll_receiver() and engine.block_manager.pinned("quarantine:r:1:0")
-    core.quarantined["r:1:0"] = 0.0  # the quarantine deadline passed
-    assert not core.poll_receiver()
+    assert core.receiver.poll() and engine.block_manager.pinned("quarantine:r:1:0")
+    core.receiver.quarantined["r:1:0"] = 0.0  # the quarantine deadline passed
+    assert not core.receiver.poll()
     _idle(core)
 
 
@@ -237,15 +237,15 @@ def test_a_settled_attempt_retries_into_the_same_blocks(engine):
     t, core = _decode(engine)
     prompt = _prompt(40, 4)
     outs, reasons = [], []
-    dst = core.on_loop_reserve("r", prompt, SamplingParams(max_tokens=2), outs.append)
-    core.on_loop_expect_kv("r:1:0", "r", reasons.append, dst.fresh_block_ids)
+    dst = core.receiver.reserve("r", prompt, SamplingParams(max_tokens=2), outs.append)
+    core.receiver.expect("r:1:0", "r", reasons.append, dst.fresh_block_ids)
     t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.ABORT, request_id="r:1:0", reason="KV send failed"))
-    core.poll_receiver()
+    core.receiver.poll()
     assert reasons == ["aborted: KV send failed"]
-    assert not core.on_loop_end_attempt("r:1:0", sender_settled=False)  # its notice settled it
-    core.on_loop_expect_kv("r:2:1", "r", reasons.append, dst.fresh_block_ids)
-    assert not core.on_loop_end_attempt("r:2:1", sender_settled=True)  # P answered: settled
-    assert not core.quarantined
+    assert not core.receiver.end_attempt("r:1:0", sender_settled=False)  # its notice settled it
+    core.receiver.expect("r:2:1", "r", reasons.append, dst.fresh_block_ids)
+    assert not core.receiver.end_attempt("r:2:1", sender_settled=True)  # P answered: settled
+    assert not core.receiver.quarantined
     core.on_loop_abort("r")
     _idle(core)
 
@@ -255,30 +255,30 @@ def test_client_gone_quarantines_the_transfer_not_the_request_id(engine):
     prompt = _prompt(40, 5)
     params = SamplingParams(max_tokens=2, temperature=0)
     outs, reasons = [], []
-    dst = core.on_loop_reserve("r", prompt, params, outs.append)
-    core.on_loop_expect_kv("r:1:0", "r", reasons.append, dst.fresh_block_ids)
+    dst = core.receiver.reserve("r", prompt, params, outs.append)
+    core.receiver.expect("r:1:0", "r", reasons.append, dst.fresh_block_ids)
     assert core.on_loop_abort("r")
     assert reasons == ["aborted"] and outs == [None]
-    assert not core.on_loop_end_attempt("r:1:0", sender_settled=False)  # already quarantined
+    assert not core.receiver.end_attempt("r:1:0", sender_settled=False)  # already quarantined
     # the same id may come back (a replayed request) while the blocks are held
-    again = core.on_loop_reserve("r", prompt, params, outs.append)
+    again = core.receiver.reserve("r", prompt, params, outs.append)
     assert not set(again.fresh_block_ids) & set(dst.fresh_block_ids)
     core.on_loop_abort("r")
     _land(t, "r:1:0")  # the late transfer completes: the quarantine ends
-    assert not core.poll_receiver()
+    assert not core.receiver.poll()
     _idle(core)
 
 
 def test_client_gone_then_the_sender_says_nothing_will_land_ends_the_quarantine(engine):
     t, core = _decode(engine)
     outs, reasons = [], []
-    dst = core.on_loop_reserve("r", _prompt(40, 6), SamplingParams(max_tokens=2), outs.append)
-    core.on_loop_expect_kv("r:1:0", "r", reasons.append, dst.fresh_block_ids)
+    dst = core.receiver.reserve("r", _prompt(40, 6), SamplingParams(max_tokens=2), outs.append)
+    core.receiver.expect("r:1:0", "r", reasons.append, dst.fresh_block_ids)
     assert core.on_loop_abort("r")  # the client went away first: the blocks are held
     assert engine.block_manager.pinned("quarantine:r:1:0")
     # then P answered the attempt's Abort with "not found": it never started, and refuses it now
-    assert not core.on_loop_end_attempt("r:1:0", sender_settled=True)
-    assert not core.poll_receiver()
+    assert not core.receiver.end_attempt("r:1:0", sender_settled=True)
+    assert not core.receiver.poll()
     _idle(core)
 
 
@@ -289,62 +289,62 @@ def test_a_landed_transfer_carrying_its_first_token_is_committed_on_the_loop(eng
     t, core = _decode(engine)
     params = SamplingParams(max_tokens=3, temperature=0)
     events, outs = [], []
-    dst = core.on_loop_reserve("r", _prompt(40, 7), params, outs.append)
-    core.on_loop_expect_kv("r:1:0", "r", lambda r: events.append(("landed", r)), dst.fresh_block_ids,
+    dst = core.receiver.reserve("r", _prompt(40, 7), params, outs.append)
+    core.receiver.expect("r:1:0", "r", lambda r: events.append(("landed", r)), dst.fresh_block_ids,
                            lambda at: events.append(("committed", outs[:])))  # fmt: skip
     t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.FINAL, request_id="r:1:0", parts=0, first_token=9))
-    core.poll_receiver()
+    core.receiver.poll()
     # committed first, with the first token already handed to the stream; then the wait ends
     assert [e[0] for e in events] == ["committed", "landed"] and events[1][1] is None
     assert [o.new_token_ids for o in events[0][1]] == [[9]]
-    assert "r" not in core.reserved and engine.num_running == 1
-    assert not core.on_loop_commit("r", 9, None)  # nothing left for the answer's path to commit
+    assert "r" not in core.receiver.reserved and engine.num_running == 1
+    assert not core.receiver.commit("r", 9, None)  # nothing left for the answer's path to commit
     while engine.has_unfinished():
         core.step()
     assert outs[-1].finished and outs[-1].outputs[0].token_ids[0] == 9
 
     committed = []
     # no token in the FINAL (an older or tensor-parallel sender): the answer's path commits
-    dst = core.on_loop_reserve("s", _prompt(40, 8), params, outs.append)
-    core.on_loop_expect_kv("s:1:0", "s", events.append, dst.fresh_block_ids, committed.append)
+    dst = core.receiver.reserve("s", _prompt(40, 8), params, outs.append)
+    core.receiver.expect("s:1:0", "s", events.append, dst.fresh_block_ids, committed.append)
     _land(t, "s:1:0")
-    core.poll_receiver()
-    assert committed == [] and events[-1] is None and "s" in core.reserved
+    core.receiver.poll()
+    assert committed == [] and events[-1] is None and "s" in core.receiver.reserved
     _finish(core, engine, "s", outs)
     # logprobs asked: no callback, the token in the FINAL is not used
-    dst = core.on_loop_reserve("u", _prompt(40, 9), params, outs.append)
-    core.on_loop_expect_kv("u:1:0", "u", events.append, dst.fresh_block_ids)
+    dst = core.receiver.reserve("u", _prompt(40, 9), params, outs.append)
+    core.receiver.expect("u:1:0", "u", events.append, dst.fresh_block_ids)
     t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.FINAL, request_id="u:1:0", parts=0, first_token=9))
-    core.poll_receiver()
-    assert "u" in core.reserved and events[-1] is None
+    core.receiver.poll()
+    assert "u" in core.receiver.reserved and events[-1] is None
     _finish(core, engine, "u", outs)
     # the client went away while the KV moved: the late landing ends the quarantine, commits nothing
-    dst = core.on_loop_reserve("v", _prompt(40, 10), params, outs.append)
-    core.on_loop_expect_kv("v:1:0", "v", events.append, dst.fresh_block_ids, committed.append)
+    dst = core.receiver.reserve("v", _prompt(40, 10), params, outs.append)
+    core.receiver.expect("v:1:0", "v", events.append, dst.fresh_block_ids, committed.append)
     assert core.on_loop_abort("v")
     t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.FINAL, request_id="v:1:0", parts=0, first_token=9))
-    assert not core.poll_receiver()
+    assert not core.receiver.poll()
     assert committed == [] and not engine.has_unfinished()
     assert t._first_tokens == {}  # taken or dropped with each transfer
     # the asyncio side may hand back an event (its first message written): the loop waits for it,
     # a bounded time, before it steps again
-    from disagg.worker.serving import core as core_module
+    from disagg.worker.serving import kv_receiver
 
     never = threading.Event()
-    dst = core.on_loop_reserve("w", _prompt(40, 14), params, outs.append)
-    core.on_loop_expect_kv("w:1:0", "w", events.append, dst.fresh_block_ids, lambda _at: never)
+    dst = core.receiver.reserve("w", _prompt(40, 14), params, outs.append)
+    core.receiver.expect("w:1:0", "w", events.append, dst.fresh_block_ids, lambda _at: never)
     t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.FINAL, request_id="w:1:0", parts=0, first_token=9))
     started = time.monotonic()
-    core.poll_receiver()
-    assert time.monotonic() - started >= core_module.FIRST_TOKEN_HANDOFF_SECONDS
-    assert "w" not in core.reserved and events[-1] is None
+    core.receiver.poll()
+    assert time.monotonic() - started >= kv_receiver.FIRST_TOKEN_HANDOFF_SECONDS
+    assert "w" not in core.receiver.reserved and events[-1] is None
     while engine.has_unfinished():
         core.step()
     _idle(core)
 
 
 def test_the_prefill_side_puts_the_sampled_token_in_its_final_notice(engine):
-    from disagg.worker.serving.core import PrefillJob
+    from disagg.worker.serving.prefill_job import PrefillJob
 
     t = _transport(engine.kv_cache)
     core = _core(engine, t, "prefill")
@@ -357,8 +357,8 @@ def test_the_prefill_side_puts_the_sampled_token_in_its_final_notice(engine):
     assert len(final) == 1 and final[0].HasField("first_token") and final[0].first_token == job.token_id
     for h in t.posted:
         h.succeed()
-    core.poll_sender()
-    assert answers[0]["token_id"] == final[0].first_token
+    core.sender.poll()
+    assert answers[0].token_id == final[0].first_token
     # what a receiver does with it: held until taken, once; dropped when the transfer fails
     t._on_notice("p", final[0])
     assert t.take_first_token("r:1:0") == job.token_id and t.take_first_token("r:1:0") is None
@@ -369,20 +369,20 @@ def test_the_prefill_side_puts_the_sampled_token_in_its_final_notice(engine):
 
 
 def test_a_transfer_whose_final_came_is_polled_soon_until_its_parts_land(engine):
-    from disagg.worker.serving.core import PrefillJob
     from disagg.worker.serving.engine_loop import SOON
+    from disagg.worker.serving.prefill_job import PrefillJob
 
     t, core = _decode(engine)
-    dst = core.on_loop_reserve("r", _prompt(40, 12), SamplingParams(max_tokens=2), [].append)
-    core.on_loop_expect_kv("r:1:0", "r", lambda _r: None, dst.fresh_block_ids)
-    assert core.poll_receiver() is True  # awaiting: polled, at the plain rate
+    dst = core.receiver.reserve("r", _prompt(40, 12), SamplingParams(max_tokens=2), [].append)
+    core.receiver.expect("r:1:0", "r", lambda _r: None, dst.fresh_block_ids)
+    assert core.receiver.poll() is True  # awaiting: polled, at the plain rate
     t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.FINAL, request_id="r:1:0", parts=2))
-    assert core.poll_receiver() == SOON  # two parts still landing
+    assert core.receiver.poll() == SOON  # two parts still landing
     assert not t.tracker.finishing(now=time.monotonic() + 1.0)  # a sender gone quiet is not "soon"
     for _ in range(2):
         t._on_notice("p", pb.KVNotice(kind=pb.KVNotice.PART, request_id="r:1:0", bytes=1))
-    assert core.poll_receiver() is False and not t.finishing()
-    assert core.on_loop_commit("r", 7, None)
+    assert core.receiver.poll() is False and not t.finishing()
+    assert core.receiver.commit("r", 7, None)
     while engine.has_unfinished():
         core.step()
 
@@ -393,12 +393,12 @@ def test_a_transfer_whose_final_came_is_polled_soon_until_its_parts_land(engine)
     prefill.on_loop_prefill(job, _prompt(40, 13), SamplingParams(max_tokens=1), 0.0)
     while job.state == "prefilling":
         prefill.step()
-    assert prefill.poll_sender() == SOON
+    assert prefill.sender.poll() == SOON
     job.prefilled_at -= 1.0
-    assert prefill.poll_sender() is True
+    assert prefill.sender.poll() is True
     for h in p.posted:
         h.succeed()
-    assert prefill.poll_sender() is False
+    assert prefill.sender.poll() is False
     _idle(prefill)
 
 
@@ -441,7 +441,7 @@ def _sharded():
 
 
 def test_tensor_parallel_receiver_reads_an_abort_only_once_every_rank_settled():
-    from disagg.worker.serving.core import settles
+    from disagg.worker.serving.kv_receiver import settles
 
     local, ranks, t = _sharded()
     t.accept("t", [2, 3])
@@ -462,7 +462,7 @@ def test_tensor_parallel_receiver_reads_an_abort_only_once_every_rank_settled():
 
 
 def test_an_abort_from_one_of_several_sending_ranks_settles_only_with_the_others():
-    from disagg.worker.serving.core import settles
+    from disagg.worker.serving.kv_receiver import settles
 
     t = _transport()
     abort = pb.KVNotice(kind=pb.KVNotice.ABORT, request_id="t", reason="x", senders=3)
@@ -507,7 +507,7 @@ def _service(engine, core, state=None):
 
     loop = EngineLoop()
     loop.step_fn, loop.has_work = core.step, core.has_work
-    loop.add_poller(core.poll_receiver)
+    loop.add_poller(core.receiver.poll)
     loop.start(lambda: None).result(timeout=10)
     opts = ServingOptions("decode-0", "decode", "tiny", "127.0.0.1:1",
                           ServingArgs(disagg_threshold=1, prefill_placement="threshold"))  # fmt: skip
@@ -543,14 +543,14 @@ def test_a_stream_cancelled_while_its_remote_prefill_reserves_holds_nothing(engi
 
     t, core = _decode(engine)
     reserving, go_on = threading.Event(), threading.Event()
-    reserve = core.on_loop_reserve_expecting
+    reserve = core.receiver.reserve_expecting
 
     def slow_reserve(*args):
         reserving.set()
         go_on.wait(10)  # the cancel lands while the loop is in here
         return reserve(*args)
 
-    core.on_loop_reserve_expecting = slow_reserve
+    core.receiver.reserve_expecting = slow_reserve
     loop, service = _service(engine, core)
     request = _remote_request("r", _prompt(40, 7), "127.0.0.1:1")
 
@@ -568,7 +568,7 @@ def test_a_stream_cancelled_while_its_remote_prefill_reserves_holds_nothing(engi
     finally:
         go_on.set()
         loop.stop()
-    assert reserving.is_set() and not core.quarantined and not core.kv_waits
+    assert reserving.is_set() and not core.receiver.quarantined and not core.receiver.kv_waits
     _idle(core)
 
 
@@ -593,7 +593,7 @@ def test_a_stream_cancelled_between_attempts_finishes_its_transfer_record(engine
         cleaning.append(attempt.transfer_id)
         await asyncio.Event().wait()
 
-    service._cleanup_attempt = hung_cleanup
+    service.remote._cleanup_attempt = hung_cleanup
     request = _remote_request("r", _prompt(40, 8), _dead_address(), _dead_address())
 
     async def cancel_between_attempts():

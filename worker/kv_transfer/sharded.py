@@ -13,7 +13,7 @@ offers, so the serving code is the same for any number of ranks:
   done once every rank's sends of the transfer are done, and fails if any rank's fails.
 - receiving: `accept` / `forget` go to every rank; a transfer completes once it has landed on
   every rank, and fails as soon as it fails on one. That failure reads as an abort (nothing more
-  will land: `serving.core.settles`) only once every rank settled (completed, or aborted by all
+  will land: `serving.kv_receiver.settles`) only once every rank settled (completed, or aborted by all
   its senders): then a second failure, "aborted: on every tensor-parallel rank", says so.
 """
 

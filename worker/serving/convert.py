@@ -6,6 +6,7 @@ from disagg.proto import worker_pb2 as pb
 from disagg.worker.engine.outputs import TokenLogprob
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.engine.structured_output_params import StructuredOutputParams
+from disagg.worker.serving.prefill_job import PrefillAnswer, PrefillError
 
 
 def sampling_params(p: pb.SamplingParams, *, prefill_only: bool = False) -> SamplingParams:
@@ -97,3 +98,22 @@ def prompt_logprobs_from_proto(lps) -> list[TokenLogprob | None]:
 
 def error(code: str, message: str) -> pb.Error:
     return pb.Error(code=code, message=message)
+
+
+def prefill_response(answer: PrefillAnswer, prompt_tokens: int) -> pb.PrefillResponse:
+    """P's answer on the wire."""
+    if isinstance(answer, PrefillError):
+        return pb.PrefillResponse(error=error(answer.code, answer.message))
+    first = pb.TokenLogprob(token_id=answer.token_id)
+    if answer.logprob is not None:
+        first = logprob_to_proto(answer.logprob)
+    return pb.PrefillResponse(
+        prompt_logprobs=prompt_logprobs_to_proto(answer.prompt_logprobs or []),
+        first_token=first,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=answer.cached_tokens,
+        kv_bytes=answer.kv_bytes,
+        transfer_seconds=answer.transfer_seconds,
+        queue_seconds=answer.queue_seconds,
+        compute_seconds=answer.compute_seconds,
+    )

@@ -27,6 +27,7 @@ as before.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # An idle D goes remote only when that is cheaper than local by more than this fraction.
@@ -78,3 +79,30 @@ def choose_prefill_site(
     if remote_s <= busy_slack * local_s:
         return Decision(True, "protect_decode", local_s, remote_s)
     return Decision(False, "prefill_pool_backlogged", local_s, remote_s)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a decode worker knows of a prompt's placement before its engine loop prices the
+    local side: the prompt, the router's first prefill candidate, the cost of the trip, and the
+    placement settings (`--prefill-placement`, `--disagg-threshold`, `--disagg-busy-slack`)."""
+
+    prompt_len: int
+    remote: PrefillSite
+    remote_extra_s: Callable[[int], float]  # tokens -> transfer and hop seconds (`RemoteCost.seconds`)
+    mode: str = "load"  # load | threshold
+    threshold: int = 0
+    busy_slack: float = 1.0
+
+
+def place(p: Placement, cached_tokens: int, local: PrefillSite, decoding: int) -> Decision:
+    """Decide for one prompt once the engine loop knows its cached tokens here, this worker as a
+    prefill site and how many streams it decodes. `threshold` mode sends every prompt of
+    `threshold` uncached tokens or more away, whatever the load."""
+    uncached = p.prompt_len - cached_tokens
+    if p.mode == "threshold":
+        remote = uncached >= p.threshold
+        return Decision(remote, "threshold" if remote else "short")
+    return choose_prefill_site(
+        uncached, p.threshold, local, p.remote, p.remote_extra_s(uncached), decoding, p.busy_slack
+    )

@@ -21,6 +21,7 @@ from disagg.worker.serving.metrics import CONTENT_TYPE, ServingMetrics
 from disagg.worker.serving.servicer import ServingOptions, WorkerService
 from disagg.worker.serving.state_link import StateLink
 from disagg.worker.serving.stubs import GRPC_OPTIONS
+from disagg.worker.serving.warm_up import warm_up
 
 log = logging.getLogger("disagg.worker")
 
@@ -225,8 +226,10 @@ class WorkerProcess:
         )
         # aborted transfers' blocks stay held until no late write can come: the prefill worker
         # gives up within the prefill timeout, or its lease is reclaimed
-        core.quarantine_seconds = quarantine_seconds(self.cfg)
-        await asyncio.wrap_future(self.loop.call(core.warm_up))
+        core.receiver.quarantine_seconds = quarantine_seconds(self.cfg)
+        await asyncio.wrap_future(
+            self.loop.call(warm_up, engine, self.cfg.engine.block_size, core.prefill_rate)
+        )
         self.loop.engine = engine
         self.loop.step_fn = core.step
         self.loop.on_fatal = lambda e: self._engine_failed(core, e, aio)
@@ -234,8 +237,8 @@ class WorkerProcess:
         self.loop.on_iteration = core.refresh_load
         if engine.ranks is not None:
             self.loop.add_poller(lambda: self._watch_ranks(core, engine.ranks, aio))
-        self.loop.add_poller(core.poll_sender)
-        self.loop.add_poller(core.poll_receiver)
+        self.loop.add_poller(core.sender.poll)
+        self.loop.add_poller(core.receiver.poll)
         await asyncio.wrap_future(self.loop.call(core.refresh_load))
         opts = ServingOptions(
             worker_id=self.cfg.worker_id,
