@@ -90,7 +90,3 @@ class Children:
             for (_, ns, _), obj in self._entries.items()
             if ns == namespace and not isinstance(obj, Gone) and controller_uid(obj) == uid
         ]
-
-    def forget_owner(self, namespace: str, uid: str) -> None:
-        for k in [key(o) for o in self.owned_by(namespace, uid)]:
-            del self._entries[k]

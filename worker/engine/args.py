@@ -200,10 +200,6 @@ class EngineArgs(Settings):
         super().add_cli_args(parser, env=env, skip=() if model else ("model",), defaults=defaults)
 
 
-def setting_names() -> tuple[str, ...]:
-    return EngineArgs.names()
-
-
 def cli_flag(name: str) -> str:
     """The command-line flag of a setting; refuses names that are not settings."""
     return EngineArgs.cli_flag(name)

@@ -151,10 +151,6 @@ class KVLayout:
     def num_regions(self) -> int:
         return self.num_layers * self.num_blocks
 
-    @property
-    def total_bytes(self) -> int:
-        return self.num_regions * self.block_bytes
-
     def compat_hash(self) -> str:
         """Equal for caches whose blocks are interchangeable (num_blocks excluded: pools differ)."""
         key = "|".join(

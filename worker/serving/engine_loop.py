@@ -132,9 +132,6 @@ class EngineLoop:
         self._commands.put((fut, fn, args))
         return fut
 
-    def on_loop_thread(self) -> bool:
-        return threading.get_ident() == self.thread_id
-
     # ---- the loop -----------------------------------------------------------------------------
     def _drain(self, wait: float) -> bool:
         """Run the queued closures, waiting up to `wait` seconds for the first; True if any ran."""

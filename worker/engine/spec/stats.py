@@ -30,8 +30,3 @@ class SpecStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Accepted tokens per proposal (the bonus or correction token not counted)."""
-        return self.num_accepted / self.num_proposals if self.num_proposals else 0.0
