@@ -6,7 +6,7 @@ import pytest
 
 from disagg.worker.kv_state.keys import Keys, hash_key
 from disagg.worker.kv_state.prefix import PrefixMatcher, leading_matches
-from disagg.worker.kv_state.records import Reclaim, TransferRecord, WorkerInfo, allowed_sources, lease_ms
+from disagg.worker.kv_state.records import Reclaim, TransferRecord, WorkerInfo, lease_ms
 
 
 def test_keys_are_namespaced_and_share_a_cluster_slot():
@@ -22,14 +22,6 @@ def test_keys_are_namespaced_and_share_a_cluster_slot():
         hash_key(1.5)
 
 
-def test_transitions_go_forward_or_to_failed():
-    assert allowed_sources("prefilling") == ["reserved", "prefilling"]
-    assert allowed_sources("done") == ["reserved", "prefilling", "transferring", "done"]
-    assert "done" not in allowed_sources("failed")
-    with pytest.raises(ValueError, match="state"):
-        allowed_sources("lost")
-
-
 def test_lease_and_records_validate_their_fields():
     assert lease_ms(1.5) == 1500
     with pytest.raises(ValueError, match="lease_seconds"):
@@ -40,9 +32,8 @@ def test_lease_and_records_validate_their_fields():
                                    "heartbeat_ms": "2500"})  # fmt: skip
     assert (info.role, info.address, info.heartbeat_at) == ("decode", "h:1", 2.5)
     rec = TransferRecord.from_fields({"request_id": "r", "prefill_owner": "p", "decode_owner": "d",
-                                      "src_blocks": "[1,2]", "dst_blocks": "[3,4]", "state": "reserved",
-                                      "generation": "7", "lease_expiry_ms": "1000"})  # fmt: skip
-    assert (rec.src_blocks, rec.generation, rec.lease_expiry) == ([1, 2], 7, 1.0)
+                                      "dst_blocks": "[3,4]", "generation": "7", "lease_expiry_ms": "1000"})  # fmt: skip
+    assert (rec.dst_blocks, rec.generation, rec.lease_expiry) == ([3, 4], 7, 1.0)
     assert Reclaim.decode('{"request_id":"r","generation":3,"reason":"x","blocks":[5]}') == ("r", [5], 3, "x")
 
 

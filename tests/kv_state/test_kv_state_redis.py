@@ -8,7 +8,6 @@ import time
 import pytest
 
 from disagg.worker.kv_state import (
-    InvalidTransition,
     KVState,
     RedisUnavailable,
     StaleGeneration,
@@ -53,61 +52,57 @@ def test_registry_lists_live_workers_and_drops_them_by_ttl(make_state):
 
 def test_transfer_lifecycle_with_generation_fencing(make_state):
     d = make_state("d0")
-    gen = d.begin_transfer("r1", "p0", "d0", [], [4, 5], lease_seconds=30)
+    gen = d.begin_transfer("r1", "p0", "d0", [4, 5], lease_seconds=30)
     with pytest.raises(TransferExists):
-        d.begin_transfer("r1", "p0", "d0", [], [4, 5], lease_seconds=30)
-    d.update("r1", gen, "prefilling", src_blocks=[1, 2])
+        d.begin_transfer("r1", "p0", "d0", [4, 5], lease_seconds=30)
     rec = d.get_transfer("r1")
-    assert (rec.state, rec.src_blocks, rec.dst_blocks, rec.generation) == ("prefilling", [1, 2], [4, 5], gen)
-    with pytest.raises(InvalidTransition, match="from 'prefilling' to 'reserved'"):
-        d.update("r1", gen, "reserved")
+    assert (rec.prefill_owner, rec.dst_blocks, rec.generation) == ("p0", [4, 5], gen)
     # D gives the transfer to another prefill worker: the old generation is fenced off.
-    gen2 = d.reassign("r1", gen, "p1", [7, 8], lease_seconds=30)
-    assert gen2 > gen
+    gen2 = d.reassign("r1", gen, "p1", lease_seconds=30)
+    assert gen2 > gen and d.get_transfer("r1").prefill_owner == "p1"
     with pytest.raises(StaleGeneration):
         d.ensure_generation("r1", gen)
     with pytest.raises(StaleGeneration):
-        d.update("r1", gen, "transferring")
+        d.renew("r1", gen, lease_seconds=30)
     d.ensure_generation("r1", gen2)
-    d.update("r1", gen2, "transferring")
-    d.update("r1", gen2, "done")
+    d.renew("r1", gen2, lease_seconds=30)
     d.finish("r1", gen2)
     assert d.get_transfer("r1") is None
     with pytest.raises(TransferGone):
         d.finish("r1", gen2)
-    # The replaced owner is told to free its source blocks.
+    # a reassignment frees nothing: the replaced prefill worker drops its job when D aborts it
     p0 = make_state("p0", "prefill", register=False)
-    assert [(r.request_id, r.blocks, r.reason) for r in p0.drain_reclaims()] == [("r1", [1, 2], "reassigned")]
+    assert p0.drain_reclaims() == []
 
 
 def test_generations_never_repeat_for_a_reused_request_id(make_state):
     d = make_state("d0")
-    g1 = d.begin_transfer("r", "p0", "d0", [1], [2], 30)
+    g1 = d.begin_transfer("r", "p0", "d0", [2], 30)
     d.finish("r", g1)
-    g2 = d.begin_transfer("r", "p0", "d0", [1], [2], 30)
+    g2 = d.begin_transfer("r", "p0", "d0", [2], 30)
     assert g2 > g1
     with pytest.raises(StaleGeneration):
         d.finish("r", g1)
 
 
-def test_expired_lease_is_reaped_and_reclaimed_by_each_owner_exactly_once(make_state):
+def test_expired_lease_is_reaped_and_reclaimed_by_its_decode_worker_exactly_once(make_state):
     d = make_state("d0")
     p = make_state("p0", "prefill")
     now = time.time()
-    gen = d.begin_transfer("r1", "p0", "d0", [1, 2], [8, 9], lease_seconds=5, now=now)
-    d.begin_transfer("r2", "p0", "d0", [3], [4], lease_seconds=60, now=now)
+    gen = d.begin_transfer("r1", "p0", "d0", [8, 9], lease_seconds=5, now=now)
+    d.begin_transfer("r2", "p0", "d0", [4], lease_seconds=60, now=now)
     assert d.reap(now=now + 1).expired_transfers == []
     d.renew("r1", gen, lease_seconds=5, now=now + 4)  # pushed to now + 9
     assert d.reap(now=now + 6).expired_transfers == []
     report = p.reap(now=now + 10)
-    assert report.expired_transfers == ["r1"] and report.reclaims_queued == 2
+    assert report.expired_transfers == ["r1"] and report.reclaims_queued == 1
     assert d.get_transfer("r1") is None and d.get_transfer("r2") is not None
     with pytest.raises(TransferGone):
         d.ensure_generation("r1", gen)  # the late owner must not touch the blocks
-    assert [(r.request_id, r.blocks, r.reason) for r in p.drain_reclaims()] == [
-        ("r1", [1, 2], "lease_expired")
+    # the decode worker reserved the blocks: it reclaims them; the prefill worker holds nothing
+    assert [(r.request_id, r.blocks, r.reason) for r in d.drain_reclaims()] == [
+        ("r1", [8, 9], "lease_expired")
     ]
-    assert [(r.request_id, r.blocks) for r in d.drain_reclaims()] == [("r1", [8, 9])]
     assert p.drain_reclaims() == [] and d.drain_reclaims() == []
     assert p.reap(now=now + 10).expired_transfers == []
 
@@ -117,7 +112,7 @@ def test_concurrent_reapers_settle_each_transfer_once(make_state):
     p = make_state("p0", "prefill")
     now = time.time()
     for i in range(200):
-        d.begin_transfer(f"r{i}", "p0", "d0", [i], [1000 + i], lease_seconds=1, now=now)
+        d.begin_transfer(f"r{i}", "p0", "d0", [1000 + i], lease_seconds=1, now=now)
     reapers = [make_state(f"x{i}", register=False) for i in range(4)]
     reports = [None] * len(reapers)
 
@@ -131,7 +126,7 @@ def test_concurrent_reapers_settle_each_transfer_once(make_state):
         t.join(30)
     reaped = [r for rep in reports for r in rep.expired_transfers]
     assert sorted(reaped) == sorted(f"r{i}" for i in range(200))  # each by exactly one reaper
-    assert sorted(b for r in p.drain_reclaims() for b in r.blocks) == list(range(200))
+    assert p.drain_reclaims() == []
     assert sorted(b for r in d.drain_reclaims() for b in r.blocks) == list(range(1000, 1200))
 
 
@@ -158,7 +153,7 @@ def test_prefix_index_longest_match_and_dead_worker_cleanup(make_state):
 def test_a_restarted_worker_starts_with_a_clean_slate(make_state, redis_url):
     old = make_state("p0", "prefill")
     old.publish_blocks([1, 2])
-    gen = old.begin_transfer("r", "p0", "d0", [1], [2], lease_seconds=1, now=time.time())
+    gen = old.begin_transfer("r", "p1", "p0", [2], lease_seconds=1, now=time.time())
     old.reap(now=time.time() + 5)  # queues a reclaim for p0 that the old process never drained
     new = KVState(redis_url, "test", "p0")
     try:
@@ -179,7 +174,7 @@ def test_redis_restart_fails_cleanly_then_recovers_and_republishes(make_state, r
     redis_server.stop()
     try:
         for call in (lambda: w.heartbeat(WorkerLoad()), lambda: w.match_prefix(held), w.drain_reclaims,
-                     lambda: w.begin_transfer("r", "w0", "d0", [1], [2], 30), w.reap):  # fmt: skip
+                     lambda: w.begin_transfer("r", "w0", "d0", [2], 30), w.reap):  # fmt: skip
             with pytest.raises(RedisUnavailable):  # an error, never a hang that would stall serving
                 call()
         assert not w.available and w.link.outages == 1  # one outage, logged once

@@ -626,7 +626,7 @@ def _populate(url: str, deployment: str, password: str) -> set[bytes]:
     try:
         state.register(WorkerInfo(id="w1", role="prefill", address="10.0.0.1:50051", model="tiny"))
         state.publish_blocks([1, 2, 3])
-        state.begin_transfer("req-1", "w1", "w2", [1, 2], [3, 4], lease_seconds=30)
+        state.begin_transfer("req-1", "w1", "w2", [3, 4], lease_seconds=30)
     finally:
         state.close()
     client = redis.Redis.from_url(url, password=password)

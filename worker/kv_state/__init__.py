@@ -2,7 +2,6 @@
 leases and generation fencing, the prefix index, and the reaper. See state.KVState."""
 
 from disagg.worker.kv_state.errors import (
-    InvalidTransition,
     KVStateError,
     RedisUnavailable,
     StaleGeneration,
@@ -10,7 +9,6 @@ from disagg.worker.kv_state.errors import (
     TransferGone,
 )
 from disagg.worker.kv_state.records import (
-    STATES,
     HeartbeatResult,
     ReapReport,
     Reclaim,
@@ -21,7 +19,7 @@ from disagg.worker.kv_state.records import (
 from disagg.worker.kv_state.state import KVState
 
 __all__ = [
-    "STATES", "HeartbeatResult", "InvalidTransition", "KVState", "KVStateError", "ReapReport", "Reclaim",
+    "HeartbeatResult", "KVState", "KVStateError", "ReapReport", "Reclaim",
     "RedisUnavailable", "StaleGeneration", "TransferExists", "TransferGone", "TransferRecord", "WorkerInfo",
     "WorkerLoad",
 ]  # fmt: skip

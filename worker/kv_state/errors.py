@@ -21,7 +21,3 @@ class TransferGone(StaleGeneration):
 
 class TransferExists(KVStateError):
     """A transfer record with this id is already in flight."""
-
-
-class InvalidTransition(KVStateError):
-    """The requested state change is not allowed from the record's current state."""

@@ -1,4 +1,4 @@
-"""What KVState stores, as plain data with its Redis encoding, and the transfer state machine."""
+"""What KVState stores, as plain data with its Redis encoding."""
 
 from __future__ import annotations
 
@@ -7,21 +7,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 ROLES = ("prefill", "decode", "both")
-
-RESERVED, PREFILLING, TRANSFERRING, DONE, FAILED = "reserved", "prefilling", "transferring", "done", "failed"
-STATES = (RESERVED, PREFILLING, TRANSFERRING, DONE, FAILED)
-_ORDER = {RESERVED: 0, PREFILLING: 1, TRANSFERRING: 2, DONE: 3}
-
-
-def allowed_sources(target: str) -> list[str]:
-    """States a record may move to `target` from: forward along reserved -> prefilling ->
-    transferring -> done (steps may be skipped, e.g. a prefix hit), or to failed from any live
-    state. Repeating the current state is allowed (a retried call is harmless)."""
-    if target not in STATES:
-        raise ValueError(f"state: unknown state {target!r} (one of {', '.join(STATES)})")
-    if target == FAILED:
-        return [RESERVED, PREFILLING, TRANSFERRING, FAILED]
-    return [s for s, rank in _ORDER.items() if rank <= _ORDER[target]]
 
 
 def lease_ms(lease_seconds: float) -> int:
@@ -86,12 +71,15 @@ class WorkerInfo:
 
 @dataclass
 class TransferRecord:
+    """A remote prefill in flight: the decode worker's blocks it writes, leased. The record is
+    a lease and a fence, not a progress report: while its lease lives the reaper leaves the
+    blocks alone; each attempt (a new prefill owner) takes a new generation, so a prefill worker
+    acting on an older attempt is refused. Its progress lives on the two workers."""
+
     request_id: str
     prefill_owner: str
     decode_owner: str
-    src_blocks: list[int]
     dst_blocks: list[int]
-    state: str
     generation: int
     lease_expiry: float  # seconds since the epoch, Redis clock
 
@@ -99,8 +87,7 @@ class TransferRecord:
     def from_fields(cls, fields: dict[str, str]) -> TransferRecord:
         return cls(
             request_id=fields["request_id"], prefill_owner=fields["prefill_owner"],
-            decode_owner=fields["decode_owner"], src_blocks=json.loads(fields["src_blocks"]),
-            dst_blocks=json.loads(fields["dst_blocks"]), state=fields["state"],
+            decode_owner=fields["decode_owner"], dst_blocks=json.loads(fields["dst_blocks"]),
             generation=int(fields["generation"]), lease_expiry=int(fields["lease_expiry_ms"]) / 1000,
         )  # fmt: skip
 

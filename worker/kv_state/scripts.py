@@ -40,71 +40,52 @@ return 1
 """
 )
 
-# KEYS: transfer, leases, generation; ARGV: request_id, prefill_owner, decode_owner, src_json,
-# dst_json, lease_ms, now -> {generation, expiry_ms} or {-1, 0} when the record exists
+# KEYS: transfer, leases, generation; ARGV: request_id, prefill_owner, decode_owner, dst_json,
+# lease_ms, now -> {generation, expiry_ms} or {-1, 0} when the record exists
 BEGIN_TRANSFER = (
     _NOW
     + """
 if redis.call('EXISTS', KEYS[1]) == 1 then return {-1, 0} end
-local now = now_ms(ARGV[7])
+local now = now_ms(ARGV[6])
 local gen = redis.call('INCR', KEYS[3])
-local expiry = now + tonumber(ARGV[6])
+local expiry = now + tonumber(ARGV[5])
 redis.call('HSET', KEYS[1], 'request_id', ARGV[1], 'prefill_owner', ARGV[2], 'decode_owner', ARGV[3],
-           'src_blocks', ARGV[4], 'dst_blocks', ARGV[5], 'state', 'reserved', 'generation', gen,
-           'lease_expiry_ms', expiry, 'created_ms', now)
+           'dst_blocks', ARGV[4], 'generation', gen, 'lease_expiry_ms', expiry, 'created_ms', now)
 redis.call('ZADD', KEYS[2], expiry, ARGV[1])
 return {gen, expiry}
 """
 )
 
-# Checks the caller's generation, then applies what is given.
-# KEYS: transfer, leases; ARGV: generation, new_state ('' = keep), allowed sources (comma list),
-# src_json ('' = keep), lease_ms (-1 = keep), now, request_id
-# -> {'ok', expiry} | {'gone', 0} | {'stale', current} | {'bad', current_state}
-UPDATE_TRANSFER = (
+# Checks the caller's generation, then pushes the lease out.
+# KEYS: transfer, leases; ARGV: generation, lease_ms, now, request_id
+# -> {'ok', expiry} | {'gone', 0} | {'stale', current}
+RENEW_TRANSFER = (
     _NOW
     + """
-local rec = redis.call('HMGET', KEYS[1], 'generation', 'state', 'lease_expiry_ms')
-if not rec[1] then return {'gone', 0} end
-if rec[1] ~= ARGV[1] then return {'stale', rec[1]} end
-if ARGV[2] ~= '' then
-  local ok = false
-  for s in string.gmatch(ARGV[3], '[^,]+') do if s == rec[2] then ok = true end end
-  if not ok then return {'bad', rec[2]} end
-  redis.call('HSET', KEYS[1], 'state', ARGV[2])
-end
-if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'src_blocks', ARGV[4]) end
-local expiry = tonumber(rec[3])
-if tonumber(ARGV[5]) >= 0 then
-  expiry = now_ms(ARGV[6]) + tonumber(ARGV[5])
-  redis.call('HSET', KEYS[1], 'lease_expiry_ms', expiry)
-  redis.call('ZADD', KEYS[2], expiry, ARGV[7])
-end
+local gen = redis.call('HGET', KEYS[1], 'generation')
+if not gen then return {'gone', 0} end
+if gen ~= ARGV[1] then return {'stale', gen} end
+local expiry = now_ms(ARGV[3]) + tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], 'lease_expiry_ms', expiry)
+redis.call('ZADD', KEYS[2], expiry, ARGV[4])
 return {'ok', expiry}
 """
 )
 
-# A new prefill owner takes over: generation bumped, the old owner told to free its source blocks.
-# KEYS: transfer, leases, generation; ARGV: generation, new_prefill_owner, src_json, lease_ms, now,
-# request_id, reclaims_prefix, reclaim_ttl_ms -> {'ok', new_generation} | {'gone', 0} | {'stale', current}
+# A new prefill owner takes over: generation bumped, so the old owner's Prefill is refused.
+# KEYS: transfer, leases, generation; ARGV: generation, new_prefill_owner, lease_ms, now, request_id
+# -> {'ok', new_generation} | {'gone', 0} | {'stale', current}
 REASSIGN = (
     _NOW
     + """
-local rec = redis.call('HMGET', KEYS[1], 'generation', 'prefill_owner', 'src_blocks')
-if not rec[1] then return {'gone', 0} end
-if rec[1] ~= ARGV[1] then return {'stale', rec[1]} end
-if rec[2] ~= '' and rec[3] ~= '[]' then
-  local entry = cjson.encode({request_id = ARGV[6], generation = tonumber(rec[1]), reason = 'reassigned'})
-  entry = string.sub(entry, 1, -2) .. ',"blocks":' .. rec[3] .. '}'
-  redis.call('RPUSH', ARGV[7] .. rec[2], entry)
-  redis.call('PEXPIRE', ARGV[7] .. rec[2], ARGV[8])
-end
-local gen = redis.call('INCR', KEYS[3])
-local expiry = now_ms(ARGV[5]) + tonumber(ARGV[4])
-redis.call('HSET', KEYS[1], 'generation', gen, 'prefill_owner', ARGV[2], 'src_blocks', ARGV[3],
-           'state', 'reserved', 'lease_expiry_ms', expiry)
-redis.call('ZADD', KEYS[2], expiry, ARGV[6])
-return {'ok', gen}
+local gen = redis.call('HGET', KEYS[1], 'generation')
+if not gen then return {'gone', 0} end
+if gen ~= ARGV[1] then return {'stale', gen} end
+local new = redis.call('INCR', KEYS[3])
+local expiry = now_ms(ARGV[4]) + tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], 'generation', new, 'prefill_owner', ARGV[2], 'lease_expiry_ms', expiry)
+redis.call('ZADD', KEYS[2], expiry, ARGV[5])
+return {'ok', new}
 """
 )
 
@@ -118,8 +99,10 @@ redis.call('ZREM', KEYS[2], ARGV[2])
 return 'ok'
 """
 
-# Reap one transfer if its lease is still expired: delete it and queue its blocks for both owners.
-# Two reapers racing on the same id: the second finds no lease entry and does nothing.
+# Reap one transfer if its lease is still expired: delete it and queue its blocks for the decode
+# worker that reserved them (a prefill worker learns of an abandoned transfer from its Prefill call,
+# cancelled when the decode worker goes away). Two reapers racing on the same id: the second finds
+# no lease entry and does nothing.
 # KEYS: transfer, leases; ARGV: request_id, now, reclaims_prefix, reclaim_ttl_ms -> reclaims queued, or -1
 REAP_TRANSFER = (
     _NOW
@@ -128,20 +111,14 @@ local score = redis.call('ZSCORE', KEYS[2], ARGV[1])
 if not score then return -1 end
 if tonumber(score) > now_ms(ARGV[2]) then return -1 end
 redis.call('ZREM', KEYS[2], ARGV[1])
-local rec = redis.call('HMGET', KEYS[1], 'generation', 'prefill_owner', 'src_blocks', 'decode_owner', 'dst_blocks')
+local rec = redis.call('HMGET', KEYS[1], 'generation', 'decode_owner', 'dst_blocks')
 redis.call('DEL', KEYS[1])
-if not rec[1] then return 0 end
-local queued = 0
-for _, side in ipairs({{rec[2], rec[3]}, {rec[4], rec[5]}}) do
-  if side[1] and side[1] ~= '' and side[2] ~= '[]' then
-    local entry = cjson.encode({request_id = ARGV[1], generation = tonumber(rec[1]), reason = 'lease_expired'})
-    entry = string.sub(entry, 1, -2) .. ',"blocks":' .. side[2] .. '}'
-    redis.call('RPUSH', ARGV[3] .. side[1], entry)
-    redis.call('PEXPIRE', ARGV[3] .. side[1], ARGV[4])
-    queued = queued + 1
-  end
-end
-return queued
+if not rec[1] or not rec[2] or rec[2] == '' or rec[3] == '[]' then return 0 end
+local entry = cjson.encode({request_id = ARGV[1], generation = tonumber(rec[1]), reason = 'lease_expired'})
+entry = string.sub(entry, 1, -2) .. ',"blocks":' .. rec[3] .. '}'
+redis.call('RPUSH', ARGV[3] .. rec[2], entry)
+redis.call('PEXPIRE', ARGV[3] .. rec[2], ARGV[4])
+return 1
 """
 )
 

@@ -13,19 +13,17 @@ import logging
 from collections.abc import Callable, Iterable
 
 from disagg.worker.kv_state import scripts
-from disagg.worker.kv_state.errors import InvalidTransition, StaleGeneration, TransferExists, TransferGone
+from disagg.worker.kv_state.errors import StaleGeneration, TransferExists, TransferGone
 from disagg.worker.kv_state.keys import Keys, check_name, hash_key
 from disagg.worker.kv_state.link import RedisLink
 from disagg.worker.kv_state.prefix import PrefixMatcher
 from disagg.worker.kv_state.records import (
-    FAILED,
     HeartbeatResult,
     ReapReport,
     Reclaim,
     TransferRecord,
     WorkerInfo,
     WorkerLoad,
-    allowed_sources,
     block_list,
     lease_ms,
 )
@@ -66,7 +64,7 @@ class KVState:
         self._info: WorkerInfo | None = None
         client = self.link.client
         self._s = {name: client.register_script(getattr(scripts, name)) for name in (
-            "HEARTBEAT", "REGISTER", "BEGIN_TRANSFER", "UPDATE_TRANSFER", "REASSIGN", "FINISH_TRANSFER",
+            "HEARTBEAT", "REGISTER", "BEGIN_TRANSFER", "RENEW_TRANSFER", "REASSIGN", "FINISH_TRANSFER",
             "REAP_TRANSFER", "DROP_WORKER_INDEX", "DRAIN",
         )}  # fmt: skip
 
@@ -153,79 +151,54 @@ class KVState:
         request_id: str,
         prefill_owner: str,
         decode_owner: str,
-        src_blocks: Iterable[int],
         dst_blocks: Iterable[int],
         lease_seconds: float,
         now: float | None = None,
     ) -> int:
-        """Create the record in state "reserved"; return its generation (fencing token).
-        src_blocks may be empty until the prefill worker knows them (see `update`)."""
+        """Create the record of a transfer into `dst_blocks`; return its generation (fencing token)."""
         if not request_id:
             raise ValueError("request_id: must be non-empty")
         check_name("decode_owner", decode_owner)
         if prefill_owner:
             check_name("prefill_owner", prefill_owner)
-        src, dst = block_list("src_blocks", src_blocks), block_list("dst_blocks", dst_blocks)
+        dst = block_list("dst_blocks", dst_blocks)
         gen, _ = self.link.run("begin_transfer", lambda c: self._s["BEGIN_TRANSFER"](
             keys=[self.keys.transfer(request_id), self.keys.leases, self.keys.generation],
-            args=[request_id, prefill_owner, decode_owner, json.dumps(src), json.dumps(dst),
-                  lease_ms(lease_seconds), _now_arg(now)], client=c,
+            args=[request_id, prefill_owner, decode_owner, json.dumps(dst), lease_ms(lease_seconds),
+                  _now_arg(now)], client=c,
         ))  # fmt: skip
         if gen < 0:
             raise TransferExists(f"transfer {request_id!r} is already in flight")
         return int(gen)
 
-    def update(
-        self,
-        request_id: str,
-        generation: int,
-        state: str | None = None,
-        *,
-        src_blocks: Iterable[int] | None = None,
-        lease_seconds: float | None = None,
-        now: float | None = None,
-    ) -> float:
-        """Fenced change: move to `state`, record the source blocks, and/or renew the lease.
-        Returns the lease expiry (epoch seconds). Raises StaleGeneration / TransferGone /
-        InvalidTransition."""
-        sources = ",".join(allowed_sources(state)) if state else ""
-        src = "" if src_blocks is None else json.dumps(block_list("src_blocks", src_blocks))
-        lease = -1 if lease_seconds is None else lease_ms(lease_seconds)
-        status, value = self.link.run("update_transfer", lambda c: self._s["UPDATE_TRANSFER"](
-            keys=[self.keys.transfer(request_id), self.keys.leases],
-            args=[int(generation), state or "", sources, src, lease, _now_arg(now), request_id], client=c,
-        ))  # fmt: skip
-        self._raise_for(status, value, request_id, generation, state)
-        return int(value) / 1000
-
     def renew(
         self, request_id: str, generation: int, lease_seconds: float, now: float | None = None
     ) -> float:
-        return self.update(request_id, generation, lease_seconds=lease_seconds, now=now)
-
-    def fail(self, request_id: str, generation: int) -> None:
-        self.update(request_id, generation, FAILED)
+        """Fenced lease renewal; returns the new expiry (epoch seconds). Raises StaleGeneration /
+        TransferGone."""
+        status, value = self.link.run("renew_transfer", lambda c: self._s["RENEW_TRANSFER"](
+            keys=[self.keys.transfer(request_id), self.keys.leases],
+            args=[int(generation), lease_ms(lease_seconds), _now_arg(now), request_id], client=c,
+        ))  # fmt: skip
+        self._raise_for(status, value, request_id, generation)
+        return int(value) / 1000
 
     def reassign(
         self,
         request_id: str,
         generation: int,
         prefill_owner: str,
-        src_blocks: Iterable[int] = (),
         lease_seconds: float = 30.0,
         now: float | None = None,
     ) -> int:
         """Hand the transfer to another prefill worker: returns the new generation (the old
-        owner's writes are refused from now on) and queues the old owner's source blocks for it
-        to free."""
+        owner's Prefill is refused from now on)."""
         check_name("prefill_owner", prefill_owner)
-        src = json.dumps(block_list("src_blocks", src_blocks))
         status, value = self.link.run("reassign", lambda c: self._s["REASSIGN"](
             keys=[self.keys.transfer(request_id), self.keys.leases, self.keys.generation],
-            args=[int(generation), prefill_owner, src, lease_ms(lease_seconds), _now_arg(now), request_id,
-                  self.keys.reclaims_prefix, RECLAIM_TTL_MS], client=c,
+            args=[int(generation), prefill_owner, lease_ms(lease_seconds), _now_arg(now), request_id], client=c,
         ))  # fmt: skip
-        self._raise_for(status, value, request_id, generation, None)
+        self._raise_for(status, value, request_id, generation)
         return int(value)
 
     def finish(self, request_id: str, generation: int) -> None:
@@ -234,21 +207,21 @@ class KVState:
         status = self.link.run("finish_transfer", lambda c: self._s["FINISH_TRANSFER"](
             keys=[self.keys.transfer(request_id), self.keys.leases], args=[int(generation), request_id], client=c,
         ))  # fmt: skip
-        self._raise_for(status, None, request_id, generation, None)
+        self._raise_for(status, None, request_id, generation)
 
     def ensure_generation(self, request_id: str, generation: int) -> None:
         """Raise unless `generation` is the record's current one (call before touching blocks)."""
         current = self.link.run("ensure_generation",
                                 lambda c: c.hget(self.keys.transfer(request_id), "generation"))  # fmt: skip
         self._raise_for("gone" if current is None else "ok" if int(current) == int(generation) else "stale",
-                        current, request_id, generation, None)  # fmt: skip
+                        current, request_id, generation)  # fmt: skip
 
     def get_transfer(self, request_id: str) -> TransferRecord | None:
         fields = self.link.run("get_transfer", lambda c: c.hgetall(self.keys.transfer(request_id)))
         return TransferRecord.from_fields(fields) if fields else None
 
     @staticmethod
-    def _raise_for(status, value, request_id, generation, state) -> None:
+    def _raise_for(status, value, request_id, generation) -> None:
         if status == "ok":
             return
         if status == "gone":
@@ -257,8 +230,6 @@ class KVState:
             raise StaleGeneration(
                 f"transfer {request_id!r}: generation {generation} is stale (current {value})"
             )
-        if status == "bad":
-            raise InvalidTransition(f"transfer {request_id!r}: cannot move from {value!r} to {state!r}")
         raise RuntimeError(f"unexpected script result {status!r}")
 
     # ---- reclaims ----------------------------------------------------------------------------
@@ -339,7 +310,7 @@ class KVState:
     # ---- reaper ------------------------------------------------------------------------------
     def reap(self, now: float | None = None) -> ReapReport:
         """Reclaim what dead peers left: transfers past their lease are deleted and their blocks
-        queued for both owners; index entries of workers whose registry entry expired are dropped.
+        queued for their decode worker; index entries of workers whose registry entry expired are dropped.
         Any worker may run it at any time; concurrent runs settle each item exactly once."""
         report = ReapReport()
         now_arg = _now_arg(now)

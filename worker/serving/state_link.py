@@ -150,7 +150,6 @@ class StateLink:
                     request_id,
                     prefill_owner=prefill_owner,
                     decode_owner=self.info.id,
-                    src_blocks=[],
                     dst_blocks=list(dst_blocks),
                     lease_seconds=lease,
                 )
