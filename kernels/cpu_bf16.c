@@ -319,3 +319,53 @@ int paged_decode_attention_bf16(const bf16 *q, int64_t q_row_stride, const bf16 
     }
     return bad ? -1 : 0;
 }
+
+/* ---- 8-bit weights through the bf16 GEMM (quantized.scaled_linear_bf16) ----
+ * The int8 weight widened to bf16 for torch's bf16 GEMM, and that GEMM's bf16 output scaled per
+ * output column into float32: each one pass over its data, vectorised by the compiler, threads
+ * over contiguous chunks. */
+
+/* dst[i] = src[i] as bf16, exactly: an int8 value needs at most 8 significant bits, which bf16
+ * has, so the top half of its float32 pattern is the value itself (no rounding). */
+void i8_to_bf16(const int8_t *src, bf16 *dst, int64_t n, int64_t num_threads) {
+    const int64_t chunk = 1 << 16, chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && chunks > 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+        for (int64_t i = c * chunk; i < end; i++) {
+            const float f = (float)src[i];
+            uint32_t bits;
+            memcpy(&bits, &f, sizeof bits);
+            dst[i] = (bf16)(bits >> 16);
+        }
+    }
+}
+
+/* The same for float8_e4m3fn bytes: at most 4 significant bits, exact in bf16 too. */
+void fp8_to_bf16(const uint8_t *src, bf16 *dst, int64_t n, int64_t num_threads) {
+    const int64_t chunk = 1 << 16, chunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && chunks > 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+        for (int64_t i = c * chunk; i < end; i++) {
+            const float f = fp8_e4m3_value(src[i]);
+            uint32_t bits;
+            memcpy(&bits, &f, sizeof bits);
+            dst[i] = (bf16)(bits >> 16);
+        }
+    }
+}
+
+/* out[r][j] = y[r][j] * scale[j] (+ bias[j]) in float32, for y [m][n] bf16. */
+void bf16_scale_cols(const bf16 *y, const float *scale, const float *bias, float *out, int64_t m, int64_t n,
+                     int64_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && m * n > 65536)
+    for (int64_t r = 0; r < m; r++) {
+        const bf16 *yr = y + r * n;
+        float *o = out + r * n;
+        if (bias)
+            for (int64_t j = 0; j < n; j++) o[j] = bf16_widen(yr[j]) * scale[j] + bias[j];
+        else
+            for (int64_t j = 0; j < n; j++) o[j] = bf16_widen(yr[j]) * scale[j];
+    }
+}

@@ -33,6 +33,9 @@ def _lib() -> ctypes.CDLL:
                 "gemv_bf16": ([p, p, p, p, i64, i64, i64, i64], None),
                 "gemv_bf16_portable": ([p, p, p, p, i64, i64, i64, i64], None),
                 "gemm_bf16w": ([p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
+                "i8_to_bf16": ([p, p, i64, i64], None),
+                "fp8_to_bf16": ([p, p, i64, i64], None),
+                "bf16_scale_cols": ([p, p, p, p, i64, i64, i64], None),
                 "add_rms_norm_bf16": ([p, p, p, p, i64, i64, f32], None),
                 "silu_and_mul_bf16": ([p, p, i64, i64], None),
                 "rotary_write_kv_bf16": ([p, i64, p, p, p, p, i64, i64, i64, i64, i64], None),
@@ -95,6 +98,38 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ):  # fmt: skip
         raise MemoryError("gemm (bf16): no memory for the widened inputs")
     return y
+
+
+def widen_8bit(weight: torch.Tensor) -> torch.Tensor:
+    """An int8 or float8_e4m3fn CPU tensor's values as bfloat16, exactly (8-bit values need at most
+    8 significant bits): `weight.to(torch.bfloat16)`, in one vectorised pass over threads."""
+    if (
+        weight.dtype not in (torch.int8, torch.float8_e4m3fn)
+        or not weight.is_contiguous()
+        or weight.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"weight: need a contiguous int8 or float8_e4m3fn CPU tensor, got {weight.dtype} {weight.device}"
+        )
+    out = torch.empty(weight.shape, dtype=torch.bfloat16)
+    fn = _lib().i8_to_bf16 if weight.dtype == torch.int8 else _lib().fp8_to_bf16
+    fn(weight.data_ptr(), out.data_ptr(), weight.numel(), torch.get_num_threads())
+    return out
+
+
+def scale_columns(y: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 `y.float() * scale (+ bias)` for bf16 y [M, N] and float32 scale (and bias) [N]: one pass."""
+    _check_bf16(y=y)
+    cpu_native.check_cpu(torch.float32, scale=scale, **({} if bias is None else {"bias": bias}))
+    (m, n) = y.shape
+    if scale.shape != (n,) or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"y {tuple(y.shape)}, scale {tuple(scale.shape)}: shapes do not match")
+    out = torch.empty(m, n, dtype=torch.float32)
+    _lib().bf16_scale_cols(
+        y.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), m, n,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out
 
 
 def add_rms_norm(

@@ -9,12 +9,14 @@ which is what every implementation below computes.
 on CPU up to `GEMM_NATIVE_MAX_ROWS` rows (`GEMM_NATIVE_MAX_ROWS_AVX2` without AVX-512), the native
 bf16 GEMV up to `BF16_GEMV_MAX_ROWS`, beyond that the native bf16 GEMM where the CPU has no bf16
 products) or a `QuantizedWeight` and picks: for int8 and float32
-inputs on CPU, below `W8A8_MIN_ROWS` rows the native int8 GEMV (decode: reading a quarter of the
+inputs on CPU, from `BF16_PRODUCT_MIN_ROWS` rows on a CPU with bf16 products (AVX-512 BF16)
+`scaled_linear_bf16` (fp8 too: inputs rounded to bf16, the weight widened exactly, torch's bf16
+GEMM); below `W8A8_MIN_ROWS` rows the native int8 GEMV (decode: reading a quarter of the
 bytes is the point; it rounds the inputs to int16 per row, a relative 3e-5, below bfloat16's own
-rounding), from there, on a CPU with AVX-512 VNNI, W8A8 (each input row rounded to int8 with its
-own scale, integer products: the native VNNI GEMM up to `GEMM_INT8_MAX_ROWS`, else its torch twin
-`scaled_linear_w8a8_torch`) unless the caller keeps 16-bit inputs (`w8a8=False`: the same GEMM
-with rows rounded to 16 bits, else the twin as below); without VNNI the int8 GEMV up to
+rounding), from there, on a CPU with AVX-512 VNNI, the native VNNI GEMM up to `GEMM_INT8_MAX_ROWS`
+with rows rounded to 16 bits, or, if the caller asks (`w8a8=True`), W8A8 (each input row rounded
+to int8 with its own scale, integer products: that GEMM, else beyond it the torch twin
+`scaled_linear_w8a8_torch`), else the twin as below; without VNNI the int8 GEMV up to
 `GEMV_INT8_MAX_ROWS_NO_VNNI` rows (16-bit inputs at any row count); the native fp8
 GEMV (e4m3 widened in registers); the Triton scaled matmul on CUDA (fp8 and int8); else the torch
 twin (`scaled_linear_torch`: widen the weight on the fly, matmul, scale).
@@ -35,13 +37,23 @@ SCHEMES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # weight to float32 for torch's GEMM, and float32 weights too (measured here, 4096 x 768: 3x at 16
 # rows, 1.5x at 128, par at 256-512); beyond, prefill-sized products amortise the widening.
 NATIVE_MAX_ROWS = 256
-# From this many rows, int8 weights meet float32 activations as W8A8 (rows rounded to int8 with
-# their own scale, integer products; see cpu_gemm_int8.c): a batched step or a prefill chunk is
-# compute-bound, and VPDPBUSD does four times the multiply-adds of a float32 FMA. Below, the
-# W8A16 GEMV (memory-bound: the same bytes, 16-bit activations). Measured with
-# bench/small_gemm.py --int8 on this CPU (see there).
+# From this many rows, int8 weights meet float32 activations in the native VNNI GEMM
+# (cpu_gemm_int8.c: rows rounded to 16 bits, or to int8 with their own scale when the caller asks
+# for W8A8): a batched step or a prefill chunk is compute-bound, and VPDPBUSD does four times the
+# multiply-adds of a float32 FMA. Below, the W8A16 GEMV (memory-bound: the same bytes, 16-bit
+# activations). Measured with bench/small_gemm.py --int8 on this CPU (see there).
 W8A8_MIN_ROWS = 5
-# Up to this many rows the native W8A8 GEMM; beyond, the torch twin (rounded rows, widened weight).
+# From this many rows, on a CPU that multiplies bf16 in hardware (`cpu_bf16.dot_native()`), 8-bit
+# weights meet float32 inputs as W8A16 through torch's bf16 GEMM (`scaled_linear_bf16`: the weight
+# widened exactly to bf16, the inputs rounded to bf16). Two reasons. Quality: per-token int8 inputs
+# cost SmolLM2-135M +3.8% perplexity (bench/perplexity.py), bf16 inputs about what per-channel int8
+# weights with float32 inputs cost (see README). Speed: oneDNN's bf16 GEMM runs on AMX where the
+# kernel grants it, and the widening is one pass over the weight's bytes, amortised over the rows:
+# measured on SmolLM2's shapes (qkv, gate_up, down; 1 thread, Sapphire Rapids with AMX granted),
+# against the VNNI GEMM with 16-bit rows: 1.2-1.6x at 64 rows, 2.2-2.4x at 128, 4-5x at 512 (and
+# level with its W8A8 at 64, 2-2.6x at 512); below 64 the widening's fixed cost loses.
+BF16_PRODUCT_MIN_ROWS = 64
+# Up to this many rows the native VNNI GEMM; beyond, the torch twin (rounded rows, widened weight).
 GEMM_INT8_MAX_ROWS = 1024
 # fp8 widens every weight in float (no integer dot product): par with the float32 GEMM at 16 rows;
 # beyond, without AVX-512 the packed GEMM (weights widened as they are packed), with it the weight
@@ -185,16 +197,41 @@ def scaled_linear_w8a8_torch(
     return y if bias is None else y + bias
 
 
+def _bf16_product_rows(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Float32 CPU products of `BF16_PRODUCT_MIN_ROWS` rows or more on a CPU that multiplies bf16 in
+    hardware: 8-bit weights take them as `scaled_linear_bf16`."""
+    return (
+        x.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[0] >= BF16_PRODUCT_MIN_ROWS
+        and (bias is None or bias.dtype == torch.float32)
+        and not (torch.is_grad_enabled() and x.requires_grad)
+        and cpu_native.available()
+        and cpu_bf16.dot_native()
+    )
+
+
+def scaled_linear_bf16(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A16 for many rows: x [M, K] rounded to bfloat16, the weight widened exactly to bf16
+    (`cpu_bf16.widen_8bit`), torch's bf16 GEMM (oneDNN: AVX-512 BF16, AMX where the kernel grants it), the
+    bf16 product times the float32 row scales (+ bias) in float32. Only x's rounding to bf16 (a
+    relative 2^-9) and the product's differ from float32 inputs."""
+    y = F.linear(x.to(torch.bfloat16), cpu_bf16.widen_8bit(w.data))
+    return cpu_bf16.scale_columns(y, w.scale, None if bias is None else bias.contiguous())
+
+
 def linear(
     x: torch.Tensor,
     w: torch.Tensor | QuantizedWeight,
     bias: torch.Tensor | None = None,
-    w8a8: bool = True,
+    w8a8: bool = False,
 ) -> torch.Tensor:
-    """`F.linear(x, w, bias)` for a plain or a quantized weight (see the module text). `w8a8=False`
-    keeps 16-bit inputs for int8 weights (the native GEMM then rounds rows to 16 bits, at half its
-    W8A8 speed): for heavy-tailed inputs (the MLP's down projection), whose int8 grid, set by the
-    largest value, rounds the typical ones coarsely."""
+    """`F.linear(x, w, bias)` for a plain or a quantized weight (see the module text). `w8a8=True`
+    rounds the inputs of int8 products of `W8A8_MIN_ROWS` to `BF16_PRODUCT_MIN_ROWS` rows (all of
+    them where the CPU has no bf16 products) to int8 per row; by default they keep 16 bits (the
+    native GEMM rounds rows to 16 bits, at about two thirds of its W8A8 speed): an input row's int8
+    grid, set by its largest value, rounds the typical values coarsely, which costs SmolLM2-135M
+    +3.8% perplexity when every matmul does it."""
     if not isinstance(w, QuantizedWeight):
         if _native_fits(x, w, bias, torch.float32, _gemm_native_max_rows()):
             return cpu_native.gemm(x.contiguous(), w, bias)
@@ -206,6 +243,8 @@ def linear(
             return cpu_bf16.gemm(x.contiguous(), w, bias)
         return F.linear(x, w, bias)
     if x.device.type == "cpu":
+        if _bf16_product_rows(x, bias):
+            return scaled_linear_bf16(x, w, bias)
         vnni = cpu_native.available() and cpu_native.gemm_int8_is_fast()
         if w.scheme == "int8" and vnni and _w8a8_rows(x, bias):
             if x.shape[0] <= GEMM_INT8_MAX_ROWS:

@@ -46,6 +46,11 @@ def test_tied_and_untied_heads(tiny_qwen2_dir, tiny_llama_dir):
     llama, _ = load_model(tiny_llama_dir)
     assert llama.weights.lm_head is not llama.weights.embed
     assert llama.weights.layers[0].qkv_bias is None
+    # int8 quantizes a tied head into its own copy (lookups keep the table); fp8 keeps the table as the head
+    int8, _ = load_model(tiny_qwen2_dir, quantization_setting="int8")
+    assert int8.weights.lm_head.scheme == "int8" and int8.weights.embed.dtype == torch.float32
+    fp8, _ = load_model(tiny_qwen2_dir, quantization_setting="fp8")
+    assert fp8.weights.layers[0].qkv.scheme == "fp8" and fp8.weights.lm_head is fp8.weights.embed
 
 
 def test_dtype_conversion(tiny_llama_dir):

@@ -116,6 +116,45 @@ def test_linear_takes_the_bf16_gemv_up_to_its_row_limit(monkeypatch):
         assert torch.equal(quantized.linear(x, w, bias), want)
 
 
+def test_8bit_weights_widen_to_bf16_exactly(monkeypatch):
+    """Every int8 value and every finite e4m3 value is a bf16 value: widening is exact, over
+    chunks split between threads as in one thread."""
+    ints = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).repeat(700)  # > one 64 Ki chunk
+    got = cpu_bf16.widen_8bit(ints)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.float(), ints.float())
+    fp8 = torch.arange(256, dtype=torch.int16).to(torch.uint8).view(torch.float8_e4m3fn)
+    finite = fp8[~fp8.float().isnan()]
+    assert torch.equal(cpu_bf16.widen_8bit(finite.contiguous()).float(), finite.float())
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert torch.equal(cpu_bf16.widen_8bit(ints), got)
+    with pytest.raises(ValueError, match="int8 or float8_e4m3fn"):
+        cpu_bf16.widen_8bit(ints.float())
+
+
+def test_scale_columns_is_the_float32_product_with_bias():
+    g = torch.Generator().manual_seed(5)
+    y = torch.randn(37, 300, generator=g).bfloat16()
+    scale, bias = torch.rand(300, generator=g), torch.randn(300, generator=g)
+    torch.testing.assert_close(cpu_bf16.scale_columns(y, scale), y.float() * scale, rtol=0, atol=0)
+    torch.testing.assert_close(cpu_bf16.scale_columns(y, scale, bias), y.float() * scale + bias)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        cpu_bf16.scale_columns(y, scale[:7])
+
+
+def test_scaled_linear_bf16_rounds_only_inputs_and_products():
+    """W8A16 through the bf16 GEMM equals the float32 product of the bf16-rounded inputs with the
+    exact 8-bit values, up to the product's one rounding to bf16, then scaled in float32."""
+    g = torch.Generator().manual_seed(6)
+    w = quantized.QuantizedWeight(
+        torch.randint(-127, 128, (96, 200), generator=g, dtype=torch.int8), torch.rand(96, generator=g) + 0.5
+    )
+    x, bias = torch.randn(70, 200, generator=g), torch.randn(96, generator=g)
+    exact = x.bfloat16().float() @ w.data.float().T
+    got = quantized.scaled_linear_bf16(x, w, bias)
+    bound = ONE_UNIT * exact.abs() * w.scale + 1e-4
+    assert ((got - (exact * w.scale + bias)).abs() <= bound).all()
+
+
 def test_add_rms_norm_matches_float32_and_rounds_the_residual_like_torch():
     gen = torch.Generator().manual_seed(4)
     x, res, weight = _bf16(5, 97, gen=gen), _bf16(5, 97, gen=gen), _bf16(97, gen=gen)

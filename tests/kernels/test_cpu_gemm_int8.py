@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from triton_cases import case_id
 
-from disagg.kernels import cpu_native, quantized
+from disagg.kernels import cpu_bf16, cpu_native, quantized
 from disagg.kernels.quantized import QuantizedWeight, scaled_linear_torch, scaled_linear_w8a8_torch
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
@@ -118,22 +118,29 @@ def test_bad_inputs_are_refused():
         _native(x, w, input_bits=4)
 
 
-def test_linear_takes_w8a8_from_its_row_threshold(monkeypatch):
+def test_linear_takes_the_int8_gemm_from_its_row_threshold(monkeypatch):
     x, w, bias = _operands(quantized.GEMV_INT8_MAX_ROWS_NO_VNNI + 1, 40, 48, seed=3)
     low, high = quantized.W8A8_MIN_ROWS, quantized.GEMM_INT8_MAX_ROWS
     # below the threshold: the W8A16 GEMV
     assert torch.equal(
         quantized.linear(x[: low - 1], w, bias), cpu_native.gemv_int8(x[: low - 1], w.data, w.scale, bias)
     )
+    # from BF16_PRODUCT_MIN_ROWS, where the CPU multiplies bf16: the bf16 GEMM (16-bit inputs)
+    bf16_rows = quantized.BF16_PRODUCT_MIN_ROWS
+    if cpu_bf16.dot_native():
+        for rows in (bf16_rows, high + 1):
+            got = quantized.linear(x[:rows], w, bias)
+            assert torch.equal(got, quantized.scaled_linear_bf16(x[:rows], w, bias))
+    monkeypatch.setattr(cpu_bf16, "dot_native", lambda: False)
     if cpu_native.gemm_int8_is_fast():
-        for rows in (low, high):
-            assert torch.equal(quantized.linear(x[:rows], w, bias), _native(x[:rows], w, bias))
-            assert torch.equal(
-                quantized.linear(x[:rows], w, bias, w8a8=False), _native(x[:rows], w, bias, input_bits=16)
-            )
-        # beyond the native GEMM's rows: the twin, W8A8 too
+        for rows in (low, bf16_rows, high):
+            # 16-bit rows unless W8A8 is asked for
+            assert torch.equal(quantized.linear(x[:rows], w, bias), _native(x[:rows], w, bias, input_bits=16))
+            assert torch.equal(quantized.linear(x[:rows], w, bias, w8a8=True), _native(x[:rows], w, bias))
+        # beyond the native GEMM's rows: the twin, W8A8 when asked
         assert torch.equal(
-            quantized.linear(x[: high + 1], w, bias), scaled_linear_w8a8_torch(x[: high + 1], w, bias)
+            quantized.linear(x[: high + 1], w, bias, w8a8=True),
+            scaled_linear_w8a8_torch(x[: high + 1], w, bias),
         )
     # without VNNI no W8A8: the GEMV up to its row limit
     monkeypatch.setattr(cpu_native, "gemm_int8_is_fast", lambda: False)

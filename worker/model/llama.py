@@ -347,7 +347,7 @@ class LlamaForCausalLM:
             else:
                 hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
             gate_up = linear(hidden, layer.gate_up, layer.gate_up_bias)
-            hidden = self._row_linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias, w8a8=False)
+            hidden = self._row_linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
 
         # Only the wanted rows go through the final norm and the (large) vocabulary projection.
         idx = batch.logits_indices
@@ -385,11 +385,8 @@ class LlamaForCausalLM:
             return F.embedding(input_ids, self.weights.embed)
         return self.tp.embed(input_ids, self.weights.embed)
 
-    def _row_linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, w8a8: bool = True
-    ) -> torch.Tensor:
-        """`w8a8=False`: the input is heavy-tailed (silu(gate) * up), keep it 16-bit for int8 weights."""
-        return linear(x, weight, bias, w8a8) if self.tp is None else self.tp.row_linear(x, weight, bias)
+    def _row_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, weight, bias) if self.tp is None else self.tp.row_linear(x, weight, bias)
 
     def _lm_head(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -495,7 +492,7 @@ class LlamaForCausalLM:
             hidden = self._row_linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
             hidden = kernels.add_rms_norm(hidden, layer.post_norm, eps, residual)
             gate_up = linear(hidden, layer.gate_up, layer.gate_up_bias)
-            hidden = self._row_linear(kernels.silu_and_mul(gate_up), layer.down, layer.down_bias, w8a8=False)
+            hidden = self._row_linear(kernels.silu_and_mul(gate_up), layer.down, layer.down_bias)
 
         idx = batch.logits_indices
         if idx.shape[0] == num_tokens and not batch.is_prefill:  # decode: every row samples

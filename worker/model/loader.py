@@ -229,9 +229,11 @@ def build_weights(
     def vocab(t: torch.Tensor) -> torch.Tensor:
         return t if shard is None else parallel.vocab_rows(shard, t)
 
-    def matmul(*parts: tuple[str, tuple[int, int]], split=None) -> torch.Tensor | QuantizedWeight:
+    def matmul(
+        *parts: tuple[str, tuple[int, int]], split=None, scheme: str | None = quantize
+    ) -> torch.Tensor | QuantizedWeight:
         """A (fused) matmul weight: as stored when pre-quantized, else in dtype (this rank's `split`
-        of the full tensors under tensor parallelism), quantized if asked."""
+        of the full tensors under tensor parallelism), quantized to `scheme` if one is given."""
         scaled = [name.removesuffix("weight") + "weight_scale" in tensors for name, _ in parts]
         if prequantized and any(scaled):
             if not all(scaled):
@@ -242,9 +244,9 @@ def build_weights(
             return QuantizedWeight(w.data.to(device), w.scale.to(device))
         full = [get(name, shape) for name, shape in parts]
         w = place(*(full if split is None else split(full)))
-        if quantize is None or prequantized:
+        if scheme is None or prequantized:
             return w
-        q = quantization.quantize(w, quantize)  # in float32 from the dtype-rounded weight
+        q = quantization.quantize(w, scheme)  # in float32 from the dtype-rounded weight
         return QuantizedWeight(q.data.to(device), q.scale.to(device))
 
     layers = []
@@ -293,13 +295,18 @@ def build_weights(
             )
         )
     embed = place(vocab(get("model.embed_tokens.weight", (config.vocab_size, h))))
+    head_scheme = quantization.lm_head_scheme(quantize)
     if config.tie_word_embeddings or "lm_head.weight" not in tensors:
         lm_head = embed
-        if quantize is not None and not prequantized:  # its own 8-bit copy; lookups keep the table
-            q = quantization.quantize(embed, quantize)
+        if head_scheme is not None and not prequantized:  # its own 8-bit copy; lookups keep the table
+            q = quantization.quantize(embed, head_scheme)
             lm_head = QuantizedWeight(q.data.to(device), q.scale.to(device))
     else:
-        lm_head = matmul(("lm_head.weight", (config.vocab_size, h)), split=lambda full: [vocab(full[0])])
+        lm_head = matmul(
+            ("lm_head.weight", (config.vocab_size, h)),
+            split=lambda full: [vocab(full[0])],
+            scheme=head_scheme,
+        )
     return ModelWeights(
         embed=embed, layers=layers, norm=place(get("model.norm.weight", (h,))), lm_head=lm_head
     )

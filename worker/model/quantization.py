@@ -8,8 +8,9 @@ model's dtype, so the matmul reads 8-bit weights and computes in the activation 
   rounded to the nearest e4m3.
 
 A float checkpoint is quantized at load (`quantization="int8"|"fp8"`): the four matmuls of every
-layer (qkv, o, gate_up, down) and the LM head; the embedding table stays in the model dtype
-(a step reads one row of it per token). A pre-quantized checkpoint in the compressed-tensors
+layer (qkv, o, gate_up, down) and, for int8, the LM head (fp8 keeps it in the model dtype:
+`LM_HEAD_SCHEMES`); the embedding table stays in the model dtype (a step reads one row of it per
+token). A pre-quantized checkpoint in the compressed-tensors
 layout (llm-compressor: `quantization_config` in config.json, `*.weight` int8 or
 float8_e4m3fn with `*.weight_scale`) is loaded as it is, and its scheme is the model's.
 """
@@ -45,6 +46,18 @@ def quantize_fp8(w: torch.Tensor) -> QuantizedWeight:
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     data = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return QuantizedWeight(data.contiguous(), scale.contiguous())
+
+
+# Schemes that quantize the LM head too. fp8 keeps it in the model's dtype (tied: the embedding
+# itself, no copy): e4m3's 3-bit mantissa on the LM head alone costs SmolLM2-135M +5.5% perplexity
+# (bench/perplexity.py: fp8 weights +8.6%, +3.0% with the head kept), the head being the one matmul
+# whose every output row is a logit; per-channel int8 keeps it within 0.2%.
+LM_HEAD_SCHEMES = ("int8",)
+
+
+def lm_head_scheme(scheme: str | None) -> str | None:
+    """The scheme the LM head is quantized to when the layers' matmuls are `scheme` (None: kept)."""
+    return scheme if scheme in LM_HEAD_SCHEMES else None
 
 
 def decode_weight_bytes(weights) -> int:
