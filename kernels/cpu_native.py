@@ -46,6 +46,7 @@ _SOURCES = tuple(
         "cpu_decode_step.c",
         "cpu_kv_quant.c",
         "cpu_bf16.c",
+        "cpu_isa.c",
     )
 )
 _HEADER = Path(__file__).with_name("cpu_kernels.h")
@@ -54,6 +55,7 @@ _BASE_FLAGS = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC
 # of the compiler (x86: -march, e.g. x86-64-v3 for AVX2 without AVX-512; aarch64: -mcpu), for
 # a cache shared by different machines or to run another CPU's code path here.
 ARCH_ENV = "DISAGG_CPU_NATIVE_ARCH"
+_NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 _ARCH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 
 
@@ -62,8 +64,10 @@ def _flags() -> list[str]:
     if not _ARCH_NAME.fullmatch(arch):
         raise ValueError(f"{ARCH_ENV}={arch!r} is not a compiler target name")
     # The whole cache streams through once per layer, so the widest vectors pay (x86: AVX-512 where present).
+    # AMX off: nothing here is written for it, and a CPU may list it (CPUID, /proc/cpuinfo) while
+    # the kernel has not granted it to this process (see cpu_isa.c, `amx_usable`).
     tune = {
-        "x86_64": [f"-march={arch}", "-mprefer-vector-width=512"],
+        "x86_64": [f"-march={arch}", "-mprefer-vector-width=512", *_NO_AMX],
         "aarch64": [f"-mcpu={arch}"],
     }
     return _BASE_FLAGS + tune.get(platform.machine(), [])
@@ -194,6 +198,7 @@ def _load() -> ctypes.CDLL:
         "gemv_silu_f32": ([p, p, p, p, i64, i64, i64, i64], None),
         "gemm_f32": ([p, p, p, p, i64, i64, i64, i64], None),
         "gemm_vector_floats": ([], i64),
+        "amx_usable": ([], i64),
         "gemm_packed": ([p, i64, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_silu_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
@@ -368,6 +373,16 @@ def gemm_vector_floats() -> int:
     (where its tiles are a third the size and torch's GEMM takes over at fewer rows). Asked once:
     matmul dispatch reads it on every call."""
     return int(_require().gemm_vector_floats())
+
+
+@functools.cache
+def amx_usable() -> bool:
+    """Whether this process may run AMX tile instructions: the CPU lists AMX (CPUID), the kernel
+    enabled its state (XCR0), granted it to this process (arch_prctl ARCH_REQ_XCOMP_PERM, asked
+    here), and a probe ran in a forked child without dying. /proc/cpuinfo alone is not enough: on
+    some hosts it lists AMX and the first tile instruction is an illegal instruction. The native
+    kernels do not use AMX (built with it off); torch's oneDNN GEMMs do where this holds."""
+    return available() and bool(_require().amx_usable())
 
 
 def narrow_tiles() -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 from triton_cases import TOLERANCE, case_id, paged_cache
@@ -214,3 +216,23 @@ def test_cache_dirs_of_others_or_symlinks_are_refused(tmp_path, monkeypatch, one
     assert not cpu_native._trusted(built)
     assert cpu_native._build(_compiler()) == built  # rebuilt by us under the same content name
     assert os.stat(built).st_uid == os.getuid()
+
+
+def _cpuinfo_flags() -> set[str]:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="AMX is x86")
+def test_amx_counts_only_where_granted_and_probed():
+    """`amx_usable` is never more than the CPU lists; where it holds, this process survived a tile
+    instruction (the probe's child did) and the kernels still run. The kernels themselves are
+    built with AMX off."""
+    usable = cpu_native.amx_usable()
+    if "amx_tile" not in _cpuinfo_flags():
+        assert not usable
+    assert {"-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"} <= set(cpu_native._flags())
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(cpu_native.gemm(x, torch.eye(8)), x)
