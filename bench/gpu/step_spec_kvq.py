@@ -79,7 +79,7 @@ def kv_quantized(ctx: Context, r: StepResult) -> None:
             f"{same}/{len(prompts)} prompts",
         )
         agree = sum(x == y for a, b in zip(kernels, exact, strict=True) for x, y in zip(a, b, strict=True))
-        r.figure(f"{kv} KV cache tokens = {dtype} cache", agree / (len(prompts) * new), "of tokens")
+        r.figure(f"{kv} KV cache tokens = {dtype} cache", agree / (len(prompts) * new), "fraction of tokens")
 
 
 def run(ctx: Context) -> StepResult:
