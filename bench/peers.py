@@ -1,0 +1,229 @@
+"""This engine against llama.cpp on the same weights, on this CPU: batch-1 decode and prompt processing.
+
+    python bench/peers.py --llama-bench PATH/llama-bench          # each dtype pair, two rounds
+    python bench/peers.py --ours-only                             # this engine's figures alone
+    python bench/peers.py --pairs int8 --rounds 1 --prompt 512    # one pair
+
+Both engines load the same GGUF-derived weights: the installed SmolLM2-135M-Instruct GGUF (Q4_1)
+dequantized once and written as F32, BF16 and Q8_0 GGUF files (`gguf` package, into
+`--out`, reused when present). The pairs: float32 from the F32 file against llama.cpp on it,
+bf16 (`--dtype bfloat16`) from the BF16 file, int8 (`--quantization int8`: per-channel int8
+requantized from the file's 32-weight Q8_0 blocks) from the Q8_0 file against llama.cpp's Q8_0.
+
+Measured the way `llama-bench` measures (`-p 512 -n 64`: prompt processing is one 512-token
+prompt from an empty cache; decode is 64 batch-1 steps from an empty cache, no sampling), with
+the same thread count (`--threads`, default all cores), and the two engines alternate within
+each round so that both see the same machine. Every figure is printed with the 1-minute load
+average read right after it: on a shared machine only figures of similar load compare. Ratios
+are ours / llama.cpp (above 1: this engine is faster).
+
+AMX is reported as this process may use it (`cpu_native.amx_usable`: granted by the kernel and
+probed), not as /proc/cpuinfo lists it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from disagg.kernels import cpu_native
+from disagg.worker.model.forward_batch import ForwardBatch
+from disagg.worker.model.loader import load_model
+from disagg.worker.model.pretrained import require_default_model
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Pair:
+    name: str  # this engine's setting
+    gguf_type: str  # the file both load (llama.cpp's name of its tensor type)
+    dtype: str
+    quantization: str
+
+
+PAIRS = {
+    "float32": Pair("float32", "F32", "float32", "none"),
+    "bf16": Pair("bf16", "BF16", "bfloat16", "none"),
+    "int8": Pair("int8", "Q8_0", "float32", "int8"),
+}
+
+
+# ---- the weights ------------------------------------------------------------------------------
+def convert(src: Path, dst: Path, kind: str) -> Path:
+    """`src` (any GGUF the `gguf` package dequantizes) rewritten with every 2-D weight as `kind`
+    (F32, BF16 or Q8_0); norms and other 1-D tensors stay F32, as llama.cpp's converter writes
+    them. Metadata (config, tokenizer, chat template) is copied as it is."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst) + ".tmp", arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    qtype = {"F32": gguf.GGMLQuantizationType.F32, "BF16": gguf.GGMLQuantizationType.BF16,
+             "Q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]  # fmt: skip
+    writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "BF16": gguf.LlamaFileType.MOSTLY_BF16,
+                          "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[kind])  # fmt: skip
+    for t in reader.tensors:
+        values = dequantize(t.data, t.tensor_type).astype(np.float32)  # shape in numpy order
+        to = qtype if values.ndim == 2 and values.shape[-1] % 32 == 0 else gguf.GGMLQuantizationType.F32
+        data = values if to == gguf.GGMLQuantizationType.F32 else quantize(values, to)
+        writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=to)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(str(dst) + ".tmp", dst)
+    return dst
+
+
+def weights_for(src: Path, out: Path, kind: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = src.name.removesuffix(".gguf").rsplit(".", 1)[0]
+    dst = out / f"{stem}.{kind}.gguf"
+    if not dst.exists():
+        print(f"writing {dst} from {src.name}", flush=True)
+        convert(src, dst, kind)
+    return dst
+
+
+# ---- this engine ------------------------------------------------------------------------------
+def _batch(ids: list[int], start: int, logits_last: bool = True) -> ForwardBatch:
+    """One sequence's next `len(ids)` tokens from position `start`, blocks laid out in order."""
+    n, end = len(ids), start + len(ids)
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.arange(start, end, dtype=torch.int64),
+        slot_mapping=torch.arange(start, end, dtype=torch.int64),
+        seq_lens=torch.tensor([end], dtype=torch.int32),
+        block_tables=torch.arange(math.ceil(end / BLOCK), dtype=torch.int32)[None],
+        logits_indices=torch.tensor([n - 1], dtype=torch.int64),
+        is_prefill=n > 1 or start == 0,
+        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32) if (n > 1 or start == 0) else None,
+    )
+
+
+class Ours:
+    def __init__(self, path: Path, pair: Pair, threads: int, prompt: int, gen: int):
+        torch.set_num_threads(threads)
+        self.model, config = load_model(path, dtype=pair.dtype, quantization_setting=pair.quantization)
+        self.prompt, self.gen = prompt, gen
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(10, config.vocab_size, (prompt,), generator=g).tolist()
+        self.cache = self.model.allocate_kv_cache(math.ceil((prompt + gen) / BLOCK) + 1, BLOCK)
+
+    @torch.inference_mode()
+    def prompt_tps(self) -> float:
+        start = time.perf_counter()
+        self.model.forward(_batch(self.ids, 0), self.cache)
+        return self.prompt / (time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def decode_tps(self) -> float:
+        """`gen` batch-1 steps from an empty cache (the first token a one-token prompt, as llama-bench's
+        tg counts every token it evaluates)."""
+        token = self.ids[0]
+        start = time.perf_counter()
+        for pos in range(self.gen):
+            logits = self.model.forward(_batch([token], pos), self.cache)
+            token = int(logits[-1].argmax())
+        return self.gen / (time.perf_counter() - start)
+
+
+def ours_figures(ours: Ours, reps: int) -> tuple[float, float, float, float]:
+    """Median prompt tokens/s, the load after it, median decode tokens/s, the load after it."""
+    ours.prompt_tps(), ours.decode_tps()  # warm: kernels built, weights paged in
+    pp = statistics.median(ours.prompt_tps() for _ in range(reps))
+    pp_load = load()
+    tg = statistics.median(ours.decode_tps() for _ in range(reps))
+    return pp, pp_load, tg, load()
+
+
+# ---- llama.cpp --------------------------------------------------------------------------------
+def llama_bench(
+    binary: Path, path: Path, threads: int, prompt: int, gen: int, reps: int
+) -> tuple[float, float]:
+    """llama-bench's mean tokens/s for pp`prompt` and tg`gen` (CPU only, `reps` repetitions)."""
+    cmd = [str(binary), "-m", str(path), "-t", str(threads), "-p", str(prompt), "-n", str(gen),
+           "-r", str(reps), "-ngl", "0", "-o", "json"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rows = json.loads(out)
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] == prompt and r["n_gen"] == 0)
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] == gen and r["n_prompt"] == 0)
+    return pp, tg
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-bench", type=Path, help="llama.cpp's llama-bench binary")
+    p.add_argument("--ours-only", action="store_true", help="this engine's figures, no llama.cpp")
+    p.add_argument("--model", type=Path, help="source GGUF (default: the installed SmolLM2)")
+    p.add_argument(
+        "--out", type=Path, default=ROOT / ".models" / "peers", help="where the converted files go"
+    )
+    p.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--gen", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3, help="repetitions per figure (median; llama-bench: mean)")
+    p.add_argument("--rounds", type=int, default=2, help="the whole table this many times")
+    args = p.parse_args(argv)
+    if not args.ours_only and args.llama_bench is None:
+        p.error("--llama-bench PATH (or --ours-only)")
+    src = args.model or require_default_model()
+    files = {name: weights_for(src, args.out, PAIRS[name].gguf_type) for name in args.pairs}
+    print(f"cpu: {os.cpu_count()} cores, {args.threads} threads; native kernels {cpu_native.available()}, "
+          f"AMX usable here: {cpu_native.amx_usable()}")  # fmt: skip
+    print(
+        f"pp{args.prompt}: one {args.prompt}-token prompt; tg{args.gen}: {args.gen} batch-1 decode steps; tok/s"
+    )
+    for rnd in range(1, args.rounds + 1):
+        print(f"\nround {rnd}")
+        head = f"{'pair':<14}{'engine':<10}{'pp tok/s':>10}{'load':>7}{'tg tok/s':>10}{'load':>7}"
+        print(head + ("" if args.ours_only else f"{'pp ratio':>10}{'tg ratio':>10}"))
+        for name in args.pairs:
+            pair, path = PAIRS[name], files[name]
+            ours = Ours(path, pair, args.threads, args.prompt, args.gen)
+            pp, pp_load, tg, tg_load = ours_figures(ours, args.reps)
+            del ours
+            label = f"{name}/{pair.gguf_type}"
+            print(
+                f"{label:<14}{'disagg':<10}{pp:>10.1f}{pp_load:>7.2f}{tg:>10.1f}{tg_load:>7.2f}", flush=True
+            )
+            if args.ours_only:
+                continue
+            # llama-bench runs pp then tg in one process: one load figure after both
+            lpp, ltg = llama_bench(args.llama_bench, path, args.threads, args.prompt, args.gen, args.reps)
+            after = load()
+            print(
+                f"{'':<14}{'llama.cpp':<10}{lpp:>10.1f}{after:>7.2f}{ltg:>10.1f}{after:>7.2f}"
+                f"{pp / lpp:>10.2f}{tg / ltg:>10.2f}",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
