@@ -47,6 +47,7 @@ _SOURCES = tuple(
         "cpu_kv_quant.c",
         "cpu_bf16.c",
         "cpu_isa.c",
+        "cpu_amx.c",
     )
 )
 _HEADER = Path(__file__).with_name("cpu_kernels.h")
@@ -199,6 +200,7 @@ def _load() -> ctypes.CDLL:
         "gemm_f32": ([p, p, p, p, i64, i64, i64, i64], None),
         "gemm_vector_floats": ([], i64),
         "amx_usable": ([], i64),
+        "gemm_w8_amx": ([p, ctypes.c_int, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemm_packed": ([p, i64, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_silu_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
@@ -383,6 +385,30 @@ def amx_usable() -> bool:
     some hosts it lists AMX and the first tile instruction is an illegal instruction. The native
     kernels do not use AMX (built with it off); torch's oneDNN GEMMs do where this holds."""
     return available() and bool(_require().amx_usable())
+
+
+def gemm_8bit_amx(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float32 x [M, K] rounded to bf16 times 8-bit weight [N, K] (int8 or float8_e4m3fn, widened
+    exactly to bf16 in tiles) on AMX (cpu_amx.c), float32 sums times `scale` [N] (+ bias) in
+    float32. Only where `amx_usable()`."""
+    check_cpu(torch.float32, x=x, scale=scale, **({} if bias is None else {"bias": bias}))
+    if weight.dtype not in (torch.int8, torch.float8_e4m3fn) or not weight.is_contiguous():
+        raise ValueError(f"weight: need contiguous int8 or float8_e4m3fn, got {weight.dtype}")
+    (m, k), n = x.shape, weight.shape[0]
+    if weight.shape[1] != k or scale.shape != (n,) or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: shapes do not match")
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = _require().gemm_w8_amx(
+        weight.data_ptr(), int(weight.dtype == torch.float8_e4m3fn), scale.data_ptr(),
+        None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == -2:
+        raise RuntimeError("AMX is not usable in this process (amx_usable() is False)")
+    if rc:
+        raise MemoryError("gemm_8bit_amx: no memory for its buffers")
+    return y
 
 
 def narrow_tiles() -> bool:

@@ -53,6 +53,10 @@ W8A8_MIN_ROWS = 5
 # against the VNNI GEMM with 16-bit rows: 1.2-1.6x at 64 rows, 2.2-2.4x at 128, 4-5x at 512 (and
 # level with its W8A8 at 64, 2-2.6x at 512); below 64 the widening's fixed cost loses.
 BF16_PRODUCT_MIN_ROWS = 64
+# Up to this inner dimension the AMX kernel beats the widen + oneDNN route (SmolLM2's K = 576 products,
+# 2 threads: 1.1-1.6x at 64-512 rows); beyond it, its packing of the weight into tiles (a scatter per
+# 32 values) costs more than it saves (K = 1536: 0.75x at 64 rows, 0.92x at 512).
+AMX_MAX_K = 1024
 # Up to this many rows the native VNNI GEMM; beyond, the torch twin (rounded rows, widened weight).
 GEMM_INT8_MAX_ROWS = 1024
 # fp8 widens every weight in float (no integer dot product): par with the float32 GEMM at 16 rows;
@@ -212,12 +216,18 @@ def _bf16_product_rows(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 
 def scaled_linear_bf16(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """W8A16 for many rows: x [M, K] rounded to bfloat16, the weight widened exactly to bf16
-    (`cpu_bf16.widen_8bit`), torch's bf16 GEMM (oneDNN: AVX-512 BF16, AMX where the kernel grants it), the
-    bf16 product times the float32 row scales (+ bias) in float32. Only x's rounding to bf16 (a
-    relative 2^-9) and the product's differ from float32 inputs."""
+    """W8A16 for many rows: x [M, K] rounded to bfloat16, the 8-bit weight widened exactly to bf16,
+    float32 sums, times the float32 row scales (+ bias) in float32. Where AMX is usable
+    (`cpu_native.amx_usable()`) and K <= `AMX_MAX_K`, one native call does it all
+    (`cpu_native.gemm_8bit_amx`: the weight widened block by block into tiles, never to memory);
+    elsewhere torch's bf16 GEMM (oneDNN) on the weight widened natively (`cpu_bf16.widen_8bit`), its
+    bf16 product scaled natively (`cpu_bf16.scale_columns`), which also rounds the product to
+    bf16."""
+    b = None if bias is None else bias.contiguous()
+    if x.shape[1] <= AMX_MAX_K and cpu_native.amx_usable():
+        return cpu_native.gemm_8bit_amx(x.contiguous(), w.data, w.scale, b)
     y = F.linear(x.to(torch.bfloat16), cpu_bf16.widen_8bit(w.data))
-    return cpu_bf16.scale_columns(y, w.scale, None if bias is None else bias.contiguous())
+    return cpu_bf16.scale_columns(y, w.scale, b)
 
 
 def linear(

@@ -141,9 +141,12 @@ def test_scale_columns_is_the_float32_product_with_bias():
         cpu_bf16.scale_columns(y, scale[:7])
 
 
-def test_scaled_linear_bf16_rounds_only_inputs_and_products():
-    """W8A16 through the bf16 GEMM equals the float32 product of the bf16-rounded inputs with the
-    exact 8-bit values, up to the product's one rounding to bf16, then scaled in float32."""
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-if-usable", "torch-bf16-gemm"])
+def test_scaled_linear_bf16_rounds_only_inputs_and_products(monkeypatch, amx):
+    """W8A16 equals the float32 product of the bf16-rounded inputs with the exact 8-bit values, up
+    to (through torch's bf16 GEMM) the product's one rounding to bf16, then scaled in float32."""
+    if not amx:
+        monkeypatch.setattr(cpu_native, "amx_usable", lambda: False)
     g = torch.Generator().manual_seed(6)
     w = quantized.QuantizedWeight(
         torch.randint(-127, 128, (96, 200), generator=g, dtype=torch.int8), torch.rand(96, generator=g) + 0.5
