@@ -45,26 +45,62 @@ static inline bf16 exact_bf16(float f) { /* a value with at most 8 significant b
     return (bf16)(u.i >> 16);
 }
 
+/* r[i][j] <- r[j][i] for 16 vectors of 16 dwords. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
 /* One 32-column block of W widened into tile layout: panel[ks][t][r][c][2] = W[n0 + 16 t + c][32 ks
  * + 2 r + {0, 1}] as bf16, zeros past N and K. */
 static void pack_block(const void *w, int fp8, int64_t n, int64_t k, int64_t n0, int64_t ksteps, bf16 *panel) {
     memset(panel, 0, (size_t)ksteps * NB * KSTEP * sizeof(bf16));
-    if (!fp8) { /* int8: 32 values at a time widened in registers, scattered down a tile's column */
-        const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                _mm512_set1_epi32(16));
+    if (!fp8) { /* int8: 16 columns x 32 values widened in registers, transposed as 16 x 16 pairs */
         const int64_t whole = k / KSTEP;
-        for (int64_t col = 0; col < NB && n0 + col < n; col++) {
+        for (int t = 0; t < 2; t++) {
+            const int64_t c0 = n0 + 16 * t;
+            if (c0 >= n) break;
+            const int cols = n - c0 < 16 ? (int)(n - c0) : 16;
+            for (int64_t ks = 0; ks < whole; ks++) {
+                __m512i r[16];
+                for (int c = 0; c < 16; c++) {
+                    if (c >= cols) {
+                        r[c] = _mm512_setzero_si512();
+                        continue;
+                    }
+                    const int8_t *src = (const int8_t *)w + (c0 + c) * k + ks * KSTEP;
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+                    const __m512 hi =
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(src + 16))));
+                    r[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* exact: |v| <= 128 */
+                }
+                transpose16(r);
+                bf16 *tile = panel + (ks * 2 + t) * 16 * 32;
+                for (int row = 0; row < 16; row++) _mm512_storeu_si512(tile + row * 32, r[row]);
+            }
+        }
+        for (int64_t col = 0; col < NB && n0 + col < n; col++) { /* the K tail */
             const int8_t *src = (const int8_t *)w + (n0 + col) * k;
             const int t = (int)(col / 16), c = (int)(col % 16);
-            const __m512i idx = _mm512_add_epi32(rows, _mm512_set1_epi32(c));
-            for (int64_t ks = 0; ks < whole; ks++) {
-                const __m128i lo8 = _mm_loadu_si128((const __m128i *)(src + ks * KSTEP));
-                const __m128i hi8 = _mm_loadu_si128((const __m128i *)(src + ks * KSTEP + 16));
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo8));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi8));
-                const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(hi, lo); /* exact: |v| <= 128 */
-                _mm512_i32scatter_epi32(panel + (ks * 2 + t) * 16 * 32, idx, pairs, 4);
-            }
             for (int64_t j = whole * KSTEP; j < k; j++) {
                 const int64_t r = (j % KSTEP) / 2, half = j % 2;
                 panel[(((whole * 2 + t) * 16 + r) * 16 + c) * 2 + half] = exact_bf16((float)src[j]);

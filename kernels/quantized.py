@@ -44,19 +44,17 @@ NATIVE_MAX_ROWS = 256
 # activations). Measured with bench/small_gemm.py --int8 on this CPU (see there).
 W8A8_MIN_ROWS = 5
 # From this many rows, on a CPU that multiplies bf16 in hardware (`cpu_bf16.dot_native()`), 8-bit
-# weights meet float32 inputs as W8A16 through torch's bf16 GEMM (`scaled_linear_bf16`: the weight
-# widened exactly to bf16, the inputs rounded to bf16). Two reasons. Quality: per-token int8 inputs
+# weights meet float32 inputs as W8A16 (`scaled_linear_bf16`: the weight widened exactly to bf16,
+# the inputs rounded to bf16; the AMX kernel where AMX is granted, else torch's bf16 GEMM). Two reasons. Quality: per-token int8 inputs
 # cost SmolLM2-135M +3.8% perplexity (bench/perplexity.py), bf16 inputs about what per-channel int8
 # weights with float32 inputs cost (see README). Speed: oneDNN's bf16 GEMM runs on AMX where the
 # kernel grants it, and the widening is one pass over the weight's bytes, amortised over the rows:
 # measured on SmolLM2's shapes (qkv, gate_up, down; 1 thread, Sapphire Rapids with AMX granted),
 # against the VNNI GEMM with 16-bit rows: 1.2-1.6x at 64 rows, 2.2-2.4x at 128, 4-5x at 512 (and
-# level with its W8A8 at 64, 2-2.6x at 512); below 64 the widening's fixed cost loses.
+# level with its W8A8 at 64, 2-2.6x at 512); below 64 the widening's fixed cost loses. The AMX
+# kernel (cpu_amx.c) against that torch route, 2 threads: level on K = 576 (64-512 rows), 1.25-2.3x
+# on K = 1536, where the route's widened copy no longer stays in cache.
 BF16_PRODUCT_MIN_ROWS = 64
-# Up to this inner dimension the AMX kernel beats the widen + oneDNN route (SmolLM2's K = 576 products,
-# 2 threads: 1.1-1.6x at 64-512 rows); beyond it, its packing of the weight into tiles (a scatter per
-# 32 values) costs more than it saves (K = 1536: 0.75x at 64 rows, 0.92x at 512).
-AMX_MAX_K = 1024
 # Up to this many rows the native VNNI GEMM; beyond, the torch twin (rounded rows, widened weight).
 GEMM_INT8_MAX_ROWS = 1024
 # fp8 widens every weight in float (no integer dot product): par with the float32 GEMM at 16 rows;
@@ -218,13 +216,13 @@ def _bf16_product_rows(x: torch.Tensor, bias: torch.Tensor | None) -> bool:
 def scaled_linear_bf16(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """W8A16 for many rows: x [M, K] rounded to bfloat16, the 8-bit weight widened exactly to bf16,
     float32 sums, times the float32 row scales (+ bias) in float32. Where AMX is usable
-    (`cpu_native.amx_usable()`) and K <= `AMX_MAX_K`, one native call does it all
+    (`cpu_native.amx_usable()`), one native call does it all
     (`cpu_native.gemm_8bit_amx`: the weight widened block by block into tiles, never to memory);
     elsewhere torch's bf16 GEMM (oneDNN) on the weight widened natively (`cpu_bf16.widen_8bit`), its
     bf16 product scaled natively (`cpu_bf16.scale_columns`), which also rounds the product to
     bf16."""
     b = None if bias is None else bias.contiguous()
-    if x.shape[1] <= AMX_MAX_K and cpu_native.amx_usable():
+    if cpu_native.amx_usable():
         return cpu_native.gemm_8bit_amx(x.contiguous(), w.data, w.scale, b)
     y = F.linear(x.to(torch.bfloat16), cpu_bf16.widen_8bit(w.data))
     return cpu_bf16.scale_columns(y, w.scale, b)

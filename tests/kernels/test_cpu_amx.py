@@ -55,14 +55,13 @@ def test_amx_split_over_threads_equals_one_thread(monkeypatch):
     assert torch.equal(cpu_native.gemm_8bit_amx(x, q.data, q.scale), one)
 
 
-def test_linear_takes_amx_up_to_its_inner_dimension():
+def test_linear_takes_amx_from_its_row_threshold():
     g = torch.Generator().manual_seed(4)
-    rows = quantized.BF16_PRODUCT_MIN_ROWS
-    for k in (96, quantized.AMX_MAX_K + 32):
-        q = quantization.quantize(torch.randn(64, k, generator=g), "int8")
-        x = torch.randn(rows, k, generator=g)
+    q = quantization.quantize(torch.randn(64, 1536, generator=g), "int8")
+    for rows in (quantized.BF16_PRODUCT_MIN_ROWS - 1, quantized.BF16_PRODUCT_MIN_ROWS):
+        x = torch.randn(rows, 1536, generator=g)
         amx = cpu_native.gemm_8bit_amx(x, q.data, q.scale)
-        assert torch.equal(quantized.linear(x, q), amx) == (k <= quantized.AMX_MAX_K)
+        assert torch.equal(quantized.linear(x, q), amx) == (rows >= quantized.BF16_PRODUCT_MIN_ROWS)
 
 
 def test_bad_inputs_are_refused():
