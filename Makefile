@@ -60,7 +60,7 @@ test: install
 # The tests that run in this process only: no worker/router clusters, redis-server or other
 # subprocesses (tests that start one are marked e2e by tests/conftest.py).
 test-fast: install
-	$(PY) -m pytest -q -m "not e2e and not cluster" --durations=10
+	$(PY) -m pytest -q -m "not e2e and not cluster and not slow" --durations=10
 
 lint: install
 	$(VENV)/bin/ruff check .
