@@ -4,45 +4,14 @@ padded batch must give bit-identical logits, the unpadded one the same greedy to
 
 from __future__ import annotations
 
+import sys
+
 import models
 import torch
-from common import Context, StepResult, rel_error
+from common import ROOT, Context, StepResult, rel_error
 
-
-class Paged:
-    """Sequences with sequential blocks, packed into ForwardBatches (prefill or decode)."""
-
-    def __init__(self, block_size: int):
-        self.bs, self.next_block, self.tables, self.lens = block_size, 0, {}, {}
-
-    def _slot(self, seq: int, pos: int) -> int:
-        table = self.tables.setdefault(seq, [])
-        while len(table) <= pos // self.bs:
-            table.append(self.next_block)
-            self.next_block += 1
-        return table[pos // self.bs] * self.bs + pos % self.bs
-
-    def step(self, chunks: list[tuple[int, list[int]]], prefill: bool):
-        from disagg.worker.model.forward_batch import ForwardBatch
-
-        ids, pos, slots, lens, cu = [], [], [], [], [0]
-        for seq, toks in chunks:
-            start = self.lens.get(seq, 0)
-            for j, tok in enumerate(toks):
-                ids.append(tok)
-                pos.append(start + j)
-                slots.append(self._slot(seq, start + j))
-            self.lens[seq] = start + len(toks)
-            lens.append(self.lens[seq])
-            cu.append(cu[-1] + len(toks))
-        width = max(len(self.tables[s]) for s, _ in chunks)
-        tables = [self.tables[s] + [0] * (width - len(self.tables[s])) for s, _ in chunks]
-        return ForwardBatch(
-            input_ids=torch.tensor(ids), positions=torch.tensor(pos), slot_mapping=torch.tensor(slots),
-            seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
-            logits_indices=torch.tensor(cu[1:]) - 1, is_prefill=prefill,
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32) if prefill else None,
-        )  # fmt: skip
+sys.path.insert(0, str(ROOT / "tests"))
+from engine.conftest import PagedSequences  # noqa: E402
 
 
 def run(ctx: Context) -> StepResult:
@@ -75,16 +44,16 @@ def run(ctx: Context) -> StepResult:
     if not runner.enabled:
         return r
     g = torch.Generator().manual_seed(0)
-    seqs = Paged(block)
+    seqs = PagedSequences(block)
     prompts = [torch.randint(10, 32000, (prompt_len,), generator=g).tolist() for _ in range(max_seqs)]
     for i in range(0, max_seqs, 32):  # prefill eagerly, 32 sequences a step
         model.forward(
-            seqs.step([(s, prompts[s]) for s in range(i, min(i + 32, max_seqs))], True).to(ctx.device), kv
+            seqs.prefill([(s, prompts[s]) for s in range(i, min(i + 32, max_seqs))]).to(ctx.device), kv
         )
     worst, mismatched, inexact = 0.0, [], []
     for bucket in buckets:
         n = max(1, bucket - 1) if bucket > 2 else bucket  # below the bucket: padding rows too
-        step = seqs.step([(s, [11 + s]) for s in range(n)], False).to(ctx.device)
+        step = seqs.decode([(s, 11 + s) for s in range(n)]).to(ctx.device)
         eager_kv, graph_kv = kv.clone(), kv
         eager = model.forward(step, eager_kv)
         padded = runner.buffers.load(step, bucket)
@@ -112,7 +81,7 @@ def run(ctx: Context) -> StepResult:
     )
     r.figure("worst replay vs unpadded eager logits", worst, "rel err")
     for n in (1, 64):
-        step = seqs.step([(s, [11 + s]) for s in range(n)], False).to(ctx.device)
+        step = seqs.decode([(s, 11 + s) for s in range(n)]).to(ctx.device)
         from common import time_ms
 
         g_ms = time_ms(lambda step=step: runner.run(step), ctx)
