@@ -13,6 +13,14 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    """The tiny model's tokenizer, for the router's in-process tests."""
+    from disagg.worker.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="session")
 def reference_llm(tiny_model):
     """The colocated engine in this process: what every served output must equal."""
     import torch

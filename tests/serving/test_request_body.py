@@ -8,12 +8,11 @@ import json
 import zlib
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
-from disagg.worker.router.app import Router, RouterConfig
 from disagg.worker.router.body import BodyDecoder
 from disagg.worker.router.errors import APIError
-from disagg.worker.router.workers import WorkerPool
+
+from .router_client import router_client as _client
 
 
 def _decode(encoding: str, data: bytes, limit: int, chunk: int = 4096) -> bytes:
@@ -78,22 +77,6 @@ def test_an_identity_body_over_the_limit_is_a_413():
     with pytest.raises(APIError) as info:
         d.feed(b"x")
     assert info.value.status == 413
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from disagg.worker.engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(tiny_model)
-
-
-async def _client(tokenizer, **config) -> TestClient:
-    router = Router(
-        RouterConfig(model_name="tiny", max_model_len=64, **config), tokenizer, WorkerPool(None, [])
-    )
-    client = TestClient(TestServer(router.app()))
-    await client.start_server()
-    return client
 
 
 CHAT = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).encode()

@@ -2,27 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-from aiohttp.test_utils import TestClient, TestServer
-
-from disagg.worker.router.app import Router, RouterConfig
-from disagg.worker.router.workers import WorkerPool
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from disagg.worker.engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(tiny_model)
-
-
-async def _client(tokenizer, **config) -> TestClient:
-    cfg = RouterConfig(model_name="tiny", max_model_len=64, **config)
-    router = Router(cfg, tokenizer, WorkerPool(None, []))
-    client = TestClient(TestServer(router.app()))
-    await client.start_server()
-    return client
-
+from .router_client import router_client as _client
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 

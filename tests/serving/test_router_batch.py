@@ -9,19 +9,17 @@ import random
 import httpx
 import openai
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
 from disagg.proto import worker_pb2 as pb
 from disagg.worker.engine.sampling_params import SamplingParams
-from disagg.worker.router.app import Router, RouterConfig
 from disagg.worker.router.errors import APIError
 from disagg.worker.router.fanout import ChoiceState, derive_seed, plan_choices, total_usage
 from disagg.worker.router.openai_format import Logprob, ResponseBuilder
 from disagg.worker.router.protocol import INT64_MAX
 from disagg.worker.router.validation import check_choice_count, parse_chat, parse_completion
-from disagg.worker.router.workers import WorkerPool
 
 from .cluster import Cluster
+from .router_client import router_client as _client
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -149,20 +147,6 @@ def test_builder_keeps_per_choice_stream_state_and_orders_full_choices():
 
 
 # ---- the HTTP layer in-process (no workers) -----------------------------------------------------
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from disagg.worker.engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(tiny_model)
-
-
-async def _client(tokenizer, **config) -> TestClient:
-    router = Router(
-        RouterConfig(model_name="tiny", max_model_len=64, **config), tokenizer, WorkerPool(None, [])
-    )
-    client = TestClient(TestServer(router.app()))
-    await client.start_server()
-    return client
 
 
 async def test_admission_counts_every_generation(tokenizer):

@@ -30,13 +30,6 @@ class CountingTokenizer:
         return self.inner.apply_chat_template(*a, **kw)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from disagg.worker.engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(tiny_model)
-
-
 def test_the_bound_is_the_sum_over_the_request():
     spec = parse_completion({"model": "m", "prompt": ["a" * 600, "b" * 600]})
     with pytest.raises(APIError) as info:

@@ -9,13 +9,6 @@ from disagg.worker.router.app import Router, RouterConfig
 from disagg.worker.router.workers import WorkerPool
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from disagg.worker.engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(tiny_model)
-
-
 @pytest.fixture
 async def client(tokenizer):
     router = Router(RouterConfig(model_name="org/tiny", max_model_len=64), tokenizer, WorkerPool(None, []))

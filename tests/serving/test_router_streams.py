@@ -13,13 +13,6 @@ from disagg.worker.router.app import Router, RouterConfig
 from .fake_worker import FakePool, messages
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from disagg.worker.engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(tiny_model)
-
-
 async def _client(tokenizer, pool: FakePool, **kw) -> tuple[TestClient, Router]:
     router = Router(RouterConfig(model_name="tiny", max_model_len=256), tokenizer, pool, **kw)
     client = TestClient(TestServer(router.app()))
