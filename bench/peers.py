@@ -3,6 +3,7 @@
     python bench/peers.py --llama-bench PATH/llama-bench          # each dtype pair, two rounds
     python bench/peers.py --ours-only                             # this engine's figures alone
     python bench/peers.py --pairs int8 --rounds 1 --prompt 512    # one pair
+    python bench/peers.py --llama-bench B --llama-server S --serve 16   # and served throughput
 
 Both engines load the same GGUF-derived weights: the installed SmolLM2-135M-Instruct GGUF (Q4_1)
 dequantized once and written as F32, BF16 and Q8_0 GGUF files (`gguf` package, into
@@ -16,6 +17,11 @@ the same thread count (`--threads`, default all cores), and the two engines alte
 each round so that both see the same machine. Every figure is printed with the 1-minute load
 average read right after it: on a shared machine only figures of similar load compare. Ratios
 are ours / llama.cpp (above 1: this engine is faster).
+
+With `--serve N`, each pair is also served: llama-server (`--parallel N`, continuous batching) and
+`disagg up` with one `both` worker (`--max-num-seqs N`), one after the other on the same file; one
+client sends N different prompts at once (greedy, `ignore_eos`, `--serve-gen` new tokens each) and
+the generated tokens per second are compared.
 
 AMX is reported as this process may use it (`cpu_native.amx_usable`: granted by the kernel and
 probed), not as /proc/cpuinfo lists it.
@@ -175,6 +181,108 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
+# ---- served throughput ------------------------------------------------------------------------
+def serve_prompts(streams: int) -> list[str]:
+    """`streams` different prompts (distinct texts: no shared prefix for either engine to reuse)."""
+    words = (ROOT / "bench" / "data" / "perplexity.txt").read_text().split()
+    n = min(60, len(words) // streams)
+    if n < 8:
+        raise ValueError(f"{streams} streams: the text has too few words for distinct prompts")
+    return [" ".join(words[i * n : (i + 1) * n]) for i in range(streams)]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    import signal
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def served_tps(base: str, model: str, prompts: list[str], gen: int) -> float:
+    """Generated tokens per second with every prompt sent at once (one client, greedy,
+    `ignore_eos`, `gen` new tokens each), counted from the responses' usage."""
+    import asyncio
+
+    import httpx
+
+    async def run() -> float:
+        async with httpx.AsyncClient(timeout=600) as client:
+
+            async def one(prompt: str) -> int:
+                body = {
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": gen,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+                r = await client.post(f"{base}/v1/completions", json=body)
+                if r.status_code != 200:
+                    raise RuntimeError(f"{base}: {r.status_code} {r.text[:300]}")
+                return int(r.json()["usage"]["completion_tokens"])
+
+            start = time.perf_counter()
+            tokens = await asyncio.gather(*(one(p) for p in prompts))
+            return sum(tokens) / (time.perf_counter() - start)
+
+    return asyncio.run(run())
+
+
+def serve_pair(args, pair: Pair, path: Path, server: Path) -> tuple[float, float, float, float]:
+    """(ours tok/s, load, llama.cpp tok/s, load) served with `args.serve` concurrent streams."""
+    prompts = serve_prompts(args.serve)
+    ctx = args.serve * (256 + args.serve_gen)
+    log_dir = args.out / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [str(server), "-m", str(path), "-t", str(args.threads), "--parallel", str(args.serve), "-c", str(ctx),
+           "--cont-batching", "--port", str(args.port + 1), "--no-webui"]  # fmt: skip
+    with open(log_dir / "llama-server.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_ready(f"http://127.0.0.1:{args.port + 1}/health", proc, 300)
+        served_tps(f"http://127.0.0.1:{args.port + 1}", "x", prompts[:2], 4)  # warm
+        theirs = served_tps(f"http://127.0.0.1:{args.port + 1}", "x", prompts, args.serve_gen)
+        theirs_load = load()
+    finally:
+        _stop(proc)
+    disagg = Path(sys.executable).with_name("disagg")
+    cmd = [str(disagg), "up", "--model", str(path), "--prefill", "0", "--decode", "0", "--both", "1",
+           "--dtype", pair.dtype, "--quantization", pair.quantization, "--threads", str(args.threads),
+           "--max-num-seqs", str(args.serve), "--port", str(args.port), "--run-dir", str(args.out / "run")]  # fmt: skip
+    with open(log_dir / "disagg-up.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_ready(f"http://127.0.0.1:{args.port}/health", proc, 600)
+        name = path.name.removesuffix(".gguf")
+        served_tps(f"http://127.0.0.1:{args.port}", name, prompts[:2], 4)  # warm
+        ours = served_tps(f"http://127.0.0.1:{args.port}", name, prompts, args.serve_gen)
+        ours_load = load()
+    finally:
+        _stop(proc)
+    return ours, ours_load, theirs, theirs_load
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-bench", type=Path, help="llama.cpp's llama-bench binary")
@@ -189,9 +297,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--reps", type=int, default=3, help="repetitions per figure (median; llama-bench: mean)")
     p.add_argument("--rounds", type=int, default=2, help="the whole table this many times")
+    p.add_argument(
+        "--llama-server", type=Path, help="llama.cpp's llama-server: with --serve, served throughput"
+    )
+    p.add_argument(
+        "--serve", type=int, default=0, help="concurrent streams for served throughput (0: not measured)"
+    )
+    p.add_argument("--serve-gen", type=int, default=64, help="new tokens per served stream")
+    p.add_argument(
+        "--port", type=int, default=8790, help="disagg up's router port (llama-server: the next one)"
+    )
     args = p.parse_args(argv)
     if not args.ours_only and args.llama_bench is None:
         p.error("--llama-bench PATH (or --ours-only)")
+    if args.serve and args.llama_server is None:
+        p.error("--serve needs --llama-server PATH")
     src = args.model or require_default_model()
     files = {name: weights_for(src, args.out, PAIRS[name].gguf_type) for name in args.pairs}
     print(f"cpu: {os.cpu_count()} cores, {args.threads} threads; native kernels {cpu_native.available()}, "
@@ -222,6 +342,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{pp / lpp:>10.2f}{tg / ltg:>10.2f}",
                 flush=True,
             )
+            if args.serve:
+                ours_s, ours_l, theirs_s, theirs_l = serve_pair(args, pair, path, args.llama_server)
+                print(
+                    f"{'':<14}served, {args.serve} streams x {args.serve_gen} tokens: disagg {ours_s:.1f} tok/s "
+                    f"(load {ours_l:.2f}), llama.cpp {theirs_s:.1f} tok/s (load {theirs_l:.2f}), "
+                    f"ratio {ours_s / theirs_s:.2f}",
+                    flush=True,
+                )
     return 0
 
 
