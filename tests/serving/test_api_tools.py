@@ -68,12 +68,18 @@ def test_required_tool_calls_match_their_schemas(api_cluster, client, parallel):
         n=6,
         max_tokens=250,
     )  # an array of calls: room for several
+    ended = [c.finish_reason for c in resp.choices]
+    # a random model may go on adding calls until max_tokens cuts it: that choice ends with
+    # `length`, as OpenAI reports a cut call, and its last call may be partial
+    assert set(ended) <= {"tool_calls", "length"} and "tool_calls" in ended, ended
     for choice in resp.choices:
-        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.content is None
         calls = choice.message.tool_calls
         assert calls and (parallel or len(calls) == 1)
+        complete = calls if choice.finish_reason == "tool_calls" else calls[:-1]
         for call in calls:
             assert call.type == "function" and call.id.startswith("call_")
+        for call in complete:
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
