@@ -1,6 +1,6 @@
 """`make gpu-check`: every GPU path of the product, proven in one command on a bare GPU machine.
 
-    python bench/gpu/check.py --wheels .gpu/wheels --out "$OUT"   # on the GPU machine
+    python bench/gpu/check.py --wheels .gpu/wheels                # on the GPU machine
     python bench/gpu/check.py --dry-run                           # lists the steps, runs none
     python bench/gpu/check.py --smoke --only kernels,engine       # the steps' code on a CPU, tiny shapes
 
@@ -186,8 +186,8 @@ def table(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / ".gpu" / "out"),
-                   help="folder for gpu-check.json and gpu-check.txt (default: $OUT, else %(default)s)")  # fmt: skip
+    p.add_argument("--out", default=str(ROOT / ".gpu" / "out"),
+                   help="folder for gpu-check.json and gpu-check.txt (default: %(default)s)")  # fmt: skip
     p.add_argument("--wheels", default=None, help="carried wheel folder to install first (with CUDA only)")
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "disagg-gpu-check"),
                    help="models and shared measurements (default: %(default)s)")  # fmt: skip
