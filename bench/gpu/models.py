@@ -11,7 +11,6 @@ weights in bf16 do not.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -22,34 +21,9 @@ CARRIED = ROOT / ".gpu" / "models"
 TRAINED = ("tiny-trained", "tiny-trained-draft")
 
 
-def _make(path: Path, preset_name: str, spec, dtype: str) -> Path:
-    import torch
-
-    from disagg.worker.tools import make_model as mm
-
-    if (path / "config.json").is_file():
-        return path
-    tmp = path.with_suffix(".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    log(f"making {preset_name} in {path}")
-    token_ids = mm.write_tokenizer(tmp, spec.vocab_size, seed=0)
-    config = mm.model_config(spec, token_ids, dtype)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    gen = {
-        "bos_token_id": token_ids["bos_token_id"],
-        "eos_token_id": [token_ids["eos_token_id"], token_ids["eot_token_id"]],
-    }
-    (tmp / "generation_config.json").write_text(json.dumps(gen) + "\n")
-    tensors = mm.random_weights(spec, 0, getattr(torch, dtype))
-    mm.save_weights(tmp, tensors, mm.DEFAULT_SHARD_BYTES)
-    tmp.rename(path)
-    return path
-
-
 def ensure(name: str, work: Path) -> Path:
     """The directory of checkpoint `name` (small, llama3-8b-4l, tiny-trained, tiny-trained-draft)."""
-    from disagg.worker.tools.make_model import PRESETS
+    from disagg.worker.tools.make_model import PRESETS, make_model
 
     if name in TRAINED:
         for base in (CARRIED, ROOT / ".models"):
@@ -57,13 +31,13 @@ def ensure(name: str, work: Path) -> Path:
                 return base / name
         raise FileNotFoundError(f"{name}: not in {CARRIED}; `make gpu-wheels` puts it there")
     if name == "small":
-        return _make(work / name, name, PRESETS["small"], "bfloat16")
+        return make_model(work / name, preset="small", dtype="bfloat16", progress=log)
     if name == "llama3-8b-4l":
         spec = dataclasses.replace(
             PRESETS["small"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
         )  # fmt: skip
-        return _make(work / name, name, spec, "bfloat16")
+        return make_model(work / name, preset=spec, dtype="bfloat16", progress=log)
     raise ValueError(f"unknown checkpoint {name!r}")
 
 

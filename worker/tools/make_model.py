@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 BOS_TOKEN = "<|begin_of_text|>"
@@ -482,14 +482,15 @@ _WRITTEN_PATTERNS = (
 
 def make_model(
     path: str | Path,
-    preset: str = "tiny",
+    preset: str | Preset = "tiny",
     seed: int = 0,
     dtype: str = "float32",
     shard_size: int | None = None,
     force: bool = False,
     progress=None,
 ) -> Path:
-    """Write a random checkpoint of `preset` into `path` and return the path.
+    """Write a random checkpoint of `preset` (a name of PRESETS, or a `Preset` of other shapes)
+    into `path` and return the path.
 
     Running it again with the same arguments on the directory it made does nothing. A
     non-empty directory holding anything else is refused unless `force`, which replaces the
@@ -497,7 +498,7 @@ def make_model(
     """
     import torch
 
-    if preset not in PRESETS:
+    if not isinstance(preset, Preset) and preset not in PRESETS:
         raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
@@ -505,7 +506,9 @@ def make_model(
     if shard_size is not None and shard_size <= 0:
         raise ValueError(f"shard_size must be positive, got {shard_size}")
     path = Path(path)
-    recipe = {"preset": preset, "seed": seed, "dtype": dtype, "shard_size": shard_size}
+    spec = preset if isinstance(preset, Preset) else PRESETS[preset]
+    name = asdict(spec) if isinstance(preset, Preset) else preset
+    recipe = {"preset": name, "seed": seed, "dtype": dtype, "shard_size": shard_size}
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory")
     if path.is_dir() and any(path.iterdir()):
@@ -521,9 +524,9 @@ def make_model(
                 old.unlink()
     path.mkdir(parents=True, exist_ok=True)
 
-    spec = PRESETS[preset]
     if progress:
-        progress(f"{preset}: {count_parameters(spec) / 1e6:.1f}M parameters, {dtype}")
+        label = preset if isinstance(preset, str) else "custom shapes"
+        progress(f"{label}: {count_parameters(spec) / 1e6:.1f}M parameters, {dtype}")
     token_ids = write_tokenizer(path, spec.vocab_size, seed=0)
     config = model_config(spec, token_ids, dtype)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
