@@ -6,8 +6,9 @@ flags and CPU (it is built with -march=native, or for the target `$DISAGG_CPU_NA
 which must be one this CPU can run), in `$DISAGG_CACHE_DIR`, else
 `$XDG_CACHE_HOME/disagg` or `~/.cache/disagg`, else `disagg-cache-<uid>` in the temp directory
 (read-only root file systems). Code is loaded from there, so a cache directory must be private:
-owned by this user, a real directory, mode 0700 (one of ours that is wider is tightened; anyone
-else's, or a symlink, is refused). A shared object is loaded only if it is ours, writable by no
+owned by this user, a real directory, mode 0700 (one of ours that is wider is tightened; in one
+that is root's, such as a kubelet-made emptyDir, a per-user `uid-<uid>` subdirectory is
+used under the same rules; a symlink is refused). A shared object is loaded only if it is ours, writable by no
 one else, and its bytes hash to the sha256 in its name. Without a compiler, or with `DISAGG_CPU_NATIVE=0`, `available()` is False and the
 engine keeps the plain-torch path: results agree within float32 rounding, only speed differs.
 """
@@ -98,8 +99,33 @@ class UnsafeCache(RuntimeError):
 
 
 def _private_dir(directory: Path) -> Path:
-    """`directory`, created 0700 if missing; refused unless it is ours and a real directory."""
+    """`directory`, created 0700 if missing, or its per-user subdirectory `uid-<uid>` when the
+    directory is root's (a kubelet makes an emptyDir `root:<fsGroup>`, mode 2777). What is
+    returned is always ours, a real directory, and 0700; anything else is refused."""
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeCache(f"{directory} is not a directory (a symlink?)")
+    if st.st_uid != os.getuid():
+        # Only root's: root can replace anything anyway, while another user owning the parent
+        # could swap our subdirectory for theirs.
+        if st.st_uid != 0:
+            raise UnsafeCache(f"{directory} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
+        own = directory / f"uid-{os.getuid()}"
+        try:
+            own.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise UnsafeCache(
+                f"{directory} belongs to uid {st.st_uid}, not to this user ({os.getuid()}), "
+                f"and {own.name} cannot be made in it: {exc.strerror}"
+            ) from exc
+        return _owned_dir(own)
+    return _owned_dir(directory)
+
+
+def _owned_dir(directory: Path) -> Path:
     st = os.lstat(directory)
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeCache(f"{directory} is not a directory (a symlink?)")
@@ -152,7 +178,7 @@ def _build(compiler: str) -> Path:
     last_error: Exception | None = None
     for directory in _cache_dirs():
         try:
-            _private_dir(directory)
+            directory = _private_dir(directory)
             for found in sorted(directory.glob(f"cpu_kernels-{key}-*.so")):
                 if _trusted(found):
                     return found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,3 +237,38 @@ def test_amx_counts_only_where_granted_and_probed():
     assert {"-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"} <= set(cpu_native._flags())
     x = torch.randn(3, 8)
     torch.testing.assert_close(cpu_native.gemm(x, torch.eye(8)), x)
+
+
+def test_cache_on_a_kubelet_made_empty_dir_uses_a_private_subdirectory():
+    """A kubelet makes an emptyDir `root:<fsGroup>` with mode 2777; a non-root worker caches its
+    kernels in its own 0700 `uid-<uid>` subdirectory there (a forked child drops to uid 1000)."""
+    import os
+    import shutil
+    import tempfile
+
+    if os.getuid() != 0:
+        pytest.skip("making a root-owned directory for another user to use needs root")
+    parent = Path(tempfile.mkdtemp(prefix="disagg-emptydir-"))
+    try:
+        os.chown(parent, 0, 1000)
+        os.chmod(parent, 0o2777)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: as the worker's user, report what it would cache in
+            try:
+                os.setgid(1000)
+                os.setuid(1000)
+                got = cpu_native._private_dir(parent)
+                st = os.lstat(got)
+                os.write(write, f"{got}|{st.st_uid}|{st.st_mode & 0o777:o}".encode())
+            except BaseException as exc:  # reported to the parent, which fails the test
+                os.write(write, f"error|{exc}".encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        report = os.read(read, 4096).decode()
+        os.close(read)
+        assert report == f"{parent / 'uid-1000'}|1000|700", report
+    finally:
+        shutil.rmtree(parent)
