@@ -16,7 +16,9 @@ COPY operator ./operator
 RUN pip install ".[operator]" \
  && rm -rf /src
 
-# Matches the chart's runAsUser; the root filesystem is mounted read-only.
+# Matches the chart's runAsUser; the root filesystem is mounted read-only. The operator does not
+# need a passwd entry (it names itself to kopf), but tools in the container expect one.
+RUN useradd --uid 65532 --user-group --no-create-home --home-dir /tmp --shell /usr/sbin/nologin disagg-operator
 USER 65532:65532
 WORKDIR /tmp
 # 8080: liveness (--liveness); 9090: the autoscaler's own Prometheus metrics (DISAGG_AUTOSCALER_METRICS_PORT).

@@ -6,7 +6,9 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
+import time
 
 import kopf
 
@@ -134,6 +136,13 @@ async def peering_problem(kube: Kube, clusterwide: bool) -> str | None:
     )
 
 
+def peering_identity() -> str:
+    """This replica's name in kopf's peering: host (the pod's name in a pod), pid and start time.
+    Given to kopf explicitly because its default asks the password database for the user name,
+    which fails in an image run under a uid it has no entry for (the chart's 65532)."""
+    return f"disagg-operator@{socket.gethostname()}/{os.getpid()}/{int(time.time())}"
+
+
 def run(args: argparse.Namespace) -> int:
     fmt = {"plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL, "json": kopf.LogFormat.JSON}[
         args.log_format
@@ -158,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
                 namespaces=() if clusterwide else args.namespace,
                 standalone=standalone,
                 peering_name=args.peering,
+                identity=peering_identity(),
                 liveness_endpoint=args.liveness,
             )
         )

@@ -132,3 +132,49 @@ async def test_peering_without_the_peering_crd_is_refused_with_the_reason(tmp_pa
         finally:
             proc.terminate()
             await proc.wait()
+
+
+def test_operator_runs_under_a_uid_with_no_passwd_entry(monkeypatch):
+    """The chart runs the operator as uid 65532, which the image's password database may not
+    know: kopf must get its peering identity from us, not from `getpass.getuser()`. A forked
+    child drops to that uid and resolves the identity the way kopf does with what `run` passes."""
+    import pwd
+
+    from kopf._core.engines import peering
+
+    if os.getuid() != 0:
+        pytest.skip("dropping to another uid needs root")
+    try:
+        pwd.getpwuid(65532)
+        pytest.skip("this machine has a passwd entry for uid 65532")
+    except KeyError:
+        pass
+    seen: dict = {}
+
+    async def fake_operator(**kwargs):  # kopf.spawn_tasks' own fallback when no identity is given
+        identity = kwargs.get("identity")
+        seen["identity"] = identity if identity is not None else peering.detect_own_id(manual=False)
+
+    monkeypatch.setattr(kopf, "operator", fake_operator)
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    args = parser.parse_args(["--all-namespaces", "--standalone", "--log-format", "plain"])
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgid(65532)
+            os.setuid(65532)
+            code = main.run(args)
+            os.write(write, f"{code}|{seen['identity']}".encode())
+        except BaseException as exc:  # reported to the parent, which fails the test
+            os.write(write, f"error|{exc!r}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    report = os.read(read, 4096).decode()
+    os.close(read)
+    code, identity = report.split("|", 1)
+    assert code == "0", report
+    assert identity.startswith("disagg-operator@")
