@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from prometheus_client import REGISTRY
-from transfer_peer import MODEL, SHAPE, Receiver, make_cache
 
 from disagg.worker.kv_transfer import IncompatiblePeer, KVLayout, UnknownPeer, create_transport
+
+from .transfer_peer import MODEL, SHAPE, Receiver, make_cache
 
 BACKENDS = ["nixl", "grpc"]
 

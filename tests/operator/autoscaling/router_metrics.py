@@ -66,7 +66,7 @@ def router_pod(port: int, deployment: str = "tiny") -> dict:
     from disagg.operator import spec as specs
     from disagg.operator.builders import router
 
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = pathlib.Path(__file__).resolve().parents[3]
     body = yaml.safe_load((root / "examples" / "cpu-tiny.yaml").read_text())
     body["metadata"].update(name=deployment, namespace="default", uid="uid-1")
     body["spec"]["router"]["service"] = {"port": port}

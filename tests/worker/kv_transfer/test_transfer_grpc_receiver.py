@@ -8,12 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from transfer_peer import MODEL, make_cache
 
 from disagg.proto import kv_transfer_pb2 as pb
 from disagg.proto import kv_transfer_pb2_grpc as pb_grpc
 from disagg.worker.kv_transfer import KVLayout, create_transport
 from disagg.worker.kv_transfer.handshake import encode_handshake
+
+from .transfer_peer import MODEL, make_cache
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from disagg.operator.autoscaling.hpa import adapter_metric_name, adapter_values,
 from disagg.operator.builders import common
 from disagg.operator.spec import InferenceDeployment
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _idep(**sections) -> InferenceDeployment:

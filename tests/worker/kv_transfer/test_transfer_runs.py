@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transfer_peer import MODEL, SHAPE, Receiver, make_cache
 
 from disagg.worker.kv_transfer import KVLayout, create_transport
 from disagg.worker.kv_transfer.nixl_transport import MERGE_RATIO
 from disagg.worker.kv_transfer.region_runs import block_runs, find_runs, run_descriptors, segment_descriptors
+
+from .transfer_peer import MODEL, SHAPE, Receiver, make_cache
 
 # ---- pure logic ----------------------------------------------------------------------------------
 
