@@ -11,7 +11,7 @@ import torch
 from common import ROOT, Context, StepResult, rel_error
 
 sys.path.insert(0, str(ROOT / "tests"))
-from engine.conftest import PagedSequences  # noqa: E402
+from worker.conftest import PagedSequences  # noqa: E402
 
 
 def run(ctx: Context) -> StepResult:

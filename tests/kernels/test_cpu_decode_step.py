@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from engine.conftest import llama_config, save_hf_model
 from triton_cases import TOLERANCE, case_id
+from worker.conftest import llama_config, save_hf_model
 
 from disagg.kernels import cpu_decode_step, cpu_native, torch_ops
 from disagg.worker.model.llama import decode_layers
@@ -204,7 +204,7 @@ def test_bf16_decode_step_refuses_what_it_cannot_run(tiny_llama_dir):
 def test_bf16_decode_step_with_head_dim_64_and_one_kv_head(head_dim_64_dir, paged, monkeypatch):
     """The unrolled D = 64 attention, a group of four query heads, q/k/v biases, 16-token blocks.
     (How far bf16 rounding takes the per-op kernels from float32 is their own tests' business:
-    tests/kernels/test_cpu_bf16.py, and the model-level bounds in tests/engine/test_bf16.py.)"""
+    tests/kernels/test_cpu_bf16.py, and the model-level bounds in tests/worker/model/test_bf16.py.)"""
     steps, caches, _ = decode_both_ways(
         head_dim_64_dir, paged, monkeypatch, num_seqs=3, block=16, dtype="bfloat16", per_op=True
     )

@@ -8,7 +8,7 @@ import torch
 from disagg.worker.model.llama import rope_inv_freq
 from disagg.worker.model.loader import load_model
 
-from .conftest import TINY_VOCAB
+from ..conftest import TINY_VOCAB
 
 BLOCK_SIZE = 16
 PROMPT_LENS = (1, 5, 17, 33)

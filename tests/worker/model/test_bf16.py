@@ -1,7 +1,7 @@
 """A bfloat16 model (weights, activations and KV cache in bf16) against the float32 model, on the
 native CPU path and on the plain-torch path.
 
-The same ragged batch as tests/engine/test_quantization.py (a packed prefill of three prompts,
+The same ragged batch as tests/worker/model/test_quantization.py (a packed prefill of three prompts,
 every position's next-token distribution, then decode steps fed the reference's greedy tokens);
 printed: max and mean |logit error|, KL(reference || bf16) and greedy agreement.
 
@@ -29,7 +29,7 @@ import torch
 from disagg.kernels import cpu_native
 from disagg.worker.model.loader import load_model
 from disagg.worker.tools.make_model import make_model
-from engine.test_quantization import compare, ragged_logits
+from worker.model.test_quantization import compare, ragged_logits
 
 # mean |logit error| / std(reference logits), mean KL, greedy agreement (see above)
 BOUNDS = (0.02, 3e-4, 0.85)

@@ -17,7 +17,7 @@ from disagg.worker.model import gguf_checkpoint
 from disagg.worker.model.config import ModelConfig
 from disagg.worker.model.loader import load_model
 
-from .conftest import llama_config, qwen3_config, save_hf_model
+from ..conftest import llama_config, qwen3_config, save_hf_model
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402

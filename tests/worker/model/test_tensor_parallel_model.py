@@ -14,7 +14,7 @@ from disagg.worker.model import parallel
 from disagg.worker.model.loader import load_model
 from disagg.worker.model.parallel import TensorParallel, shard_plan
 
-from .conftest import llama_config, mistral_config, qwen2_config, save_hf_model
+from ..conftest import llama_config, mistral_config, qwen2_config, save_hf_model
 
 BLOCK_SIZE = 8
 TOL = dict(atol=1e-4, rtol=1e-4)

@@ -50,7 +50,7 @@ from disagg.kernels.quantized import (
 from disagg.worker.model import quantization
 from disagg.worker.model.loader import load_model
 from disagg.worker.tools.make_model import make_model
-from engine.conftest import PagedSequences
+from worker.conftest import PagedSequences
 
 PROMPT_LENS = (5, 17, 33)
 DECODE_STEPS = 4

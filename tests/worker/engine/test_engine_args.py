@@ -17,7 +17,7 @@ from disagg.worker.engine.args import EngineArgs, cli_flag
 from disagg.worker.engine.llm import LLM
 from disagg.worker.engine.llm_engine import LLMEngine
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FIELDS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 
 

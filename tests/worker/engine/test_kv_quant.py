@@ -29,7 +29,7 @@ from disagg.kernels.kv_quant import REGION_ALIGN, KVQuantFormat, QuantizedKVStep
 from disagg.worker.engine.llm_engine import LLMEngine
 from disagg.worker.model.loader import load_model
 from disagg.worker.tools.make_model import make_model
-from engine.test_engine import (
+from worker.engine.test_engine import (
     _disaggregated,
     assert_all_free,
     greedy,
@@ -37,7 +37,7 @@ from engine.test_engine import (
     shared_prefix_prompts,
     token_ids,
 )
-from engine.test_quantization import compare, ragged_logits
+from worker.model.test_quantization import compare, ragged_logits
 
 # mean |logit error| / std(reference logits), mean KL, greedy agreement, per KV dtype (see above)
 BOUNDS = {"int8": (0.02, 2e-4, 0.9), "fp8": (0.08, 3e-3, 0.8)}

@@ -16,7 +16,7 @@ from disagg.worker.engine.llm_engine import LLMEngine
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.model.tp_executor import RankFailedError
 
-from .conftest import qwen2_config, save_hf_model
+from ..conftest import qwen2_config, save_hf_model
 
 pytestmark = pytest.mark.slow  # each engine starts a second process (torch import, model load)
 
