@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# UCX transports that reach only processes sharing a pod's memory or PID namespace.
+POD_LOCAL_TRANSPORTS = ("cma", "sm", "shm", "posix", "sysv", "self")
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -76,6 +79,13 @@ RULES: tuple[Rule, ...] = (
         "self.size() == 0 || 'tcp' in self",
         lambda ts: len(ts) == 0 or "tcp" in ts,
         "NIXL needs the tcp transport for notifications; include tcp",
+    ),
+    Rule(
+        "spec.kvTransfer.ucxTransports",
+        f"!self.exists(t, t in [{', '.join(repr(t) for t in POD_LOCAL_TRANSPORTS)}])",
+        lambda ts: not any(t in POD_LOCAL_TRANSPORTS for t in ts),
+        "cma, sm, shm, posix, sysv and self reach only processes of one pod, and each worker is its own "
+        "pod: use tcp, or rc/ud/dc for RDMA",
     ),
     Rule(
         "spec.redis",

@@ -254,6 +254,11 @@ CEL_BAD = [
         "NIXL needs the tcp transport",
     ),
     (
+        lambda s: s["kvTransfer"].update(ucxTransports=["cma", "tcp"]),
+        "spec.kvTransfer.ucxTransports",
+        "cma, sm, shm, posix, sysv and self reach only processes of one pod",
+    ),
+    (
         lambda s: s.update(redis={"managed": {}, "external": {"url": "redis://cache:6379"}}),
         "spec.redis",
         "set exactly one of managed and external",

@@ -29,6 +29,7 @@ from disagg.worker.kv_transfer.handshake import decode_handshake, encode_handsha
 from disagg.worker.kv_transfer.layout import KVLayout
 from disagg.worker.kv_transfer.region_runs import find_runs, run_descriptors, segment_descriptors
 from disagg.worker.kv_transfer.tp_layout import TPLayout, block_segments, head_copies
+from disagg.worker.kv_transfer.ucx_env import check_ucx_env
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +51,6 @@ DEFAULT_THREADS = 2
 def _error_kind(exc: Exception) -> str:
     text = f"{type(exc).__name__} {exc}"
     return "disconnect" if "Disconnect" in text or "DISCONNECT" in text else "error"
-
-
-def check_ucx_env() -> None:
-    """UCX needs a transport with peer-failure handling for NIXL's active messages; here only tcp has it."""
-    tls = os.environ.get("UCX_TLS")
-    if tls and not tls.startswith("^") and "tcp" not in tls.split(","):
-        raise RuntimeError(
-            f"UCX_TLS={tls!r} lacks tcp, which NIXL needs for notifications; add it or unset UCX_TLS"
-        )
 
 
 _SIOCGIFADDR = 0x8915
@@ -185,7 +177,7 @@ class NixlTransport(KVTransport):
             raise ValueError(f"threads: must be >= 0, got {threads}")
         self.descriptors = descriptors
         self.last_descriptors = 0  # descriptors in the latest send, for benchmarks and metrics
-        check_ucx_env()
+        check_ucx_env(cuda=kv_cache.is_cuda)
         # NIXL logs every agent creation at INFO on stdout; keep worker output to warnings unless asked.
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         from nixl._api import nixl_agent, nixl_agent_config
