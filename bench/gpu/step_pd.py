@@ -86,7 +86,7 @@ def run(ctx: Context) -> StepResult:
 
 
 def pd_matches(ctx: Context, r: StepResult, kind: str, model: str, lengths: list[int]) -> None:
-    from serving.cluster import Cluster, complete
+    from worker.cluster import Cluster, complete
 
     from disagg.worker import LLM, SamplingParams
     from disagg.worker.model.config import ModelConfig

@@ -1,5 +1,6 @@
-"""Tiny random Llama, Qwen2, Qwen3 and Mistral checkpoints built with `transformers` (no downloads).
+"""Fixtures of the worker tests (the kernel tests import the checkpoints too).
 
+Tiny random Llama, Qwen2, Qwen3 and Mistral checkpoints built with `transformers` (no downloads).
 Each is float32, hidden 64, 2 layers, 4 query heads / 2 KV heads, saved with safetensors next to
 the project's own byte-level BPE tokenizer files. Weights are drawn wider than the usual 0.02 and
 norms/biases are perturbed, so attention is sharp and a wrong position, head or bias shows up in
@@ -230,3 +231,32 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# ---- the `make_model` tiny preset: what the router, serving and cli tests serve -----------------
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from disagg.worker.tools.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    """The tiny model's tokenizer, for the router's in-process tests."""
+    from disagg.worker.engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def reference_llm(tiny_model):
+    """The colocated engine in this process: what every served output must equal."""
+    import torch
+
+    from disagg.worker import LLM
+
+    torch.set_num_threads(1)
+    return LLM(model=str(tiny_model), num_gpu_blocks=512)

@@ -18,7 +18,7 @@ from disagg.worker.router.openai_format import Logprob, ResponseBuilder
 from disagg.worker.router.protocol import INT64_MAX
 from disagg.worker.router.validation import check_choice_count, parse_chat, parse_completion
 
-from .cluster import Cluster
+from ..cluster import Cluster
 from .router_client import router_client as _client
 
 CHAT = [{"role": "user", "content": "hi"}]

@@ -16,7 +16,7 @@ import pytest
 from disagg.proto import worker_pb2 as pb
 from disagg.worker.engine.sampling_params import SamplingParams
 
-from .cluster import Cluster, complete
+from ..cluster import Cluster, complete
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -15,7 +15,7 @@ import pytest
 
 from disagg.worker.engine.sampling_params import SamplingParams
 
-from .cluster import Cluster, Proc, complete
+from ..cluster import Cluster, Proc, complete
 from .test_tensor_parallel_pd import THRESHOLD, _serve_and_compare
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

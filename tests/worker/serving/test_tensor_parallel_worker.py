@@ -13,7 +13,7 @@ import pytest
 
 from disagg.worker.engine.sampling_params import SamplingParams
 
-from .cluster import Cluster, child_pids, complete
+from ..cluster import Cluster, child_pids, complete
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from .cluster import Cluster
+from ..cluster import Cluster
 
 pytestmark = pytest.mark.timeout(300)
 

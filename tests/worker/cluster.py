@@ -1,4 +1,4 @@
-"""Real worker and router processes on loopback for the serving tests."""
+"""Real worker and router processes on loopback for the serving and router tests."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import redis
 
 from disagg.proto import worker_pb2 as pb
 
-from .cluster import Cluster
+from ..cluster import Cluster
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -589,7 +589,7 @@ def test_a_stream_cancelled_between_attempts_finishes_its_transfer_record(engine
     from disagg.worker.kv_state import KVState, WorkerInfo
     from disagg.worker.serving.state_link import StateLink
 
-    from .redis_check import transfer_records
+    from ..redis_check import transfer_records
 
     t, core = _decode(engine)
     kv = KVState(redis_url, "settle", "decode-0")

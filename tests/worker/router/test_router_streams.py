@@ -1,4 +1,4 @@
-"""The router's streams and bodies against a scripted worker (tests/serving/fake_worker.py):
+"""The router's streams and bodies against a scripted worker (tests/worker/router/fake_worker.py):
 usage in every chunk when asked, truncated forced tool calls, and latency measured from arrival."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from disagg.proto import kv_transfer_pb2_grpc as kv_grpc
 from disagg.proto import worker_pb2 as pb
 from disagg.proto import worker_pb2_grpc as pb_grpc
 
-from .cluster import Cluster
+from ..cluster import Cluster
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,7 +16,7 @@ from disagg.kernels.kv_quant import region_bytes
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.router.policy import WorkerView, served_quantization
 
-from .cluster import Cluster
+from ..cluster import Cluster
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,7 +16,7 @@ import pytest
 
 from disagg.worker.engine.sampling_params import SamplingParams
 
-from .cluster import Cluster
+from ..cluster import Cluster
 
 pytestmark = pytest.mark.timeout(300)
 
