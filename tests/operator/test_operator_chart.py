@@ -112,6 +112,23 @@ def test_host_path_prefixes_become_operator_flags():
     ]
 
 
+def test_autoscaler_pace_reaches_the_operator_and_defaults_to_the_codes():
+    from disagg.operator.autoscaling.handlers import Settings
+
+    def env(values: dict) -> dict:
+        docs = by_kind(render(values))
+        return {e["name"]: e["value"] for e in docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    code = Settings.from_env({})
+    default = Settings.from_env(env({}))
+    assert (default.interval_seconds, default.tuning.window_seconds) == (
+        code.interval_seconds,
+        code.tuning.window_seconds,
+    )
+    fast = Settings.from_env(env({"autoscaler": {"intervalSeconds": 2, "windowSeconds": 5}}))
+    assert (fast.interval_seconds, fast.tuning.window_seconds) == (2.0, 5.0)
+
+
 def test_service_monitor_scrapes_the_operators_metrics_port():
     values = {
         "metrics": {
