@@ -1,5 +1,6 @@
 """Dependencies point one way: cli -> router -> serving -> kv_transfer / kv_state -> engine -> model
--> kernels. Every `disagg.*` import of every module (at the top or inside a function) is checked."""
+-> kernels. Every `disagg.*` import of every module (at the top or inside a function) is checked.
+And tests/ mirrors the packages: tests/worker/engine holds the tests of worker/engine."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ LAYERS: dict[str, int] = {
     "disagg.worker.cli": 7,
     "disagg.operator": 7,
 }
+# Folders of tests/ that stand for no package: tests/cluster runs the operator on a real cluster.
+NOT_MIRRORED = ("cluster",)
 # The operator image carries no torch: of the worker it may use only these torch-free modules.
 OPERATOR_MAY_IMPORT = (
     "disagg.worker.engine.args",
@@ -115,3 +118,35 @@ def test_the_check_sees_an_import_inside_a_function(tmp_path, monkeypatch):
         "disagg.worker.engine.bad (layer 2) imports disagg.worker.router.app (layer 5)",
         "disagg.worker.engine.bad (layer 2) imports disagg.worker.router.app.Router (layer 5)",
     ]
+
+
+def unmirrored() -> list[str]:
+    """The folders of tests/ with test files whose path under tests/ is no package folder of the
+    product (tests/worker/engine mirrors worker/engine, tests/operator/autoscaling
+    operator/autoscaling); tests/ itself holds the tests of the whole."""
+    tests = ROOT / "tests"
+    folders = {path.parent.relative_to(tests) for path in tests.rglob("test_*.py")}
+    return sorted(
+        f"tests/{folder.as_posix()}"
+        for folder in folders
+        if folder.parts
+        and folder.parts[0] not in NOT_MIRRORED
+        and not (folder.parts[0] in FOLDERS and (ROOT / folder / "__init__.py").is_file())
+    )
+
+
+def test_tests_mirror_the_packages():
+    assert unmirrored() == []
+
+
+def test_the_mirror_check_sees_a_test_folder_with_no_package(tmp_path, monkeypatch):
+    for package in ("worker/engine", "operator", "docs/engine"):
+        (tmp_path / package).mkdir(parents=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    for folder in ("", "worker/engine", "operator", "cluster", "worker/foo", "foo", "docs/engine", "worker"):
+        (tmp_path / "tests" / folder).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tests" / folder / "test_x.py").write_text("")
+    (tmp_path / "tests" / "worker" / "bar").mkdir()
+    (tmp_path / "tests" / "worker" / "bar" / "helpers.py").write_text("")  # no test files
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert unmirrored() == ["tests/docs/engine", "tests/foo", "tests/worker", "tests/worker/foo"]
