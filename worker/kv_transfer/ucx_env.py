@@ -47,7 +47,9 @@ def problems(tls: str | None, machine: Machine) -> list[str]:
         out.append(f"UCX_TLS={tls!r} lacks tcp, which NIXL needs for notifications; add it or unset UCX_TLS")
     for name in names:
         if name in RDMA_TRANSPORTS and not machine.rdma_devices:
-            out.append(f"UCX_TLS lists {name}, but this machine has no RDMA device (/sys/class/infiniband is empty)")
+            out.append(
+                f"UCX_TLS lists {name}, but this machine has no RDMA device (/sys/class/infiniband is empty)"
+            )
         elif name in CUDA_TRANSPORTS and not machine.cuda:
             out.append(f"UCX_TLS lists {name}, but the KV cache is not on a CUDA device")
         elif name == "gdr_copy" and not machine.gdrcopy:

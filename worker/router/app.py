@@ -25,6 +25,7 @@ from aiohttp import web
 
 from disagg.proto import worker_pb2
 from disagg.worker.engine.block_hash import block_hashes
+from disagg.worker.router import readiness
 from disagg.worker.router.args import DEFAULT_MAX_CHOICES, RouterArgs
 from disagg.worker.router.body import read_body
 from disagg.worker.router.errors import APIError, invalid
@@ -310,16 +311,11 @@ class Router:
     async def health(self, _request: web.Request) -> web.Response:
         """Readiness for clients and probes: counts only, no worker ids or internal addresses."""
         views = self.pool.views()
-        decode = [v for v in views if v.role in ("decode", "both")]
-        body = {
-            "status": "ok" if decode else "no_workers",
-            "ready_workers": {
-                "decode": len(decode),
-                "prefill": sum(1 for v in views if v.role == "prefill"),
-            },
-            "registry": self.pool.registry_ok,
-        }
-        return web.json_response(body, status=200 if decode else 503)
+        decode = sum(1 for v in views if v.role in ("decode", "both"))
+        prefill = sum(1 for v in views if v.role == "prefill")
+        state = readiness.assess(decode, prefill, self.pool.registry_problem, self.pool.uses_registry)
+        body = state.body(decode, prefill, self.pool.registry_ok)
+        return web.json_response(body, status=200 if state.ready else 503)
 
     async def internal_workers(self, request: web.Request) -> web.Response:
         """Every known worker with its id and address, for operators and tools holding the

@@ -14,6 +14,7 @@ import grpc
 
 from disagg.proto import worker_pb2, worker_pb2_grpc
 from disagg.worker.router.policy import WorkerView
+from disagg.worker.router.readiness import REASONS, registry_problem
 from disagg.worker.serving.auth import INSECURE, InternalAuth
 from disagg.worker.serving.stubs import WorkerStubs
 
@@ -55,7 +56,8 @@ class WorkerPool:
         self._inflight: dict[str, int] = {}
         self._task: asyncio.Task | None = None
         self.registry_ok = self._source is None
-        self._registry_warned = False
+        # why the registry could not be read (a readiness reason code), None while it can
+        self.registry_problem: str | None = None if self._source is None else "registry_not_read"
         self._refreshed = asyncio.Event()
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -89,6 +91,10 @@ class WorkerPool:
             pass
 
     @property
+    def uses_registry(self) -> bool:
+        return self._source is not None
+
+    @property
     def refresh_seconds(self) -> float:
         return self._refresh
 
@@ -99,14 +105,19 @@ class WorkerPool:
         try:
             members = await asyncio.wait_for(asyncio.to_thread(self._source), timeout=2.0)
         except Exception as e:
-            if not self._registry_warned:
-                log.warning("worker registry unavailable (%s): keeping the last known workers", e)
-                self._registry_warned = True
+            problem = registry_problem(e)
+            if problem != self.registry_problem:
+                log.warning(
+                    "worker registry unavailable (%s: %s): keeping the last known workers",
+                    REASONS[problem],
+                    e,
+                )
+            self.registry_problem = problem
             self.registry_ok = False
             return None
-        if self._registry_warned:
+        if self.registry_problem not in (None, "registry_not_read"):
             log.info("worker registry reachable again")
-            self._registry_warned = False
+        self.registry_problem = None
         self.registry_ok = True
         return members
 

@@ -59,6 +59,8 @@ class FakePool:
     """What the router uses of a `WorkerPool`, with one ready colocated worker."""
 
     registry_ok = True
+    registry_problem = None
+    uses_registry = False
     refresh_seconds = 0.01
 
     def __init__(self, script: Callable[[pb.GenerateRequest], list[pb.GenerateResponse]],

@@ -1,0 +1,77 @@
+"""Why the router is or is not ready, in words a person running it can act on.
+
+A probe only sees the status code; the body and the log say the reason. Reasons name no host,
+address or worker (the readiness endpoint needs no credential): the log line that goes with a
+registry problem carries the detail.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+# reason code -> what to check
+REASONS = {
+    "registry_name_unresolved": "the worker registry's (Redis) host name does not resolve: is cluster DNS running?",
+    "registry_refused": "the worker registry (Redis) refused the connection: is it running, on that port?",
+    "registry_auth": "the worker registry (Redis) refused the credential",
+    "registry_timeout": "the worker registry (Redis) did not answer in time",
+    "registry_error": "the worker registry (Redis) could not be read",
+    "registry_not_read": "the worker registry (Redis) has not been read yet",
+    "no_decode_workers": "no decode worker is ready, so nothing can generate",
+    "no_prefill_workers": "no prefill worker is ready: prompts are prefilled on the decode workers",
+}
+
+
+def registry_problem(exc: BaseException) -> str:
+    """The reason code for an exception raised while reading the registry."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = exc
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    for e in chain:
+        if isinstance(e, socket.gaierror):
+            return "registry_name_unresolved"
+        if isinstance(e, ConnectionRefusedError):
+            return "registry_refused"
+        if isinstance(e, TimeoutError):
+            return "registry_timeout"
+    # redis-py wraps the socket errors in its own ConnectionError, with the text only
+    text = " ".join(f"{type(e).__name__} {e}" for e in chain)
+    if "name resolution" in text or "Name or service not known" in text or "nodename nor servname" in text:
+        return "registry_name_unresolved"
+    if "Connection refused" in text:
+        return "registry_refused"
+    if "AuthenticationError" in text or "WRONGPASS" in text or "NOAUTH" in text:
+        return "registry_auth"
+    if "Timeout" in text or "timed out" in text:
+        return "registry_timeout"
+    return "registry_error"
+
+
+@dataclass(frozen=True)
+class Readiness:
+    ready: bool
+    reasons: tuple[str, ...]
+
+    def body(self, decode: int, prefill: int, registry_ok: bool) -> dict:
+        return {
+            "status": "ok" if self.ready else "no_workers",
+            "reasons": [{"code": r, "message": REASONS[r]} for r in self.reasons],
+            "ready_workers": {"decode": decode, "prefill": prefill},
+            "registry": registry_ok,
+        }
+
+
+def assess(decode: int, prefill: int, registry_problem_code: str | None, uses_registry: bool) -> Readiness:
+    """Ready when a decode worker is: a registry outage with workers still known keeps serving
+    (the last known members stay), but is reported."""
+    reasons: list[str] = []
+    if registry_problem_code:
+        reasons.append(registry_problem_code)
+    if decode == 0:
+        reasons.append("no_decode_workers")
+    elif uses_registry and prefill == 0:
+        reasons.append("no_prefill_workers")
+    return Readiness(ready=decode > 0, reasons=tuple(reasons))
