@@ -25,6 +25,7 @@ from aiohttp import web
 
 from disagg.proto import worker_pb2
 from disagg.worker.engine.block_hash import block_hashes
+from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.router import readiness
 from disagg.worker.router.args import DEFAULT_MAX_CHOICES, RouterArgs
 from disagg.worker.router.body import read_body
@@ -46,7 +47,6 @@ from disagg.worker.router.tools import ToolCalls
 from disagg.worker.router.unsupported import fallback
 from disagg.worker.router.validation import (
     GenerationSpec,
-    SamplingSpec,
     check_choice_count,
     check_prompt_size,
     fit_to_context,
@@ -55,7 +55,7 @@ from disagg.worker.router.validation import (
 )
 from disagg.worker.router.workers import WorkerPool
 from disagg.worker.serving.auth import INSECURE, REFUSED, InternalAuth
-from disagg.worker.serving.convert import structured_output_to_proto
+from disagg.worker.serving.convert import sampling_params_to_proto
 from disagg.worker.serving.metrics import CONTENT_TYPE, ServingMetrics
 
 log = logging.getLogger("disagg.router")
@@ -263,12 +263,12 @@ class Router:
         if isinstance(req, TokenizeChat):
             messages = chat_messages(req)
             tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or []] or None
-            spec = GenerationSpec("chat", "", SamplingSpec(None), messages=messages)
+            spec = GenerationSpec("chat", "", SamplingParams(max_tokens=None), messages=messages)
             check_prompt_size(spec, self.config.max_prompt_bytes, self.config.max_model_len)
             render = functools.partial(self._render_chat, messages, tools, req.add_generation_prompt,
                                        req.add_special_tokens)  # fmt: skip
         else:
-            spec = GenerationSpec("completion", "", SamplingSpec(None), prompts=[req.prompt])
+            spec = GenerationSpec("completion", "", SamplingParams(max_tokens=None), prompts=[req.prompt])
             check_prompt_size(spec, self.config.max_prompt_bytes, self.config.max_model_len)
             render = functools.partial(
                 self.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens
@@ -399,34 +399,6 @@ class Router:
         self.metrics.prefix_lookup(len(hashes), best)
         return match
 
-    def _params(self, spec: GenerationSpec, max_tokens: int, seed: int | None) -> worker_pb2.SamplingParams:
-        s = spec.sampling
-        p = worker_pb2.SamplingParams(
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            min_p=s.min_p,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            repetition_penalty=s.repetition_penalty,
-            max_tokens=max_tokens,
-            min_tokens=s.min_tokens,
-            stop=s.stop,
-            stop_token_ids=s.stop_token_ids,
-            ignore_eos=s.ignore_eos,
-            skip_special_tokens=s.skip_special_tokens,
-            include_stop_str_in_output=s.include_stop_str_in_output,
-        )
-        if seed is not None:
-            p.seed = seed
-        if s.logprobs is not None:
-            p.logprobs = s.logprobs
-        if s.prompt_logprobs is not None:
-            p.prompt_logprobs = s.prompt_logprobs
-        if s.structured_output is not None:
-            p.structured_output.CopyFrom(structured_output_to_proto(s.structured_output))
-        return p
-
     def token_text(self, token_id: int) -> str:
         t = self._token_text_cache.get(token_id)
         if t is None:
@@ -491,7 +463,7 @@ class Router:
                 req = worker_pb2.GenerateRequest(
                     request_id=base_id if len(plans) == 1 else f"{base_id}-{plan.index}",
                     prompt_token_ids=prompts[p],
-                    params=self._params(spec, max_tokens[p], plan.seed),
+                    params=sampling_params_to_proto(spec.sampling, max_tokens[p], plan.seed),
                     prefill_targets=targets,
                 )
                 self.pool.begin(decode.worker_id)

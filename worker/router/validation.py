@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.engine.structured_output_params import StructuredOutputParams, check
 from disagg.worker.router import protocol, responses_protocol
 from disagg.worker.router.errors import APIError, invalid
@@ -20,32 +21,10 @@ from disagg.worker.router.tools import ToolSpec, tool_spec
 
 
 @dataclass
-class SamplingSpec:
-    max_tokens: int | None  # None: as many as the context allows (chat default)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top-k alternatives per token; None = no logprobs at all
-    prompt_logprobs: int | None = None  # the same for every prompt token (completions' echo)
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    structured_output: StructuredOutputParams | None = None
-
-
-@dataclass
 class GenerationSpec:
     kind: str  # "completion" | "chat"
     model: str
-    sampling: SamplingSpec
+    sampling: SamplingParams  # the engine's own type: built here, sent as is (convert.py)
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # usage in every chunk (with include_usage, as vLLM)
@@ -137,8 +116,18 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
         raise request_error(exc) from None
 
 
-def _sampling(req: protocol._Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingSpec:
-    return SamplingSpec(
+def _sampling(req: protocol._Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The engine's parameters from the request: the one place the router builds them (pydantic
+    has checked every bound; the engine's own checks are the backstop, naming the field)."""
+    try:
+        return _engine_sampling(req, max_tokens, logprobs)
+    except ValueError as exc:
+        param = str(exc).split(" ", 1)[0]
+        raise invalid(param, f"'{param}' {str(exc).split(' ', 1)[-1]}") from None
+
+
+def _engine_sampling(req: protocol._Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    return SamplingParams(
         max_tokens=max_tokens,
         temperature=req.temperature,
         top_p=req.top_p,
@@ -281,7 +270,7 @@ def _arguments(call: protocol.ToolCall):
 _ROLES = {"developer": "system", "function": "tool"}
 
 
-def fit_to_context(sampling: SamplingSpec, prompt_tokens: int, max_model_len: int, kind: str) -> int:
+def fit_to_context(sampling: SamplingParams, prompt_tokens: int, max_model_len: int, kind: str) -> int:
     """The max_tokens to use, or a 400 when prompt + max_tokens exceed the context."""
     param = "messages" if kind == "chat" else "prompt"
     if prompt_tokens >= max_model_len:

@@ -50,6 +50,36 @@ def sampling_params(p: pb.SamplingParams, *, prefill_only: bool = False) -> Samp
     )
 
 
+def sampling_params_to_proto(s: SamplingParams, max_tokens: int, seed: int | None) -> pb.SamplingParams:
+    """The wire form of the router's parameters for one generation: `max_tokens` fitted to the
+    context and `seed` this choice's (a request's n choices draw different streams)."""
+    p = pb.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        max_tokens=max_tokens,
+        min_tokens=s.min_tokens,
+        stop=s.stop_strings,
+        stop_token_ids=s.stop_token_ids,
+        ignore_eos=s.ignore_eos,
+        skip_special_tokens=s.skip_special_tokens,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+    )
+    if seed is not None:
+        p.seed = seed
+    if s.logprobs is not None:
+        p.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        p.prompt_logprobs = s.prompt_logprobs
+    if s.structured_output is not None:
+        p.structured_output.CopyFrom(structured_output_to_proto(s.structured_output))
+    return p
+
+
 def structured_output_to_proto(so: StructuredOutputParams) -> pb.StructuredOutput:
     if so.json is not None:
         return pb.StructuredOutput(json_schema=so.json)
