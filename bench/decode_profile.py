@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from disagg.worker.model.precisions import QUANTIZATIONS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=25, help="table rows printed")
     ap.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--quantization", default="none", choices=("none", "int8", "fp8"))
+    ap.add_argument("--quantization", default="none", choices=("none", *QUANTIZATIONS))
     ap.add_argument(
         "--per-op",
         action="store_true",

@@ -32,12 +32,15 @@ from pathlib import Path
 
 import torch
 
+from disagg.worker.model.precisions import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
+
 ROOT = Path(__file__).resolve().parent.parent
 # Safe-path mode (PYTHONSAFEPATH=1, which the Makefile sets) keeps this folder off sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import memory_floor  # noqa: E402
 from bench_model import ensure_model, log  # noqa: E402
+
 
 
 def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -193,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         "--tensor-parallel-size", type=int, default=1,
         help="N > 1: only compare TP=N with TP=1 on the same cores (decode step, prefill, collectives)",
     )  # fmt: skip
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--quantization", default="none", choices=("none", "int8", "fp8"))
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"))
+    ap.add_argument("--dtype", default="float32", choices=DTYPES)
+    ap.add_argument("--quantization", default="none", choices=("none", *QUANTIZATIONS))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *KV_CACHE_DTYPES))
     ap.add_argument("--decode-batch", type=int, default=32, help="the larger decode batch measured")
     args = ap.parse_args(argv)
     if args.decode_batch > args.max_num_seqs:

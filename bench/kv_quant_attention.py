@@ -18,6 +18,7 @@ import torch
 
 from disagg.kernels import cpu_kv_quant, cpu_native
 from disagg.kernels.kv_quant import KVQuantFormat
+from disagg.worker.model.precisions import KV_CACHE_DTYPES
 
 HQ, HKV, D, BS = 12, 4, 64, 16
 
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         cache = torch.randn(blocks, 2, BS, HKV, D, generator=g)
         plain = cpu_native.PagedDecodeAttention(tables, lens, HQ, HKV, blocks)
         times = {"float32": _median_seconds(plain, cache, q, args.reps)}
-        for name in ("int8", "fp8"):
+        for name in KV_CACHE_DTYPES:
             fmt = KVQuantFormat(name, BS, HKV, D)
             quantized = fmt.allocate(1, blocks, "cpu")[0]
             k, v = cache[:, 0].reshape(-1, HKV, D), cache[:, 1].reshape(-1, HKV, D)

@@ -55,9 +55,10 @@ import time
 import torch
 
 from disagg.worker.model import kv_memory
+from disagg.worker.model.precisions import KV_CACHE_DTYPES
 
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE, MODEL = 12, 4, 64, "bfloat16", "small"
-QUANTIZED = ("int8", "fp8")
+QUANTIZED = KV_CACHE_DTYPES
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 PAGES_ENV = "DISAGG_BENCH_KV_PAGES"  # --pages, for the spawned receiver too
 
