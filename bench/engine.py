@@ -42,7 +42,6 @@ import memory_floor  # noqa: E402
 from bench_model import ensure_model, log  # noqa: E402
 
 
-
 def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
     g = torch.Generator().manual_seed(args.seed)
     out = []
