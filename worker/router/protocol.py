@@ -24,6 +24,11 @@ from pydantic import (
 )
 
 MAX_STOP_SEQUENCES = 4
+# Lists every generated token or every request is checked against: bounded so that one request
+# cannot make each step slow (OpenAI's own limit for tools; the body size bounds the rest).
+MAX_TOOLS = 128
+MAX_STOP_TOKEN_IDS = 1024
+MAX_GUIDED_CHOICES = 1024
 MAX_TOP_LOGPROBS = 20
 # The ranges of integers on the wire (worker.proto): every count and token id travels as int32,
 # the seed as int64. A value outside them is a 400 naming its field, not a crash building the message.
@@ -201,7 +206,7 @@ class _Sampling(_Strict):
     repetition_penalty: Number = Field(1.0, gt=0.0, le=2.0)
     min_tokens: Int = Field(0, ge=0)
     stop: Text | list[Text] | None = None
-    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
@@ -212,7 +217,7 @@ class _Sampling(_Strict):
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | Text | None = None
     guided_regex: Text | None = None
-    guided_choice: list[Text] | None = Field(None, min_length=1)
+    guided_choice: list[Text] | None = Field(None, min_length=1, max_length=MAX_GUIDED_CHOICES)
     guided_grammar: Text | None = None
     user: Text | None = None  # see IGNORED_FIELDS
 
@@ -303,10 +308,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[FunctionDef] | None = None  # legacy tools
+    functions: list[FunctionDef] | None = Field(None, max_length=MAX_TOOLS)  # legacy tools
     function_call: Literal["none", "auto"] | FunctionName | None = None  # legacy tool_choice
     # see IGNORED_FIELDS
     safety_identifier: Text | None = None

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
-from disagg.worker.router.protocol import FunctionDef, Int, Number, Text, _FieldError, _Strict
+from disagg.worker.router.protocol import MAX_TOOLS, FunctionDef, Int, Number, Text, _FieldError, _Strict
 
 RESPONSES_IGNORED_FIELDS = {
     "user": "an end-user identifier for the caller's own abuse monitoring; not used",
@@ -130,7 +130,7 @@ class ResponsesRequest(_Strict):
     max_output_tokens: Int | None = Field(None, ge=1)
     temperature: Number = Field(1.0, ge=0.0, le=2.0)
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
-    tools: list[FunctionTool] | None = None
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None

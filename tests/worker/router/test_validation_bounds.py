@@ -72,3 +72,33 @@ def test_min_tokens_beyond_the_room_left_in_the_context_is_a_400():
         fit_to_context(spec.sampling, 30, 100, "chat")
     assert info.value.param == "min_tokens" and "70" in info.value.message, info.value.message
     assert fit_to_context(parse_chat({**CHAT, "min_tokens": 70}).sampling, 30, 100, "chat") == 70
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    "fn, body, param",
+    [
+        (parse_chat, {**CHAT, "tools": [TOOL] * 129}, "tools"),
+        (parse_chat, {**CHAT, "functions": [TOOL["function"]] * 129}, "functions"),
+        (parse_completion, {**COMPLETION, "stop_token_ids": [1] * 1025}, "stop_token_ids"),
+        (parse_completion, {**COMPLETION, "guided_choice": ["a"] * 1025}, "guided_choice"),
+        (
+            parse_responses,
+            {"model": "m", "input": "x", "tools": [{"type": "function", "name": "f"}] * 129},
+            "tools",
+        ),
+    ],
+)
+def test_lists_checked_per_token_or_per_request_are_bounded(fn, body, param):
+    assert _param(fn, body) == param
+
+
+def test_lists_at_their_bound_pass():
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
+        for i in range(128)
+    ]
+    parse_chat({**CHAT, "tools": tools})
+    parse_completion({**COMPLETION, "stop_token_ids": [1] * 1024, "guided_choice": ["a"] * 1024})
