@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import functools
 import importlib.metadata
+import json
 import logging
 import time
 import uuid
@@ -158,6 +159,7 @@ class Router:
             "/v1/models/{model_id}": ("GET", self.model),
             "/health": ("GET", self.health),
             "/ping": ("GET", self.health),  # vLLM's (SageMaker's) name for the same readiness
+            "/invocations": ("POST", self.invocations),
             "/version": ("GET", self.version),
             "/tokenize": ("POST", self.tokenize),
             "/detokenize": ("POST", self.detokenize),
@@ -406,12 +408,37 @@ class Router:
             self._token_text_cache[token_id] = t
         return t
 
-    async def _generate(self, request: web.Request, parse, builder_cls=ResponseBuilder) -> web.StreamResponse:
+    async def invocations(self, request: web.Request) -> web.StreamResponse:
+        """SageMaker's inference route, as vLLM serves it: the body's shape picks the API (`messages`:
+        chat, `prompt`: completion, `input`: responses), with that API's validation and answer."""
+        self._check_key(request)
+        raw = await read_body(request, self.config.max_body_bytes)
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise invalid(None, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise invalid(None, "the request body must be a JSON object")
+        for key, parse, builder in (
+            ("messages", parse_chat, ResponseBuilder),
+            ("prompt", parse_completion, ResponseBuilder),
+            ("input", parse_responses, ResponsesBuilder),
+        ):
+            if key in body:
+                return await self._generate(request, parse, builder, body=body)
+        raise invalid(
+            None, "/invocations takes a chat ('messages'), completion ('prompt') or responses ('input') body"
+        )
+
+    async def _generate(
+        self, request: web.Request, parse, builder_cls=ResponseBuilder, body: dict | None = None
+    ) -> web.StreamResponse:
         arrival = request.get(ARRIVAL) or self.clock()
         self._check_key(request)
-        spec = parse(
-            await read_body(request, self.config.max_body_bytes)
-        )  # JSON decoding and validation in one pass (protocol.py)
+        if body is None:  # JSON decoding and validation in one pass (protocol.py)
+            spec = parse(await read_body(request, self.config.max_body_bytes))
+        else:
+            spec = parse(body)
         if spec.model != self.config.model_name:
             raise self._unknown_model(spec.model)
         check_choice_count(spec, self.config.max_choices)

@@ -89,3 +89,42 @@ async def test_ttft_is_from_arrival_to_the_first_chunk_written(tokenizer):
         assert (e2e_n, e2e) == (1, 30.0)
     finally:
         await client.close()
+
+
+@pytest.mark.parametrize(
+    "body, kind",
+    [
+        (CHAT, "chat.completion"),
+        ({"model": "tiny", "prompt": "hi", "max_tokens": 8}, "text_completion"),
+        ({"model": "tiny", "input": "hi", "max_output_tokens": 8}, "response"),
+    ],
+)
+async def test_invocations_answers_as_the_api_the_body_is_for(tokenizer, body, kind):
+    client, _ = await _client(tokenizer, FakePool(lambda req: messages(["a", "b"], "length")))
+    try:
+        r = await client.post("/invocations", json=body)
+        answer = await r.json()
+        assert r.status == 200 and answer["object"] == kind, answer
+        streamed = await client.post("/invocations", json={**body, "stream": True})
+        assert streamed.status == 200 and "text/event-stream" in streamed.headers["Content-Type"]
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "tiny"}, None),
+        ({**CHAT, "temperature": 9}, "temperature"),
+        ({"model": "tiny", "prompt": "hi", "bogus": 1}, "bogus"),
+    ],
+)
+async def test_invocations_refuses_what_its_api_would(tokenizer, body, param):
+    client, _ = await _client(tokenizer, FakePool(lambda req: messages(["a"], "length")))
+    try:
+        r = await client.post("/invocations", json=body)
+        assert r.status == 400 and (await r.json())["error"]["param"] == param
+        r = await client.post("/invocations", data=b"[1]", headers={"Content-Type": "application/json"})
+        assert r.status == 400
+    finally:
+        await client.close()
