@@ -40,6 +40,7 @@ from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.engine.sampler import Sampler
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.engine.scheduler import Scheduler, SchedulerOutput
+from disagg.worker.engine.seeds import PositionRng
 from disagg.worker.engine.spec.config import SpeculativeConfig
 from disagg.worker.engine.spec.speculator import Speculator, make_proposer
 from disagg.worker.engine.structured_output import Grammars
@@ -263,10 +264,10 @@ class LLMEngine:
                 f"prompt is {len(ids)} tokens but max_model_len is {self.max_model_len}: "
                 f"the prompt and at least one generated token must fit in the context"
             )
-        generator = None
+        rng = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+            rng = PositionRng(seed, self.device)
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -274,7 +275,7 @@ class LLMEngine:
             prompt=text,
             prefill_only=prefill_only,
             eos_token_ids=self.eos_token_ids,
-            generator=generator,
+            rng=rng,
         )
         if params.structured_output is not None:
             req.grammar = self._grammars().matcher(params.structured_output)
@@ -367,12 +368,6 @@ class LLMEngine:
         self.scheduler.commit_reserved(req)
         if prompt_logprobs is not None:
             req.prompt_logprobs = list(prompt_logprobs)
-        if req.generator is not None:
-            # the prefill side drew the first token from this seed: skip that draw so a seeded
-            # request continues exactly as it would have on one worker
-            torch.multinomial(
-                torch.ones(self.config.vocab_size, device=self.device), 1, generator=req.generator
-            )
         return self._append_token(req, first_token, first_logprob)
 
     # ---- stepping ---------------------------------------------------------------------

@@ -11,11 +11,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from disagg.worker.engine.block_hash import hash_block
 from disagg.worker.engine.outputs import TokenLogprob
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.engine.seeds import PositionRng
 
 
 class RequestStatus(enum.Enum):
@@ -42,7 +41,7 @@ class Request:
     arrival: int = 0  # admission order; larger is newer
     prefill_only: bool = False
     eos_token_ids: frozenset[int] = frozenset()
-    generator: torch.Generator | None = None
+    rng: PositionRng | None = None  # sampled (not greedy) requests: draws keyed by output position
     grammar: object | None = None  # the structured output matcher (llguidance), fed every output token
 
     status: RequestStatus = RequestStatus.WAITING

@@ -4,8 +4,8 @@ Order of processing (as vLLM and transformers do): penalties on the raw logits
 (repetition over prompt + output, presence/frequency over the output), EOS/stop ids masked
 until `min_tokens`, tokens a structured output grammar forbids masked (`structured_output.py`),
 then either argmax (greedy: exactly `torch.argmax`, so it matches transformers) or temperature, top-k, top-p, min-p and a draw from the request's own
-generator. A request's generator only advances on its own draws, so a seeded request samples
-the same tokens whatever else shares its batch. Logprobs come from the final distribution
+generator, seeded from its seed and the output position (`seeds.py`), so a seeded request samples
+the same tokens whatever else shares its batch and wherever its stream continues. Logprobs come from the final distribution
 (for greedy rows: the penalised logits at temperature 1).
 """
 
@@ -139,7 +139,8 @@ class Sampler:
             scaled = filter_logits(logits.index_select(0, idx) / temps[:, None], top_k, top_p, min_p)
             probs = scaled.softmax(dim=-1)
             for row, i in enumerate(sampled):
-                tokens[i] = int(torch.multinomial(probs[row], 1, generator=reqs[i].generator))
+                req = reqs[i]
+                tokens[i] = int(torch.multinomial(probs[row], 1, generator=req.rng.at(req.num_output_tokens)))
             if len(sampled) == n:
                 final = scaled
             else:

@@ -10,6 +10,7 @@ import torch
 from disagg.worker.engine.request import Request
 from disagg.worker.engine.sampler import Sampler, apply_penalties, filter_logits
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.engine.seeds import PositionRng
 
 V = 64
 
@@ -18,7 +19,7 @@ def req(params: SamplingParams, prompt=(1, 2, 3), output=(), seed_gen: int | Non
     r = Request("r", list(prompt), params, eos_token_ids=frozenset(eos))
     r.output_token_ids = list(output)
     if not params.greedy:
-        r.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else seed_gen or 0)
+        r.rng = PositionRng(params.seed if params.seed is not None else seed_gen or 0)
     return r
 
 
@@ -134,6 +135,8 @@ def test_seeded_draws_ignore_batch_composition():
         out = []
         for _ in range(n):
             res = Sampler()(logits[rows], reqs)
+            for r, t in zip(reqs, res.token_ids, strict=True):
+                r.output_token_ids.append(t)  # as the engine does: the next draw is the next position
             out.append(res.token_ids[rows.index(target)])
         return out
 
@@ -142,12 +145,29 @@ def test_seeded_draws_ignore_batch_composition():
     assert len(set(alone)) > 1  # really sampling
 
 
+def test_a_seeded_draw_depends_on_its_position_not_on_the_draws_before_it():
+    """Token N is drawn the same wherever the stream continues (another worker, after a
+    migration): nothing but the seed and the position keys it."""
+    torch.manual_seed(5)
+    logits = torch.randn(1, V)
+    p = SamplingParams(temperature=1.0, seed=7)
+    history = req(p, output=(9,) * 12)
+    for _ in range(5):  # earlier draws at other positions change nothing
+        Sampler()(logits, [req(p, output=(3,) * 4)])
+    fresh = req(p, output=(1,) * 12)  # same position, other tokens before it, no draws before it
+    assert Sampler()(logits, [history]).token_ids == Sampler()(logits, [fresh]).token_ids
+    firsts = {Sampler()(logits, [req(p, output=(1,) * n)]).token_ids[0] for n in range(12)}
+    assert len(firsts) > 1  # positions draw differently
+
+
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1] + [0.0] * (V - 3)]) + 1e-30)
     r = req(SamplingParams(temperature=1.0, seed=0))
     counts = [0, 0, 0]
     for _ in range(2000):
-        counts[Sampler()(logits, [r]).token_ids[0]] += 1
+        token = Sampler()(logits, [r]).token_ids[0]
+        r.output_token_ids.append(token)
+        counts[token] += 1
     assert abs(counts[0] / 2000 - 0.7) < 0.05 and abs(counts[2] / 2000 - 0.1) < 0.03
 
 

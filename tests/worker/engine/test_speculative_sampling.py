@@ -12,6 +12,7 @@ from scipy.stats import chisquare
 from disagg.worker import SamplingParams
 from disagg.worker.engine.llm_engine import LLMEngine
 from disagg.worker.engine.sampler import filter_logits
+from disagg.worker.engine.seeds import PositionRng
 from disagg.worker.engine.spec.rejection import accept_greedy, accept_sampled
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -41,9 +42,10 @@ def test_acceptance_rule_emits_the_target_distribution(q):
     n = 20000
     first = torch.zeros(6)
     second = torch.zeros(6)
-    for _ in range(n):
+    rng = PositionRng(0)
+    for trial in range(n):  # each trial at its own position: independent draws
         x = int(torch.multinomial(Q[0], 1, generator=g)) if q is not None else 1
-        out = accept_sampled(P, [x], q, g)
+        out = accept_sampled(P, [x], q, rng, 2 * trial)
         first[out[0]] += 1
         if len(out) == 2:  # accepted: the bonus token follows
             second[out[1]] += 1
@@ -119,9 +121,12 @@ def test_sampled_outputs_keep_the_target_distribution(tiny_llama_dir, near_draft
     while e.has_unfinished():
         outs.update({o.request_id: o.outputs[0].token_ids for o in e.step() if o.finished})
     stats = e.speculator.stats
-    assert stats.num_proposed > N // 4 and 0 < stats.num_accepted < stats.num_proposed
+    assert stats.num_proposed > N // 4 and stats.num_accepted < stats.num_proposed
     if method == "draft":
         assert stats.acceptance_rate > 0.5
+    # prompt lookup's proposals here are mostly tokens top-p removes (a handful of expected
+    # acceptances in 1500 requests): this case checks rejection and the residual draw; accepting
+    # a point mass is checked by test_acceptance_rule_emits_the_target_distribution
     seqs = [outs[f"s{i}"] for i in range(N)]
     for pos in (1, 2):
         prefixes = sorted({tuple(s[:pos]) for s in seqs})

@@ -23,6 +23,7 @@ import torch
 from disagg.worker.engine.block_manager import BlockManager
 from disagg.worker.engine.request import Request
 from disagg.worker.engine.sampler import filter_logits
+from disagg.worker.engine.seeds import DRAFT
 from disagg.worker.engine.spec import batches
 from disagg.worker.engine.spec.cost import measure_costs
 from disagg.worker.engine.spec.proposer import Proposal, Proposer
@@ -48,10 +49,10 @@ class _Drafting:
 
 
 def draft_distribution(
-    logits: torch.Tensor, reqs: Sequence[Request]
+    logits: torch.Tensor, reqs: Sequence[Request], positions: Sequence[int]
 ) -> tuple[list[int], list[torch.Tensor | None]]:
     """One proposed token per row: the argmax for greedy requests (no distribution), else a draw
-    from the row's filtered, temperature-scaled softmax with the request's generator."""
+    from the row's filtered, temperature-scaled softmax, keyed by the output position it proposes."""
     tokens: list[int] = [0] * len(reqs)
     probs: list[torch.Tensor | None] = [None] * len(reqs)
     logits = logits.float()
@@ -67,7 +68,7 @@ def draft_distribution(
             row, torch.tensor([p.top_k], device=dev), torch.tensor([p.top_p], device=dev),
             torch.tensor([p.min_p], device=dev),
         ).softmax(dim=-1)[0]  # fmt: skip
-        tokens[i] = int(torch.multinomial(q, 1, generator=req.generator))
+        tokens[i] = int(torch.multinomial(q, 1, generator=req.rng.at(positions[i], DRAFT)))
         probs[i] = q
     return tokens, probs
 
@@ -166,7 +167,9 @@ class DraftModelProposer(Proposer):
             logits = logits.float().clone()
             masks = fill_bitmasks([work[i].request.grammar for i in constrained], logits.shape[-1])
             apply_bitmask(logits, constrained, masks)
-        tokens, probs = draft_distribution(logits, [w.request for w in work])
+        tokens, probs = draft_distribution(
+            logits, [w.request for w in work], [w.request.num_output_tokens + len(w.tokens) for w in work]
+        )
         for w, t, q in zip(work, tokens, probs, strict=True):
             grammar = w.request.grammar
             if grammar is not None and w.budget > len(w.tokens):

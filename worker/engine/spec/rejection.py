@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from disagg.worker.engine.seeds import ACCEPT, RESIDUAL, SAMPLE, PositionRng
+
 
 def accept_greedy(target_argmax: Sequence[int], proposed: Sequence[int]) -> list[int]:
     """The tokens greedy decoding emits: the proposals while they equal the target's argmax, then
@@ -31,17 +33,19 @@ def accept_sampled(
     target_probs: torch.Tensor,
     proposed: Sequence[int],
     draft_probs: torch.Tensor | None,
-    generator: torch.Generator | None,
+    rng: PositionRng,
+    first_position: int,
 ) -> list[int]:
     """The tokens emitted for one request: target_probs [k+1, V] (p at each position), draft_probs
-    [k, V] (q) or None for point masses; random draws from the request's `generator`."""
+    [k, V] (q) or None for point masses; the draws of proposal j keyed by output position
+    `first_position + j` (`seeds.py`)."""
     dev = target_probs.device
     out: list[int] = []
     for j, x in enumerate(proposed):
         p = target_probs[j]
         px = float(p[x])
         qx = 1.0 if draft_probs is None else float(draft_probs[j, x])
-        u = float(torch.rand((), generator=generator, device=dev))
+        u = float(torch.rand((), generator=rng.at(first_position + j, ACCEPT), device=dev))
         if u * qx < px:  # u < p/q, i.e. probability min(1, p/q)
             out.append(int(x))
             continue
@@ -52,7 +56,8 @@ def accept_sampled(
             residual = (p - draft_probs[j]).clamp_min_(0.0)
         if not float(residual.sum()) > 0.0:  # p == q up to rounding: p itself is the residual
             residual = p
-        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        out.append(int(torch.multinomial(residual, 1, generator=rng.at(first_position + j, RESIDUAL))))
         return out
-    out.append(int(torch.multinomial(target_probs[len(proposed)], 1, generator=generator)))
+    bonus = rng.at(first_position + len(proposed), SAMPLE)
+    out.append(int(torch.multinomial(target_probs[len(proposed)], 1, generator=bonus)))
     return out

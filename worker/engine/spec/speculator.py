@@ -232,7 +232,9 @@ class Speculator:
             if req.params.greedy:
                 tokens = accept_greedy(final.argmax(dim=-1).tolist(), p.token_ids)
             else:
-                tokens = accept_sampled(final.softmax(dim=-1), p.token_ids, p.draft_probs, req.generator)
+                tokens = accept_sampled(
+                    final.softmax(dim=-1), p.token_ids, p.draft_probs, req.rng, req.num_output_tokens
+                )
             lps: list[TokenLogprob | None] = [None] * len(tokens)
             if req.params.logprobs is not None:
                 lp = final[: len(tokens)].log_softmax(dim=-1)
