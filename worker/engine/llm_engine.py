@@ -32,11 +32,13 @@ from pathlib import Path
 import torch
 
 from disagg.worker.engine import prompt_logprobs
+from disagg.worker.engine import resume as resumption
 from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.batch_builder import build_batch
 from disagg.worker.engine.block_manager import BlockManager
 from disagg.worker.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from disagg.worker.engine.request import Request, RequestStatus
+from disagg.worker.engine.resume import Resumption
 from disagg.worker.engine.sampler import Sampler
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.engine.scheduler import Scheduler, SchedulerOutput
@@ -236,7 +238,12 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------
     def _make_request(
-        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None, prefill_only: bool
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None,
+        prefill_only: bool,
+        resume: Resumption | None = None,
     ) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -285,6 +292,10 @@ class LLMEngine:
             req.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens
             )
+        if resume is not None:
+            if prefill_only:
+                raise ValueError("a prefill-only request cannot resume outputs")
+            resumption.apply(req, resume, self.config.vocab_size, self.max_model_len)
         return req
 
     def _grammars(self) -> Grammars:
@@ -304,9 +315,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         prefill_only: bool = False,
+        resume: Resumption | None = None,
     ) -> None:
-        """Queue a request; its tokens come out of later `step()` calls."""
-        req = self._make_request(request_id, prompt, params, prefill_only)
+        """Queue a request; its tokens come out of later `step()` calls. With `resume`, it
+        continues from outputs another worker produced (`resume.py`)."""
+        req = self._make_request(request_id, prompt, params, prefill_only, resume)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
