@@ -2,13 +2,13 @@
 
 Weights live in plain tensors, q/k/v and gate/up fused at load time so each layer runs four
 matmuls. Attention, norm, RoPE and activation go through the `disagg.kernels` op table so the
-same model runs the torch twins on CPU and Triton kernels on CUDA.
+same model runs the torch twins on CPU and Triton kernels on CUDA (or the native CPU kernels);
+which of them a step takes is chosen once per step (`attention_step`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,10 +16,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from disagg.kernels import cpu_bf16, cpu_decode_step, cpu_kv_quant, cpu_native, get_ops, torch_ops
-from disagg.kernels.kv_quant import KVQuantFormat, QuantizedKVStep
+from disagg.kernels import cpu_decode_step, cpu_native, get_ops
+from disagg.kernels.kv_quant import KVQuantFormat
 from disagg.kernels.quantized import QuantizedWeight, linear
 from disagg.worker.model import kv_memory
+from disagg.worker.model.attention_step import NATIVE_KERNELS, attention_step
+from disagg.worker.model.attention_step import add_rms_norm_ as add_rms_norm_  # the float32 shortcuts
+from disagg.worker.model.attention_step import decode_attention_one_group as decode_attention_one_group
+from disagg.worker.model.attention_step import rotary_full_width as rotary_full_width
+from disagg.worker.model.attention_step import rotate_heads_full_width as rotate_heads_full_width
+from disagg.worker.model.attention_step import single_decode_group as single_decode_group
 from disagg.worker.model.config import ModelConfig, RopeConfig
 from disagg.worker.model.forward_batch import ForwardBatch
 from disagg.worker.model.parallel import TensorParallel
@@ -75,27 +81,6 @@ def rope_cos_sin_cache(rope: RopeConfig, head_dim: int, max_positions: int) -> t
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Float32 `rms_norm(x, weight, eps, residual)` with the sum accumulated into `residual` in
-    place: the same additions (float addition commutes exactly) without a new tensor per layer."""
-    residual.add_(x)
-    return F.rms_norm(residual, weight.shape, weight, eps)
-
-
-def rotary_full_width(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """From `rotary_cos_sin`'s half-width [T, 1, D/2] angles: cos repeated over both halves and
-    sin as (-sin, sin), so that rotating is x * cos + swap_halves(x) * sin (once per step)."""
-    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
-
-
-def rotate_heads_full_width(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> None:
-    """`torch_ops.rotate_heads` of float32 x [T, H, D] in five ops instead of a dozen; each output
-    is the same two products and one addition (x2 * -sin equals -(x2 * sin) exactly)."""
-    t, h, d = x.shape
-    swapped = x.view(t, h, 2, d // 2).flip(2).view(t, h, d)
-    x.copy_(x * cos_full + swapped * sin_signed)
-
-
 def qk_norm_(qkv: torch.Tensor, layer: LayerWeights, hq: int, hkv: int, d: int, eps: float, rms_norm) -> None:
     """Qwen3's per-head RMSNorm of q and k, in place in the fused qkv rows, before RoPE (and before
     K is cached). `rms_norm`: the op table's, over one row per head."""
@@ -110,66 +95,6 @@ def decode_layers(weights: ModelWeights) -> list[cpu_decode_step.DecodeLayer]:
     never runs it)."""
     names = [f.name for f in dataclasses.fields(cpu_decode_step.DecodeLayer)]
     return [cpu_decode_step.DecodeLayer(**{n: getattr(layer, n) for n in names}) for layer in weights.layers]
-
-
-def single_decode_group(plan: list[torch_ops.DecodeGroup]) -> torch_ops.DecodeGroup | None:
-    """The plan's only group when it covers the whole batch with no padding (always so for one
-    sequence), else None."""
-    if len(plan) == 1 and plan[0].index is None and plan[0].mask is None:
-        return plan[0]
-    return None
-
-
-def decode_attention_one_group(
-    q: torch.Tensor, kv_cache: torch.Tensor, group: torch_ops.DecodeGroup, scale: float
-) -> torch.Tensor:
-    """`torch_ops.decode_attention_planned` for float32 q [B, Hq, D] and a plan of one unpadded
-    group: the same gather and SDPA call, without the output buffer and the copies into it."""
-    b, _, d = q.shape
-    flat = kv_cache.view(-1, d)
-    kv = flat.index_select(0, group.rows).view(2, b, kv_cache.shape[3], group.length, d)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), kv[0], kv[1], scale=scale, enable_gqa=True)
-    return o.squeeze(2)
-
-
-def prefill_step_attention(
-    ops,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    batch: ForwardBatch,
-    scale: float,
-    decode_attention: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Attention of a prefill step. In a mixed step the leading `batch.num_decodes` rows are one
-    decode token each: they take the decode kernel (`decode_attention(q_rows)` when given, the op
-    table's otherwise), the prompt chunks after them the prefill kernel."""
-    nd = batch.num_decodes
-    if nd == 0:
-        return ops.prefill_attention(
-            q, k, v, kv_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens, scale
-        )
-    out = torch.empty_like(q)
-    if decode_attention is not None:
-        out[:nd] = decode_attention(q[:nd])
-    else:
-        out[:nd] = ops.decode_attention(q[:nd], kv_cache, batch.block_tables[:nd], batch.seq_lens[:nd], scale)
-    out[nd:] = ops.prefill_attention(
-        q[nd:],
-        k[nd:],
-        v[nd:],
-        kv_cache,
-        batch.block_tables[nd:],
-        batch.cu_seqlens_q[nd:] - nd,
-        batch.seq_lens[nd:],
-        scale,
-    )
-    return out
-
-
-# The per-op native kernels of each dtype they take (same calls; bf16 keeps bf16 activations and KV).
-NATIVE_KERNELS = {torch.float32: cpu_native, torch.bfloat16: cpu_bf16}
 
 
 class LlamaForCausalLM:
@@ -256,128 +181,48 @@ class LlamaForCausalLM:
 
         Writes every token's K/V into `kv_caches` at `batch.slot_mapping`. `layer_hook(i)` is
         called as soon as layer i's K/V are in the cache, so their transfer can overlap the
-        remaining layers.
+        remaining layers. The kernels of rotary, the K/V writes, attention and the residual stream
+        are chosen once for the step (`attention_step`); decode steps of a few sequences on CPU run
+        whole in one native call (`native_decode_step`).
         """
         if batch.is_prefill and batch.cu_seqlens_q is None:
             raise ValueError("a prefill ForwardBatch needs cu_seqlens_q")
-        if self._native_ok(kv_caches):
-            return self._forward_native(batch, kv_caches, layer_hook)
-        ops, w, eps = self.ops, self.weights, self.config.rms_norm_eps
-        quantized = None  # a quantized cache: the op table's 8-bit writes and decode attention
-        if kv_caches.dtype == torch.uint8:
-            if self.kv_format is None:
-                raise ValueError("kv_caches: a byte (quantized) cache needs the model's kv_cache_dtype set")
-            quantized = self.kv_format
-            # prompt chunks attend over the step's blocks dequantized (no 8-bit prefill kernel yet)
-            prefill = (
-                QuantizedKVStep(quantized, batch.block_tables, batch.seq_lens, self.dtype)
-                if batch.is_prefill
-                else None
-            )
+        if self._whole_step_ok(batch, kv_caches, layer_hook):
+            return self._forward_whole_step(batch, kv_caches)
+        step = attention_step(self, batch, kv_caches)
+        w, eps = self.weights, self.config.rms_norm_eps
         num_tokens = batch.input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q_end, k_end = self._q_size, self._q_size + self._kv_size
 
-        # The plain-torch path does once per step what every layer would otherwise redo: the
-        # cos/sin rows of the positions, the cache rows of the K/V writes, the decode gather plan.
-        planned = quantized is None and self.ops.backend == "torch" and kv_caches.is_contiguous()
-        if planned:
-            block_size = kv_caches.shape[3]
-            cos, sin = torch_ops.rotary_cos_sin(batch.positions, self.cos_sin_cache)
-            keep, k_rows = torch_ops.kv_write_rows(batch.slot_mapping, block_size)
-            if not batch.is_prefill:
-                decode_plan = torch_ops.plan_decode(batch.block_tables, batch.seq_lens, block_size, hkv)
-
-        hidden = self._embed(batch.input_ids)
-        # float32 on the torch path: the residual sum is accumulated in place (no new tensor per
-        # add), rotary and single-group decode attention take their short forms below.
-        fast = planned and w.norm.dtype == torch.float32 and hidden.dtype == torch.float32
-        if fast:
-            cos_full, sin_signed = rotary_full_width(cos, sin)
-            v_rows = k_rows + block_size
-            single = None if batch.is_prefill else single_decode_group(decode_plan)
-        residual = None
+        residual = self._embed(batch.input_ids)  # a fresh tensor: some paths sum into it in place
+        hidden = step.norm(residual, w.layers[0].input_norm)
         for i, layer in enumerate(w.layers):
-            if residual is None:
-                residual = hidden
-                hidden = ops.rms_norm(hidden, layer.input_norm, eps)
-            elif fast:
-                hidden = add_rms_norm_(residual, hidden, layer.input_norm, eps)
-            else:
-                hidden, residual = ops.rms_norm(hidden, layer.input_norm, eps, residual)
+            if i > 0:
+                hidden, residual = step.norm_residual(hidden, residual, layer.input_norm)
             qkv = linear(hidden, layer.qkv, layer.qkv_bias)
             if layer.q_norm is not None:
-                qk_norm_(qkv, layer, hq, hkv, d, eps, ops.rms_norm)
+                qk_norm_(qkv, layer, hq, hkv, d, eps, self.ops.rms_norm)
             q = qkv[:, :q_end].view(num_tokens, hq, d)
             k = qkv[:, q_end:k_end].view(num_tokens, hkv, d)
             v = qkv[:, k_end:].view(num_tokens, hkv, d)
-            kv_cache = kv_caches[i]
-            if fast:
-                rotate_heads_full_width(qkv[:, :k_end].view(num_tokens, hq + hkv, d), cos_full, sin_signed)
-                if keep is None:  # `torch_ops.write_kv_rows` with the V rows computed once per step
-                    flat_kv = kv_cache.view(-1, hkv, d)
-                    flat_kv.index_copy_(0, k_rows, k)
-                    flat_kv.index_copy_(0, v_rows, v)
-                else:
-                    torch_ops.write_kv_rows(k, v, kv_cache, keep, k_rows)
-            elif planned:
-                torch_ops.rotate_heads(qkv[:, :k_end].view(num_tokens, hq + hkv, d), cos, sin)
-                torch_ops.write_kv_rows(k, v, kv_cache, keep, k_rows)
-            else:
-                ops.rotary_embedding(batch.positions, q, k, self.cos_sin_cache)
-                if quantized is None:
-                    ops.write_kv_cache(k, v, kv_cache, batch.slot_mapping)
-                else:
-                    ops.write_kv_quantized(k, v, kv_cache, batch.slot_mapping, quantized)
+            layer_cache = kv_caches[i]
+            step.rotate_and_write(qkv, q, k, v, layer_cache)
             if layer_hook is not None:
                 layer_hook(i)
-            if quantized is not None:
-                attn = self._attention_quantized(q, kv_cache, batch, prefill)
-            elif batch.is_prefill:
-                attn = prefill_step_attention(ops, q, k, v, kv_cache, batch, self.scale)
-            elif fast and single is not None:
-                attn = decode_attention_one_group(q, kv_cache, single, self.scale)
-            elif planned:
-                attn = torch_ops.decode_attention_planned(q, kv_cache, decode_plan, self.scale)
-            else:
-                attn = ops.decode_attention(q, kv_cache, batch.block_tables, batch.seq_lens, self.scale)
+            attn = step.attend(q, k, v, layer_cache)
             hidden = self._row_linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
-            if fast:
-                hidden = add_rms_norm_(residual, hidden, layer.post_norm, eps)
-            else:
-                hidden, residual = ops.rms_norm(hidden, layer.post_norm, eps, residual)
+            hidden, residual = step.norm_residual(hidden, residual, layer.post_norm)
             gate_up = linear(hidden, layer.gate_up, layer.gate_up_bias)
-            hidden = self._row_linear(ops.silu_and_mul(gate_up), layer.down, layer.down_bias)
+            hidden = self._row_linear(step.silu_and_mul(gate_up), layer.down, layer.down_bias)
 
         # Only the wanted rows go through the final norm and the (large) vocabulary projection.
         idx = batch.logits_indices
-        if idx.shape[0] == num_tokens and not batch.is_prefill:  # decode: every row samples
-            last = hidden + residual
-        else:
-            last = hidden.index_select(0, idx) + residual.index_select(0, idx)
-        last = ops.rms_norm(last, w.norm, eps)
-        return self._lm_head(last)
+        if idx.shape[0] != num_tokens or batch.is_prefill:  # (in a decode step every row samples)
+            hidden, residual = hidden.index_select(0, idx), residual.index_select(0, idx)
+        return self._lm_head(step.final_norm(hidden, residual, w.norm))
 
     __call__ = forward
-
-    def _attention_quantized(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, prefill: QuantizedKVStep | None
-    ) -> torch.Tensor:
-        """Attention of one layer over a quantized cache (already holding this step's K/V). Prompt
-        chunks attend to their own K/V as the cache holds them, as later steps will: a token's
-        output does not depend on how its prompt was chunked, cached or where it was prefilled."""
-        ops, fmt, nd = self.ops, self.kv_format, batch.num_decodes if batch.is_prefill else q.shape[0]
-        decode = functools.partial(
-            ops.decode_attention_quantized, layer_cache=kv_cache, block_tables=batch.block_tables[:nd],
-            seq_lens=batch.seq_lens[:nd], scale=self.scale, fmt=fmt,
-        )  # fmt: skip
-        if not batch.is_prefill:
-            return decode(q)
-        k, v = fmt.read_rows(kv_cache, batch.slot_mapping, q.dtype)
-        chunks = dataclasses.replace(batch, block_tables=prefill.tables)
-        return prefill_step_attention(
-            ops, q, k, v, prefill.layer_cache(kv_cache), chunks, self.scale, decode if nd else None
-        )
 
     # The three places tensor parallelism changes the math; plain torch calls without it.
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -417,87 +262,24 @@ class LlamaForCausalLM:
             )  # fmt: skip
         return self._native_decode_step
 
-    def _forward_native(
+    def _whole_step_ok(
         self, batch: ForwardBatch, kv_caches: torch.Tensor, layer_hook: Callable[[int], None] | None
-    ) -> torch.Tensor:
-        """`forward` with the small per-layer ops (add + norm, rotary + cache write, activation,
-        decode attention) in the native CPU kernels; matmuls and prefill attention stay in torch.
-        Decode steps of a few sequences run whole in one native call (`native_decode_step`)."""
-        w, eps, kernels = self.weights, self.config.rms_norm_eps, NATIVE_KERNELS[self.dtype]
-        num_tokens = batch.input_ids.shape[0]
-        quantized = self.kv_format  # None: a float32 cache
-        whole_step = (
-            self.tp is None and layer_hook is None and self._whole_step_native
-        )  # no collectives there
-        if not batch.is_prefill and whole_step and num_tokens <= cpu_decode_step.MAX_BATCH:
-            logits = self.native_decode_step()(
-                F.embedding(batch.input_ids, w.embed), batch.positions, batch.slot_mapping, kv_caches,
-                batch.block_tables, batch.seq_lens, quantized,
-            )  # fmt: skip
-            idx = batch.logits_indices
-            return logits if idx.shape[0] == num_tokens else logits.index_select(0, idx)
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q_end, k_end = self._q_size, self._q_size + self._kv_size
-        num_blocks = kv_caches.shape[1]
-        block_size = kv_caches.shape[3] if quantized is None else quantized.block_size
-        cpu_native.check_step_bounds(
-            batch.positions, batch.slot_mapping, self.cos_sin_cache.shape[0], num_blocks * block_size
+    ) -> bool:
+        """A decode step of at most `cpu_decode_step.MAX_BATCH` sequences the native whole-step
+        decode takes (no layer hook, no collectives: it runs every layer in one call)."""
+        return (
+            not batch.is_prefill
+            and self.tp is None
+            and layer_hook is None
+            and self._whole_step_native
+            and batch.input_ids.shape[0] <= cpu_decode_step.MAX_BATCH
+            and self._native_ok(kv_caches)
         )
-        decode_attention = None
-        nd = num_tokens if not batch.is_prefill else batch.num_decodes  # rows of one decode token each
-        if nd:  # lengths and tables are the same in every layer of the step
-            plan = (batch.block_tables[:nd], batch.seq_lens[:nd], hq, hkv, num_blocks)
-            if quantized is None:
-                decode_attention = kernels.PagedDecodeAttention(*plan)
-            else:
-                decode_attention = cpu_kv_quant.QuantizedPagedDecodeAttention(quantized, *plan)
-        if quantized is not None and batch.is_prefill:
-            dequantized = QuantizedKVStep(quantized, batch.block_tables, batch.seq_lens, torch.float32)
-            attn_batch = dataclasses.replace(batch, block_tables=dequantized.tables)
-        residual = self._embed(batch.input_ids)  # a fresh tensor: the sum accumulates in it
-        hidden = kernels.add_rms_norm(residual, w.layers[0].input_norm, eps)
-        for i, layer in enumerate(w.layers):
-            if i > 0:
-                hidden = kernels.add_rms_norm(hidden, layer.input_norm, eps, residual)
-            qkv = linear(hidden, layer.qkv, layer.qkv_bias)
-            if layer.q_norm is not None:
-                qk_norm_(qkv, layer, hq, hkv, d, eps, self.ops.rms_norm)
-            kv_cache = kv_caches[i]
-            if quantized is None:
-                kernels.rotary_write_kv(
-                    qkv, self.cos_sin_cache, batch.positions, kv_cache, batch.slot_mapping, hq, hkv
-                )
-            else:
-                cpu_kv_quant.rotary_write_kv(
-                    qkv, self.cos_sin_cache, batch.positions, kv_cache, batch.slot_mapping, hq, hkv, quantized
-                )
-            if layer_hook is not None:
-                layer_hook(i)
-            q = qkv[:, :q_end].view(num_tokens, hq, d)
-            if not batch.is_prefill:
-                attn = decode_attention(q, kv_cache, self.scale)
-            elif quantized is not None:  # every K/V written natively, the chunks attend in torch
-                k, v = quantized.read_rows(kv_cache, batch.slot_mapping, torch.float32)  # as stored
-                attn = prefill_step_attention(
-                    self.ops, q, k, v, dequantized.layer_cache(kv_cache), attn_batch, self.scale,
-                    decode_attention and functools.partial(decode_attention, kv_cache=kv_cache, scale=self.scale),
-                )  # fmt: skip
-            else:
-                k = qkv[:, q_end:k_end].view(num_tokens, hkv, d)
-                v = qkv[:, k_end:].view(num_tokens, hkv, d)
-                attn = prefill_step_attention(
-                    self.ops, q, k, v, kv_cache, batch, self.scale,
-                    decode_attention and functools.partial(decode_attention, kv_cache=kv_cache, scale=self.scale),
-                )  # fmt: skip
-            hidden = self._row_linear(attn.reshape(num_tokens, hq * d), layer.o, layer.o_bias)
-            hidden = kernels.add_rms_norm(hidden, layer.post_norm, eps, residual)
-            gate_up = linear(hidden, layer.gate_up, layer.gate_up_bias)
-            hidden = self._row_linear(kernels.silu_and_mul(gate_up), layer.down, layer.down_bias)
 
+    def _forward_whole_step(self, batch: ForwardBatch, kv_caches: torch.Tensor) -> torch.Tensor:
+        logits = self.native_decode_step()(
+            F.embedding(batch.input_ids, self.weights.embed), batch.positions, batch.slot_mapping, kv_caches,
+            batch.block_tables, batch.seq_lens, self.kv_format,
+        )  # fmt: skip
         idx = batch.logits_indices
-        if idx.shape[0] == num_tokens and not batch.is_prefill:  # decode: every row samples
-            last = kernels.add_rms_norm(hidden, w.norm, eps, residual)
-        else:
-            rows = hidden.index_select(0, idx)
-            last = kernels.add_rms_norm(rows, w.norm, eps, residual.index_select(0, idx))
-        return self._lm_head(last)
+        return logits if idx.shape[0] == batch.input_ids.shape[0] else logits.index_select(0, idx)
