@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from disagg.kernels import quantized
 from disagg.kernels.quantized import QuantizedWeight
 from disagg.worker.model import gguf_checkpoint, parallel, precisions, quantization
 from disagg.worker.model.config import ModelConfig
@@ -336,4 +337,13 @@ def load_model(
         config, tensors, torch_dtype, device, None if tp is None else tp.plan, quantize=scheme,
         prequantized=in_checkpoint is not None,
     )  # fmt: skip
+    resolve_matmuls(weights)
     return LlamaForCausalLM(config, weights, torch_dtype, device, tp=tp), config
+
+
+def resolve_matmuls(weights: ModelWeights) -> None:
+    """Choose each matmul weight's kernels once, here (`quantized.resolve`), not on every call."""
+    for layer in weights.layers:
+        for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            quantized.resolve(w)
+    quantized.resolve(weights.lm_head)
