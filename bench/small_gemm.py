@@ -2,6 +2,7 @@
 
     python bench/small_gemm.py [--threads 2] [--rows 1,4,5,8,16,32,64] [--repeats 7] [--hot] [--int8]
     python bench/small_gemm.py --dtype bfloat16   # the native bf16 GEMV and GEMM against torch's bf16 GEMM
+    python bench/small_gemm.py --thresholds [--quick]   # the crossover behind each row threshold
 
 Without AVX-512 the float32 table's last column is the packed-panel GEMM (`cpu_native.gemm_packed`,
 what `linear` takes beyond 32 rows there) instead of the GEMV.
@@ -20,14 +21,25 @@ shape (ratio = float32 time / int8 time): the W8A8 GEMM (`cpu_native.gemm_int8`,
 the CPU has AVX-512 VNNI), the same GEMM with 16-bit inputs as two byte planes (A16x2:
 `input_bits=16`), the int8 GEMV (W8A16), the packed-panel GEMM (without AVX-512), the weight widened to float32 for torch's GEMM on each
 call (widen: the torch twin), and torch's GEMM on float32 weights (torch).
+
+`--thresholds` prints, for every row threshold of `disagg.kernels.quantized` (the row count M at
+which a weight's plan changes kernel), the two kernels on either side of it timed at rows around
+it: seconds per call of each, their ratio (time of the kernel beyond / time of the kernel up to
+the threshold: above 1 the lower-rows kernel is faster), the kernel the threshold picks and the
+faster one. A threshold whose kernels this CPU does not run (AVX2-only ones on an AVX-512 build,
+VNNI ones without VNNI) says so; `DISAGG_CPU_NATIVE_ARCH=x86-64-v3` builds the kernels for AVX2 to
+time those here. `--quick`: one 768 x 768 weight, cache-resident, 3 repeats (seconds).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import platform
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +120,119 @@ def int8_table(cpu_native, rows: list[int], wanted: set[str], args, gen: torch.G
             print(f"  {name:<8} {f'{n}x{k}':>11} {m:>4} {flops / best['f32'] / 1e9:>9.1f}   x f32: {ratios}")
 
 
+@dataclass(frozen=True)
+class Threshold:
+    """`quantized.<name>`: inputs of up to `last_lower` rows take `lower`, more rows `upper`."""
+
+    name: str
+    last_lower: int
+    weight: str  # float32 | bfloat16 | int8 | fp8
+    lower: str  # a kernel of `quantized` (x, w, bias, w8a8)
+    upper: str
+    missing: str | None = None  # why this CPU does not run these kernels (None: it does)
+
+    def rows(self) -> list[int]:
+        t = self.last_lower
+        return sorted({r for r in (t // 4, t // 2, t, t + 1, 2 * (t + 1)) if r >= 1})
+
+
+def thresholds(quantized, cpu_native, cpu_bf16) -> list[Threshold]:
+    """Every row threshold with the kernels on its two sides on this CPU."""
+    wide, narrow = cpu_native.gemm_vector_floats() >= 16, cpu_native.narrow_tiles()
+    vnni, bf16_dot = cpu_native.gemm_int8_is_fast(), cpu_bf16.dot_native()
+    no_avx2_build = "the kernels are built for AVX-512 here (DISAGG_CPU_NATIVE_ARCH=x86-64-v3: AVX2)"
+    q = quantized
+    return [
+        Threshold("GEMM_NATIVE_MAX_ROWS", q.GEMM_NATIVE_MAX_ROWS, "float32", "native_gemm", "torch_gemm",
+                  None if wide else "needs the AVX-512 build"),
+        Threshold("GEMM_NATIVE_MAX_ROWS_AVX2", q.GEMM_NATIVE_MAX_ROWS_AVX2, "float32", "native_gemm",
+                  "packed_gemm", None if narrow else no_avx2_build),
+        Threshold("BF16_GEMV_MAX_ROWS", q.BF16_GEMV_MAX_ROWS, "bfloat16", "bf16_gemv",
+                  "torch_gemm" if bf16_dot else "bf16_gemm"),
+        Threshold("W8A8_MIN_ROWS", q.W8A8_MIN_ROWS - 1, "int8", "int8_gemv", "int8_gemm",
+                  None if vnni else "needs AVX-512 VNNI"),
+        Threshold("BF16_PRODUCT_MIN_ROWS", q.BF16_PRODUCT_MIN_ROWS - 1, "int8",
+                  "int8_gemm" if vnni else "int8_gemv", "bf16_product",
+                  None if bf16_dot else "needs bf16 products (AVX-512 BF16)"),
+        Threshold("GEMM_INT8_MAX_ROWS", q.GEMM_INT8_MAX_ROWS, "int8", "int8_gemm", "twin",
+                  None if vnni else "needs AVX-512 VNNI"),
+        Threshold("NATIVE_MAX_ROWS", q.NATIVE_MAX_ROWS, "int8", "int8_gemv", "twin",
+                  None if vnni else "needs AVX-512 VNNI"),
+        Threshold("GEMV_INT8_MAX_ROWS_NO_VNNI", q.GEMV_INT8_MAX_ROWS_NO_VNNI, "int8", "int8_gemv",
+                  "packed_8bit_gemm" if narrow else "twin",
+                  "this CPU has VNNI (DISAGG_CPU_NATIVE_ARCH=x86-64-v3: without)" if vnni else None),
+        Threshold("FP8_NATIVE_MAX_ROWS", q.FP8_NATIVE_MAX_ROWS, "fp8", "fp8_gemv",
+                  "packed_8bit_gemm" if narrow else "fp8_widened"),
+    ]  # fmt: skip
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def threshold_tables(shapes: list[tuple[str, int, int]], args, gen: torch.Generator) -> None:
+    from disagg.kernels import cpu_bf16, cpu_native, quantized
+
+    print(
+        f"row thresholds of disagg.kernels.quantized on {cpu_name() or 'this CPU'}: AVX-512 tiles "
+        f"{cpu_native.gemm_vector_floats() >= 16}, VNNI {cpu_native.gemm_int8_is_fast()}, bf16 products "
+        f"{cpu_bf16.dot_native()}, AMX {cpu_native.amx_usable()}; {torch.get_num_threads()} threads, "
+        f"weights {'hot' if args.hot else 'cold'}; 1-min load average {os.getloadavg()[0]:.2f}"
+    )
+    print("  ratio: time beyond / time up to the threshold (above 1: the lower-rows kernel is faster)")
+    for t in thresholds(quantized, cpu_native, cpu_bf16):
+        print(f"{t.name} = {getattr(quantized, t.name)} ({t.weight} weights): {t.lower} | {t.upper}")
+        if t.missing:
+            print(f"  not timed: {t.missing}")
+            continue
+        lower = functools.partial(getattr(quantized, t.lower), bias=None, w8a8=False)
+        upper = functools.partial(getattr(quantized, t.upper), bias=None, w8a8=False)
+        col = max(len(t.lower), len(t.upper)) + 3
+        print(
+            f"  {'N x K':>11} {'M':>5} {t.lower + ' ms':>{col}} {t.upper + ' ms':>{col}} {'ratio':>6} "
+            f"{'picks':>{col}} {'faster':>{col}}"
+        )
+        for _, n, k in shapes:
+            nbytes = n * k * {"float32": 4, "bfloat16": 2}.get(t.weight, 1)
+            weights = _weights(t.weight, n, k, 1 if args.hot else -(-COLD_BYTES // nbytes), gen)
+            for m in t.rows():
+                x = torch.randn(m, k, generator=gen).to(
+                    torch.bfloat16 if t.weight == "bfloat16" else torch.float32
+                )
+                flops = 2.0 * m * n * k
+                low = high = float("inf")
+                for _ in range(args.repeats):  # interleaved: a burst of load hits both alike
+                    low = min(low, loop_seconds(lower, weights, x, flops))
+                    high = min(high, loop_seconds(upper, weights, x, flops))
+                picks = t.lower if m <= t.last_lower else t.upper
+                faster = t.lower if low <= high else t.upper
+                print(
+                    f"  {f'{n}x{k}':>11} {m:>5} {low * 1e3:>{col}.3f} {high * 1e3:>{col}.3f} "
+                    f"{high / low:>6.2f} {picks:>{col}} {faster:>{col}}"
+                )
+
+
+def _weights(kind: str, n: int, k: int, copies: int, gen: torch.Generator) -> list:
+    """`copies` random weights [N, K] of `kind` (8-bit ones as `QuantizedWeight`)."""
+    from disagg.kernels.quantized import QuantizedWeight
+
+    out = []
+    for _ in range(max(1, copies)):
+        w = torch.randn(n, k, generator=gen)
+        if kind in ("float32", "bfloat16"):
+            out.append(w.to(getattr(torch, kind)))
+            continue
+        scale = w.abs().amax(1) / (127.0 if kind == "int8" else 448.0)
+        values = w / scale[:, None]
+        data = values.round().to(torch.int8) if kind == "int8" else values.to(torch.float8_e4m3fn)
+        out.append(QuantizedWeight(data, scale))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=None)
@@ -117,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hot", action="store_true", help="one weight copy, resident in the caches")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--int8", action="store_true", help="int8-weight kernels against the float32 GEMM")
+    ap.add_argument("--thresholds", action="store_true", help="the crossover behind each row threshold")
+    ap.add_argument("--quick", action="store_true", help="--thresholds on one small hot weight, 3 repeats")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -148,6 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(r) for r in args.rows.split(",")]
     wanted = set(args.shapes.split(","))
     gen = torch.Generator().manual_seed(0)
+    if args.thresholds:
+        shapes = [s for s in SHAPES if s[0] in wanted and s[0] != "lm_head"]
+        if args.quick:
+            shapes, args.hot, args.repeats = [("o", 768, 768)], True, min(args.repeats, 3)
+        threshold_tables(shapes, args, gen)
+        print(f"1-min load average after: {os.getloadavg()[0]:.2f}")
+        return 0
     if args.int8:
         int8_table(cpu_native, rows, wanted, args, gen)
         print(f"1-min load average after: {os.getloadavg()[0]:.2f}")

@@ -444,7 +444,7 @@ def narrow_tiles() -> bool:
 
 
 # With 8-float tiles the register-tiled GEMMs win up to this many rows, the packed-panel GEMM beyond
-# (the measurements: `quantized.GEMM_NATIVE_MAX_ROWS_AVX2`, which is this).
+# (`quantized.GEMM_NATIVE_MAX_ROWS_AVX2`, which is this: `bench/small_gemm.py --thresholds` times it).
 NARROW_TILES_MAX_ROWS = 32
 
 
