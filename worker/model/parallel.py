@@ -105,18 +105,6 @@ def kv_head_range(rank: int, world_size: int, num_kv_heads: int) -> range:
     return range(head, head + 1)
 
 
-def check_shardable(world_size: int, config) -> None:
-    """Raise the plan's ValueError for a `ModelConfig` that `world_size` ranks cannot split."""
-    shard_plan(
-        0,
-        world_size,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        intermediate_size=config.intermediate_size,
-        vocab_size=config.vocab_size,
-    )
-
-
 def plan_for(rank: int, world_size: int, config) -> ShardPlan:
     """`shard_plan` of a `ModelConfig`."""
     return shard_plan(
