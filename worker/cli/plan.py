@@ -21,7 +21,7 @@ from disagg.worker.engine.args import EngineArgs
 from disagg.worker.serving.args import ServingArgs
 
 # serving settings the simulation has no use for (it models no transport, timeout or drain)
-PLACEMENT_EXCLUDED = ("kv_transfer", "prefill_timeout", "lease_seconds", "drain_timeout")
+PLACEMENT_EXCLUDED = ("kv_transfer", "prefill_timeout", "lease_seconds", "drain_timeout", "drain_handoff")
 
 
 def _replica_list(text: str) -> list[int]:

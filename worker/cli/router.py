@@ -114,6 +114,7 @@ def build_router(args):
         tool_call_parser=settings.tool_call_parser,
         max_prompt_bytes=settings.max_prompt_bytes,
         prefill_overflow=settings.prefill_overflow,
+        max_migrations=settings.max_migrations,
     )
     return Router(config, tokenizer, pool, lookup, internal_auth=internal)
 

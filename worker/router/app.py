@@ -16,6 +16,7 @@ import functools
 import importlib.metadata
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from disagg.worker.router.args import DEFAULT_MAX_CHOICES, RouterArgs
 from disagg.worker.router.body import read_body
 from disagg.worker.router.errors import APIError, invalid
 from disagg.worker.router.fanout import ChoiceState, Echo, plan_choices, total_usage
+from disagg.worker.router.migration import MIGRATION_SUFFIX, MOVABLE_ERRORS, finished_message, resumed_request
 from disagg.worker.router.openai_format import ResponseBuilder, usage_body
 from disagg.worker.router.openapi import openapi_spec
 from disagg.worker.router.policy import Lending, WorkerView, choose_decode, rank_prefill, served_quantization
@@ -91,6 +93,7 @@ class RouterConfig:
     # A request body, decoded (router/body.py): a compressed body stops inflating one byte past it.
     max_body_bytes: int = 32 << 20
     decode_attempts: int = 3  # decode workers tried for a generation before nothing was streamed
+    max_migrations: int = RouterArgs.max_migrations  # moves of a live stream to another decode worker
     # A prefill worker less loaded than every decode worker by more than this (in requests, as
     # `policy.decode_cost` counts them) serves a request whole; None: prefill workers only prefill.
     prefill_overflow: float | None = RouterArgs.prefill_overflow
@@ -107,7 +110,8 @@ def _load_fields(v: WorkerView) -> dict[str, int | float]:
 
 @dataclass
 class _Choice:
-    """One generation of a request: its worker request and where it runs."""
+    """One generation of a request: its worker request, where it runs, and what was relayed of it
+    (what a move to another worker resumes from)."""
 
     state: ChoiceState
     req: worker_pb2.GenerateRequest
@@ -115,6 +119,30 @@ class _Choice:
     used: list[WorkerView]  # decode workers counted in flight for it (a retry adds one)
     prompt_blocks: int
     match: dict[str, int]
+    call: object = None  # the current worker's Generate call
+    sent_ids: list[int] = field(default_factory=list)  # tokens relayed, over every worker
+    sent_chars: int = 0  # characters of their text relayed
+    migrations: int = 0
+    moved_for: str | None = None  # why it last moved, until the new worker's first token
+    moved_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def original_id(self) -> str:
+        return self.req.request_id.split(MIGRATION_SUFFIX, 1)[0]
+
+    def relayed(self, msg, now: float, metrics: ServingMetrics) -> None:
+        self.sent_ids.extend(msg.token_ids)
+        self.sent_chars += len(msg.text)
+        if msg.token_ids:
+            if self.moved_for is not None:  # the first token after a move: the gap the client saw
+                gap = now - (self.last_token_at if self.last_token_at is not None else self.moved_at)
+                metrics.migrated(self.moved_for, "resumed", gap)
+                self.moved_for = None
+            self.last_token_at = now
+
+    def moved(self, reason: str, now: float) -> None:
+        self.moved_for, self.moved_at = reason, now
 
 
 class Router:
@@ -443,7 +471,12 @@ class Router:
             raise self._unknown_model(spec.model)
         check_choice_count(spec, self.config.max_choices)
         check_prompt_size(spec, self.config.max_prompt_bytes, self.config.max_model_len)
-        plans = plan_choices(spec.num_prompts, spec.n, spec.sampling.seed)
+        seed = spec.sampling.seed
+        if seed is None and not spec.sampling.greedy:
+            # every sampled generation carries a seed: a stream moved to another worker goes on
+            # drawing from its own random numbers (seeds.py)
+            seed = secrets.randbits(63)
+        plans = plan_choices(spec.num_prompts, spec.n, seed)
         # admission counts generations, not HTTP requests: n=8 weighs as much as 8 requests; the
         # count is taken together with the check, before any await, so a burst cannot slip past it
         if self.inflight + len(plans) > self.config.max_queue:
@@ -496,7 +529,7 @@ class Router:
                 self.pool.begin(decode.worker_id)
                 self.metrics.routed(decode.role)
                 state = ChoiceState(
-                    plan, self._echo(spec, p, prompts[p]), score_only=spec.sampling.max_tokens == 0
+                    plan, self._echo(spec, p, prompts[p]), score_only=spec.score_only
                 )
                 choices.append(_Choice(state, req, decode, [decode], len(hashes[p]), matches[p]))
             if spec.stream:
@@ -593,33 +626,114 @@ class Router:
     # ---- the generations of one request, run concurrently ----------------------------------------
     async def _run_choice(self, c: _Choice, events: asyncio.Queue) -> None:
         """Relay one generation's worker stream onto `events` as (choice, message); then
-        (choice, None) when the stream ended, or (choice, APIError) when it failed."""
-        call = None
+        (choice, None) when the stream ended, or (choice, APIError) when it failed. A stream whose
+        worker dies, stops answering or hands it off mid-way moves to another decode worker and
+        resumes there from the tokens already relayed (`_move`), at most `max_migrations` times."""
         try:
-            c.decode, call, msg = await self._start(c.req, c.decode, c.match, c.prompt_blocks, c.used)
-            it = call.__aiter__()
-            while msg is not None:
-                events.put_nowait((c, msg))
-                if msg.HasField("error"):
+            c.decode, c.call, msg = await self._start(c.req, c.decode, c.match, c.prompt_blocks, c.used)
+            while True:
+                moved_for = await self._relay(c, msg, events)
+                if moved_for is None:
                     return
-                msg = await anext(it, None)
-            events.put_nowait((c, None))
+                started = await self._move(c, moved_for, events)
+                if started is None:
+                    return
+                msg = started
         except APIError as e:
             events.put_nowait((c, e))
         except grpc.aio.AioRpcError as e:
             events.put_nowait((c, self._worker_error(c.decode, e)))
         except asyncio.CancelledError:
-            if call is not None:
-                call.cancel()
+            if c.call is not None:
+                c.call.cancel()
                 asyncio.ensure_future(self._abort(c.decode, c.req.request_id))
+            raise  # a sibling failed or the client left: the worker frees this generation's blocks
+
+    async def _relay(self, c: _Choice, msg, events: asyncio.Queue) -> str | None:
+        """Relay the current worker's messages from `msg` on. None when the stream is over (ended,
+        or failed in a way another worker cannot fix); else why it broke, for `_move`."""
+        it = c.call.__aiter__()
+        finished = False  # its last message (finish reason, usage) is relayed: nothing to move
+        try:
+            while msg is not None:
+                if msg.HasField("error"):
+                    reason = MOVABLE_ERRORS.get(msg.error.code)
+                    if reason is not None and c.migrations < self.config.max_migrations:
+                        return reason
+                    events.put_nowait((c, msg))
+                    return None
+                c.relayed(msg, self.clock(), self.metrics)
+                events.put_nowait((c, msg))
+                finished = finished or bool(msg.finish_reason)
+                msg = await anext(it, None)
+            events.put_nowait((c, None))
+            return None
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                self.pool.mark_failed(c.decode.worker_id)
+                if finished:  # it broke after the end was relayed: the generation is whole
+                    events.put_nowait((c, None))
+                    return None
+                if c.migrations < self.config.max_migrations:
+                    return "unavailable"
+            raise
+        except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
-                raise  # a sibling failed or the client left: the worker frees this generation's blocks
+                raise
             # The call was cancelled under us (the pool closed the channel of a worker that left
-            # the registry): the generation still needs an answer.
+            # the registry, or stopped answering): the generation still needs an answer.
             self.pool.mark_failed(c.decode.worker_id)
-            events.put_nowait((c, APIError(503, f"worker {c.decode.worker_id} went away", code="worker_unavailable",
-                                           retry_after=1)))  # fmt: skip
+            if finished:
+                events.put_nowait((c, None))
+                return None
+            if c.migrations < self.config.max_migrations:
+                return "unresponsive"
+            raise APIError(503, f"worker {c.decode.worker_id} went away", code="worker_unavailable",
+                           retry_after=1) from None  # fmt: skip
+
+    async def _move(self, c: _Choice, reason: str, events: asyncio.Queue):
+        """Re-place a broken stream on another decode worker, resuming from what was relayed;
+        returns the new worker's first message, or None when the generation was finished here."""
+        old = c.decode
+        if c.call is not None:
+            c.call.cancel()
+        asyncio.ensure_future(self._abort(old, c.req.request_id))  # a frozen worker gets it later
+        c.migrations += 1
+        req = resumed_request(c.req, c.original_id, c.migrations, c.sent_ids, c.sent_chars)
+        params = req.params
+        done = (params.max_tokens and len(c.sent_ids) >= params.max_tokens) or (
+            len(req.prompt_token_ids) + len(c.sent_ids) >= self.config.max_model_len
+        )
+        if done:  # the old worker sent the last token but not the end: nothing is left to generate
+            events.put_nowait((c, finished_message(len(req.prompt_token_ids), len(c.sent_ids))))
+            events.put_nowait((c, None))
+            self.metrics.migrated(reason, "finished")
+            return None
+        taken = {u.worker_id for u in c.used}
+        views = [v for v in self.pool.views() if v.worker_id not in taken]
+        lend = Lending(self.config.prefill_overflow, len(req.prompt_token_ids), params.max_tokens)
+        alt = choose_decode(views, c.match, c.prompt_blocks, lend)
+        if alt is None:
+            await self.pool.next_refresh(timeout=2 * self.pool.refresh_seconds + 1)
+            views = [v for v in self.pool.views() if v.worker_id not in taken]
+            alt = choose_decode(views, c.match, c.prompt_blocks, lend)
+        if alt is None:
+            self.metrics.migrated(reason, "failed")
+            raise APIError(503, f"worker {old.worker_id} went away and no other decode worker can take its "
+                           "stream", code="worker_unavailable", retry_after=1)  # fmt: skip
+        log.warning("stream %s: worker %s %s; resuming it on %s after %d tokens",
+                    c.original_id, old.worker_id, reason, alt.worker_id, len(c.sent_ids))  # fmt: skip
+        c.used.append(alt)
+        self.pool.begin(alt.worker_id)
+        c.req = req
+        try:
+            c.decode, c.call, first = await self._start(req, alt, c.match, c.prompt_blocks, c.used)
+        except APIError:
+            self.metrics.migrated(reason, "failed")
+            raise
+        c.moved(reason, self.clock())
+        return first
 
     async def _stop_choices(self, tasks: list[asyncio.Task]) -> None:
         """Cancel the generations still running (each aborts on its worker) and count them."""

@@ -61,6 +61,14 @@ class RouterArgs(Settings):
         minimum=0.0,
     )
 
+    max_migrations: int = setting(
+        3,
+        "times a stream may move to another decode worker when its worker dies, stops answering or "
+        "drains mid-stream (it resumes there from the tokens already sent); 0: never, the client "
+        "gets an error event",
+        minimum=0,
+    )
+
     def check(self) -> None:
         super().check()
         if self.max_choices is not None and self.max_choices > self.max_queue:

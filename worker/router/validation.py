@@ -34,6 +34,7 @@ class GenerationSpec:
     tools: ToolSpec | None = None  # chat: tools, tool_choice (or the legacy functions)
     echo: bool = False
     user: str | None = None
+    score_only: bool = False  # max_tokens 0: only the prompt's logprobs are wanted
 
     @property
     def num_prompts(self) -> int:
@@ -191,13 +192,16 @@ def _structured_output(req: protocol._Sampling) -> StructuredOutputParams | None
 def parse_completion(body: Any) -> GenerationSpec:
     """A completion request (raw JSON bytes, or the decoded object) -> its `GenerationSpec`."""
     req = _parse(protocol.CompletionRequest, body)
-    sampling = _sampling(req, req.max_tokens, req.logprobs)
+    # max_tokens 0 scores the prompt: a prefill always samples a token, which the response leaves out
+    score_only = req.max_tokens == 0
+    sampling = _sampling(req, 1 if score_only else req.max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:
         sampling.prompt_logprobs = req.logprobs
     return GenerationSpec(
         kind="completion",
         model=req.model,
         sampling=sampling,
+        score_only=score_only,
         stream=req.stream,
         **_usage_options(req.stream_options),
         n=req.n,
@@ -290,9 +294,6 @@ def fit_to_context(sampling: SamplingParams, prompt_tokens: int, max_model_len: 
                 f"the {param}",
             )
         return room
-    if sampling.max_tokens == 0:
-        # scoring: a prefill always samples a token; the router leaves it out of the response
-        return 1
     if prompt_tokens + sampling.max_tokens > max_model_len:
         raise APIError(
             400,

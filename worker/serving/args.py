@@ -56,6 +56,13 @@ class ServingArgs(Settings):
         "longest wait for in-flight streams when draining (/drain, then SIGTERM share it)",
         minimum=0.0,
     )
+    drain_handoff: float = setting(
+        2.0,
+        "seconds a draining worker lets its streams run before handing the rest to the router, which "
+        "resumes each on another decode worker from the tokens already sent; at or above "
+        "--drain-timeout the worker waits for them instead",
+        minimum=0.0,
+    )
 
     def quarantine_seconds(self) -> float:
         """How long a decode worker holds the blocks of an aborted transfer whose KV may still land:

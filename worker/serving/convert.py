@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from disagg.proto import worker_pb2 as pb
 from disagg.worker.engine.outputs import TokenLogprob
+from disagg.worker.engine.resume import Resumption
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.engine.structured_output_params import StructuredOutputParams
 from disagg.worker.serving.prefill_job import PrefillAnswer, PrefillError
@@ -78,6 +79,13 @@ def sampling_params_to_proto(s: SamplingParams, max_tokens: int, seed: int | Non
     if s.structured_output is not None:
         p.structured_output.CopyFrom(structured_output_to_proto(s.structured_output))
     return p
+
+
+def resumption(request: pb.GenerateRequest) -> Resumption | None:
+    """The outputs a moved stream resumes from, None for a new one."""
+    if not request.HasField("resume"):
+        return None
+    return Resumption(tuple(request.resume.output_token_ids), request.resume.sent_chars)
 
 
 def structured_output_to_proto(so: StructuredOutputParams) -> pb.StructuredOutput:

@@ -54,9 +54,11 @@ class WorkerCore:
         self.decode_step = DecodeStepTime()
 
     # ---- requests -----------------------------------------------------------------------------------
-    def on_loop_add(self, request_id: str, prompt_ids: list[int], params, sink: Sink, arrival: float) -> None:
-        """A request prefilled and decoded here."""
-        self.engine.add_request(request_id, prompt_ids, params)
+    def on_loop_add(
+        self, request_id: str, prompt_ids: list[int], params, sink: Sink, arrival: float, resume=None
+    ) -> None:
+        """A request prefilled and decoded here (`resume`: continuing outputs another worker made)."""
+        self.engine.add_request(request_id, prompt_ids, params, resume=resume)
         self.sinks[request_id] = sink
         self.arrivals[request_id] = arrival
 

@@ -131,6 +131,7 @@ class WorkerProcess:
         self.metrics_port = cfg.metrics_port
         self._stop = asyncio.Event()
         self._drain_deadline: float | None = None
+        self._handoff_at: float | None = None  # when a drain hands its streams off to the router
         self.exit_code = 0
 
     @property
@@ -325,11 +326,15 @@ class WorkerProcess:
         One deadline, drain_timeout after draining first began, bounds the preStop /drain and the
         SIGTERM drain together, so both fit in the pod's termination grace period.
         """
-        now = asyncio.get_running_loop().time()
+        clock = asyncio.get_running_loop().time
         if self._drain_deadline is None:
-            self._drain_deadline = now + self.cfg.serving.drain_timeout
+            self._drain_deadline = clock() + self.cfg.serving.drain_timeout
+            self._handoff_at = clock() + self.cfg.serving.drain_handoff
         deadline = self._drain_deadline
-        while s.streams > 0 and asyncio.get_running_loop().time() < deadline:
+        while s.streams > 0 and clock() < deadline:
+            if self._handoff_at is not None and clock() >= self._handoff_at and self._handoff_at < deadline:
+                self._handoff_at = None
+                log.info("draining: handing %d streams off to the router", s.hand_off())
             await asyncio.sleep(0.05)
         return s.streams
 

@@ -42,6 +42,8 @@ class _Families:
     prefix_routing_disabled: Counter
     rejected: Counter
     routed: Counter
+    migrations: Counter
+    migration_gap: Histogram
     prefill_retries: Counter
     kv_quarantined: Counter
     remote_prefill_stages: Histogram
@@ -121,6 +123,22 @@ def _families(registry: CollectorRegistry) -> _Families:
                 "Generations the router sent to a worker, by that worker's role (prefill: a prefill "
                 "worker serving a whole request under --prefill-overflow).",
                 (*LABELS, "worker_role"),
+                registry=registry,
+            ),
+            migrations=Counter(
+                "disagg_router_migrations",
+                "Live streams moved to another decode worker, by why (unavailable: the worker died or "
+                "its connection broke; unresponsive: it stopped answering polls; draining: it handed its "
+                "streams off), and by outcome (resumed, or failed: no candidate could take it).",
+                (*LABELS, "reason", "outcome"),
+                registry=registry,
+            ),
+            migration_gap=Histogram(
+                "disagg_router_migration_gap_seconds",
+                "The pause a moved stream's client saw: from the last token the old worker sent to the "
+                "first one the new worker sent.",
+                LABELS,
+                buckets=_LATENCY_BUCKETS,
                 registry=registry,
             ),
             prefill_retries=Counter(
@@ -282,6 +300,11 @@ class ServingMetrics:
         kind = "prefill" if prefill else "decode"
         self._steps[kind].observe(seconds)
         self._step_rows[kind].inc(rows)
+
+    def migrated(self, reason: str, outcome: str, gap_seconds: float | None = None) -> None:
+        self._f.migrations.labels(role=self.role, model=self.model, reason=reason, outcome=outcome).inc()
+        if gap_seconds is not None:
+            self._f.migration_gap.labels(role=self.role, model=self.model).observe(gap_seconds)
 
     def routed(self, worker_role: str) -> None:
         self._routed.labels(role=self.role, model=self.model, worker_role=worker_role).inc()

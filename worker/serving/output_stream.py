@@ -12,6 +12,8 @@ from disagg.proto import worker_pb2 as pb
 from disagg.worker.serving.convert import error, logprob_to_proto, prompt_logprobs_to_proto
 from disagg.worker.serving.metrics import ServingMetrics
 
+HAND_OFF = object()  # queued by `hand_off`
+
 
 class OutputStream:
     """`sink` is what the engine loop hands outputs to (from its thread); `messages` yields them.
@@ -35,6 +37,11 @@ class OutputStream:
         queue = self._queue  # the queue of now, not of when the call reaches the asyncio thread
         self._aio.call_soon_threadsafe(queue.put_nowait, out)
 
+    def hand_off(self) -> None:
+        """End the stream for the router to move it (a draining worker): the messages already
+        queued go out first, then an error `migrate`; the request is aborted here."""
+        self._aio.call_soon_threadsafe(self._queue.put_nowait, HAND_OFF)
+
     def restart(self) -> None:
         """Forget what the request's failed remote attempts put in (their abort's end of stream)."""
         self._queue = asyncio.Queue()
@@ -44,6 +51,12 @@ class OutputStream:
         last_token_at = None
         while True:
             out = await self._queue.get()
+            if out is HAND_OFF:  # not finished: Generate's caller aborts the request here
+                yield pb.GenerateResponse(
+                    error=error("migrate", "this worker is draining: the stream moves on")
+                )
+                self.metrics.request_finished("handed_off")
+                return
             if isinstance(out, BaseException):  # the engine failed for good
                 self.finished = True
                 yield pb.GenerateResponse(error=error("engine_failed", str(out)))

@@ -20,7 +20,7 @@ from disagg.worker.engine.block_manager import NoFreeBlocksError
 from disagg.worker.serving.args import ServingArgs
 from disagg.worker.serving.attempt import PrefillAborted, PrefillFailed
 from disagg.worker.serving.auth import INSECURE, InternalAuth
-from disagg.worker.serving.convert import error, prefill_response, sampling_params
+from disagg.worker.serving.convert import error, prefill_response, resumption, sampling_params
 from disagg.worker.serving.core import WorkerCore
 from disagg.worker.serving.engine_loop import EngineLoop
 from disagg.worker.serving.metrics import ServingMetrics
@@ -84,6 +84,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.ready = False
         self.draining = False
         self.streams = 0  # Generate and Prefill calls in progress (drain waits for zero)
+        self.live: set[OutputStream] = set()  # Generate streams, for a drain to hand off
         self._stubs = WorkerStubs(auth)
         self.remote = RemotePrefill(
             opts.worker_id, opts.address, opts.args, opts.kv_wait_timeout, loop, core, state, metrics, self._stubs
@@ -120,6 +121,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             return
         stream = OutputStream(len(prompt), self.metrics, self.core.block_size)
         self.streams += 1
+        self.live.add(stream)
         try:
             try:
                 served = await self._start(rid, prompt, request, params, stream)
@@ -132,6 +134,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         finally:
             stream.first_sent.set()
             self.streams -= 1
+            self.live.discard(stream)
             if not stream.finished:
                 # client went away (or the stream broke): free the request without waiting
                 self.loop.call(self.core.on_loop_abort, rid)
@@ -140,9 +143,14 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def _start(self, rid, prompt, request, params, stream: OutputStream) -> pb.ServedBy:
         """Queue the request here, or have a prefill worker prefill it first; who serves it."""
         served = pb.ServedBy(decode_worker=self.opts.worker_id)
-        add = (self.core.on_loop_add, rid, prompt, params, stream.sink, stream.arrival)
+        resume = resumption(request)
+        add = (self.core.on_loop_add, rid, prompt, params, stream.sink, stream.arrival, resume)
         remote, reason = False, "no_prefill_worker"
-        if self.opts.role == "decode" and request.prefill_targets and len(prompt) + 1 < self.max_model_len:
+        if resume is not None:
+            # a moved stream recomputes its outputs with the prompt: prefilled here
+            remote, reason = False, "resumed"
+            await self._call(*add)
+        elif self.opts.role == "decode" and request.prefill_targets and len(prompt) + 1 < self.max_model_len:
             try:
                 prefill_worker, reason = await self.remote.prefill(
                     rid, prompt, request, params, stream.sink, stream.arrival, stream.first_sent
@@ -162,6 +170,12 @@ class WorkerService(pb_grpc.WorkerServicer):
             await self._call(*add)
         self.metrics.disaggregation_decision(remote, reason)
         return served
+
+    def hand_off(self) -> int:
+        """End every running stream with `migrate`, for the router to resume it elsewhere."""
+        for stream in list(self.live):
+            stream.hand_off()
+        return len(self.live)
 
     # ---- Prefill (prefill / both) ----------------------------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:

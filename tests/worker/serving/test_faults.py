@@ -114,8 +114,9 @@ def test_decode_killed_mid_transfer_prefill_blocks_come_back_within_the_lease(
     _idle_everywhere(cluster, redis_server.url)
 
 
-def test_decode_killed_mid_stream_client_gets_error_event(cluster, redis_server):
-    body = {"model": cluster.model_name, "prompt": _prompt(40, seed=4), "max_tokens": 1500, "temperature": 0,
+def test_decode_killed_mid_stream_resumes_on_the_other_decode_worker(cluster, redis_server, reference_llm):
+    prompt = _prompt(40, seed=4)
+    body = {"model": cluster.model_name, "prompt": prompt, "max_tokens": 1500, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     events = []
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as r:
@@ -127,18 +128,12 @@ def test_decode_killed_mid_stream_client_gets_error_event(cluster, redis_server)
             events.append(line[6:])
             if len(events) == 3:
                 cluster.workers[victim].kill()
-    assert events[-1] != "[DONE]"
-    last = json.loads(events[-1])
-    assert "error" in last and last["error"]["code"] == "worker_unavailable", last
+    assert events[-1] == "[DONE]", events[-2:]
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    params = SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True)
+    assert text == reference_llm.generate([prompt], params)[0].outputs[0].text  # nothing lost or repeated
     # the survivors hold nothing: the prefill worker's blocks came back, records are gone
     _idle_everywhere(cluster, redis_server.url)
-    # and the deployment still serves (the other decode worker)
-    ok = httpx.post(
-        f"{cluster.url}/v1/completions",
-        json={"model": cluster.model_name, "prompt": _prompt(30, seed=5), "max_tokens": 4},
-        timeout=60,
-    )
-    assert ok.status_code == 200, ok.text
 
 
 def test_redis_restart_under_load(cluster, redis_server, reference_llm):

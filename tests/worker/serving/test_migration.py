@@ -1,0 +1,293 @@
+"""Live streams survive their decode worker, with real processes: SIGKILL, SIGSTOP and a drain of
+a decode worker serving many streams (greedy, seeded sampling, json_schema, a forced tool call,
+n=2, logprobs); every stream completes, each one equal to the same request on the undisturbed
+deployment, with the same usage. With no other decode worker a broken stream ends with a clean
+error event. Nothing leaks afterwards."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from ..cluster import Cluster
+
+pytestmark = pytest.mark.timeout(300)
+
+LEASE = 3.0
+STREAMS = 32
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+    "required": ["a"],
+}
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 500) for _ in range(n)]
+
+
+def _requests(model: str) -> list[tuple[str, dict]]:
+    """(path, body) of STREAMS streamed requests of every kind, long enough to be cut mid-way."""
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    kinds = [
+        lambda i: (
+            "/v1/completions",
+            {"prompt": _prompt(12 + i, i), "max_tokens": 160, "temperature": 0, "ignore_eos": True},
+        ),  # fmt: skip
+        lambda i: (
+            "/v1/completions",
+            {"prompt": _prompt(20, i), "max_tokens": 160, "temperature": 0.9, "seed": i, "ignore_eos": True},
+        ),  # fmt: skip
+        lambda i: (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": f"json {i}"}],
+                "max_tokens": 120,
+                "temperature": 1.0,
+                "seed": i,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}},
+            },
+        ),  # fmt: skip
+        lambda i: (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": f"weather {i}"}],
+                "max_tokens": 120,
+                "temperature": 0.8,
+                "seed": i,
+                "tools": [TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            },
+        ),  # fmt: skip
+        lambda i: (
+            "/v1/completions",
+            {
+                "prompt": _prompt(16, i),
+                "max_tokens": 120,
+                "temperature": 0.7,
+                "seed": i,
+                "n": 2,
+                "ignore_eos": True,
+            },
+        ),  # fmt: skip
+        lambda i: (
+            "/v1/completions",
+            {
+                "prompt": _prompt(24, i),
+                "max_tokens": 120,
+                "temperature": 0,
+                "logprobs": 2,
+                "ignore_eos": True,
+            },
+        ),  # fmt: skip
+    ]
+    out = []
+    for i in range(STREAMS):
+        path, body = kinds[i % len(kinds)](i)
+        out.append((path, {"model": model, **body, **usage}))
+    return out
+
+
+def _collect(events: list[dict]) -> dict:
+    """What a client assembles from a stream: per choice its text, tool-call arguments, logprob
+    tokens and finish reason; and the usage."""
+    choices: dict[int, dict] = {}
+    usage = None
+    for e in events:
+        if e.get("usage"):  # the counts; cached_tokens depend on what each worker had cached
+            usage = {k: e["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        for ch in e.get("choices", []):
+            c = choices.setdefault(ch["index"], {"text": "", "args": "", "tokens": [], "finish": None})
+            delta = ch.get("delta")
+            if delta is not None:
+                c["text"] += delta.get("content") or ""
+                for call in delta.get("tool_calls") or []:
+                    c["args"] += (call.get("function") or {}).get("arguments") or ""
+            else:
+                c["text"] += ch.get("text") or ""
+                if ch.get("logprobs"):
+                    c["tokens"] += ch["logprobs"]["tokens"]
+            c["finish"] = ch.get("finish_reason") or c["finish"]
+    return {"choices": choices, "usage": usage}
+
+
+def _run(url: str, path: str, body: dict, out: dict) -> None:
+    out["events"] = []
+    try:
+        with httpx.stream("POST", f"{url}{path}", json=body, timeout=120) as r:
+            out["status"], out["decode"] = r.status_code, r.headers.get("X-Disagg-Decode-Worker")
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    out["events"].append(line[6:])
+    except httpx.HTTPError as e:
+        out["exception"] = repr(e)
+
+
+def _parsed(out: dict) -> list[dict]:
+    assert out.get("status") == 200 and "exception" not in out, out
+    assert out["events"][-1] == "[DONE]", out["events"][-3:]
+    events = [json.loads(e) for e in out["events"][:-1]]
+    errors = [e for e in events if "error" in e]
+    assert not errors, errors
+    return events
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory, redis_server):
+    c = Cluster(
+        tiny_model,
+        tmp_path_factory.mktemp("migration"),
+        redis_url=redis_server.url,
+        prefill=1,
+        decode=3,
+        worker_args=(
+            "--prefill-placement",
+            "threshold",
+            "--disagg-threshold",
+            "8",
+            "--lease-seconds",
+            str(LEASE),
+            "--drain-handoff",
+            "0.5",
+        ),  # fmt: skip
+        deployment="migration",
+    )
+    try:
+        yield c.start()
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def undisturbed(cluster) -> list[dict]:
+    """Each request once, alone, with nothing failing: what every disturbed run must equal."""
+    results = []
+    for path, body in _requests(cluster.model_name):
+        out: dict = {}
+        _run(cluster.url, path, body, out)
+        results.append(_collect(_parsed(out)))
+    return results
+
+
+def _disturbed(cluster: Cluster, fault) -> tuple[list[dict], str, float]:
+    """Every request at once; `fault(victim)` hits the decode worker serving the most of them once
+    each stream has sent a few events. Returns the results, the victim, and how long the streams
+    ran on after the hit."""
+    requests = _requests(cluster.model_name)
+    outs = [{} for _ in requests]
+    threads = [
+        threading.Thread(target=_run, args=(cluster.url, p, b, o))
+        for (p, b), o in zip(requests, outs, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(len(o.get("events", ())) >= 3 or "exception" in o for o in outs):
+        assert time.monotonic() < deadline, [len(o.get("events", ())) for o in outs]
+        time.sleep(0.005)
+    serving = [o["decode"] for o in outs if o.get("decode")]
+    victim = max(set(serving), key=serving.count)
+    hit_at = time.monotonic()
+    fault(victim)
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+    return [_collect(_parsed(o)) for o in outs], victim, time.monotonic() - hit_at
+
+
+def _moved(cluster: Cluster, reason: str) -> float:
+    return cluster.metric("router", "disagg_router_migrations_total", reason=reason, outcome="resumed")
+
+
+def test_streams_of_a_killed_decode_worker_resume_exactly_elsewhere(cluster, undisturbed, redis_server):
+    before = _moved(cluster, "unavailable")
+    results, victim, _ = _disturbed(cluster, lambda v: cluster.workers[v].kill())
+    assert results == undisturbed
+    assert _moved(cluster, "unavailable") > before  # streams really moved
+    cluster.assert_released(redis_server.url, idle_timeout=LEASE * 4, records_timeout=LEASE * 4)
+    cluster.workers[victim].start()
+    cluster.wait_ready([victim])
+
+
+def test_streams_of_a_frozen_decode_worker_resume_exactly_elsewhere(cluster, undisturbed, redis_server):
+    frozen: list[str] = []
+
+    def freeze(victim: str) -> None:
+        cluster.workers[victim].popen.send_signal(signal.SIGSTOP)
+        frozen.append(victim)
+
+    try:
+        results, victim, _ = _disturbed(cluster, freeze)
+    finally:
+        for v in frozen:
+            cluster.workers[v].popen.send_signal(signal.SIGCONT)
+    assert results == undisturbed
+    cluster.wait_ready(frozen)
+    # back from the freeze: it lets go of what it held for the streams that moved away
+    cluster.assert_released(redis_server.url, idle_timeout=LEASE * 4, records_timeout=LEASE * 4)
+
+
+def test_a_drain_hands_streams_off_instead_of_waiting_for_them(cluster, undisturbed, redis_server):
+    took: dict = {}
+
+    def drain(victim: str) -> None:
+        def call():
+            url = cluster.workers[victim].health.replace("/health", "/drain")
+            start = time.monotonic()
+            took["body"] = httpx.get(url, headers=cluster.internal_headers, timeout=60).json()
+            took["seconds"] = time.monotonic() - start
+
+        took["thread"] = threading.Thread(target=call)
+        took["thread"].start()
+
+    before = _moved(cluster, "draining")
+    results, victim, ran_on = _disturbed(cluster, drain)
+    took["thread"].join(60)
+    assert results == undisturbed
+    assert took["body"] == {"drained": True, "streams": 0}
+    assert _moved(cluster, "draining") > before
+    # the drain ended once its streams were handed off (--drain-handoff), not when the longest ended
+    assert took["seconds"] < ran_on, (took, ran_on)
+    cluster.workers[victim].stop()
+    cluster.assert_released(redis_server.url, idle_timeout=LEASE * 4, records_timeout=LEASE * 4)
+    cluster.workers[victim].start()
+    cluster.wait_ready([victim])
+
+
+def test_with_no_other_decode_worker_a_broken_stream_ends_with_a_clean_error(
+    tiny_model, tmp_path, redis_server
+):
+    c = Cluster(
+        tiny_model, tmp_path, redis_url=redis_server.url, prefill=0, decode=1, deployment="migration-alone"
+    )
+    c.start()
+    try:
+        body = {"model": c.model_name, "prompt": _prompt(30, 1), "max_tokens": 1500, "temperature": 0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        events = []
+        with httpx.stream("POST", f"{c.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        c.workers["decode-0"].kill()
+        last = json.loads(events[-1])
+        assert last["error"]["code"] == "worker_unavailable", last
+        assert c.metric("router", "disagg_router_migrations_total", outcome="failed") >= 1
+    finally:
+        c.stop()
