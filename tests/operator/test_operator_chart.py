@@ -167,6 +167,8 @@ def test_grafana_dashboard_has_ttft_and_itl_panels():
         "disagg_e2e_request_latency_seconds_bucket",
         "disagg_engine_step_seconds_sum",
         "disagg_engine_step_rows_total",
+        "disagg_router_migrations_total",
+        "disagg_router_migration_gap_seconds_bucket",
     ):
         assert metric in exprs
     assert "ConfigMap" not in by_kind(render({}))  # off by default
