@@ -113,3 +113,23 @@ def test_bad_resumptions_are_refused_naming_why(engines, resume, params, message
     with pytest.raises(ValueError, match=message):
         engines[1].add_request("bad", PROMPT, params, resume=resume)
     assert not engines[1].has_unfinished()
+
+
+@pytest.mark.parametrize("params", [CASES["greedy"], CASES["seeded"]], ids=["greedy", "seeded"])
+def test_a_speculating_engine_resumes_exactly_too(tiny_llama_dir, params):
+    """Prompt lookup proposes from the prompt and the outputs; its draws are keyed by position
+    as the plain sampler's are, so a resumed stream continues as the undisturbed one."""
+    spec = {"speculative_method": "ngram", "speculative_min_acceptance": 0.0, "speculative_adaptive": False}
+    first, second = (LLMEngine(tiny_llama_dir, block_size=8, num_gpu_blocks=128, **spec) for _ in range(2))
+    repetitive = PROMPT * 3  # something for prompt lookup to find
+    first.add_request("whole", repetitive, params)
+    outs = []
+    while first.has_unfinished():
+        outs += first.step()
+    tokens = outs[-1].outputs[0].token_ids
+    second.add_request("rest", repetitive, params, resume=Resumption(tuple(tokens[:7]), 0))
+    rest = []
+    while second.has_unfinished():
+        rest += [t for o in second.step() for t in o.new_token_ids]
+    assert tokens[:7] + rest == tokens
+    assert first.speculator.stats.num_proposed > 0  # it really speculated
