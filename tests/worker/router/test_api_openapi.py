@@ -1,6 +1,7 @@
 """`/openapi.json` against the running router: generated from the pydantic models, every served
 body valid against its response model, and schemathesis finding no 5xx and no response that
-breaks the document (bounded examples per endpoint, through the disaggregated path)."""
+breaks the document, and every negative case (a body the document forbids) refused with a 4xx
+(bounded examples per endpoint, through the disaggregated path)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import (
     content_type_conformance,
+    negative_data_rejection,
     not_a_server_error,
     response_schema_conformance,
     status_code_conformance,
 )
+from schemathesis.generation import GenerationMode
 
 from disagg.worker.router import response_models as rm
 from disagg.worker.router.protocol import ChatCompletionRequest
@@ -87,18 +90,25 @@ def _conforms(url: str) -> None:
         "POST /v1/completions",
         "POST /v1/responses",
     ]
+    # positive cases conform; negative ones (a body the document forbids) are refused with a 4xx
+    negative_checks = [not_a_server_error, content_type_conformance, negative_data_rejection]
     for op in operations:
+        _run_cases(op, GenerationMode.POSITIVE, checks)
+        if op.method.upper() == "POST":
+            _run_cases(op, GenerationMode.NEGATIVE, negative_checks)
 
-        @given(case=op.as_strategy())
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
-                  database=None)  # fmt: skip
-        def conforms(case):
-            case.call_and_validate(checks=checks, timeout=60)
 
-        try:
-            conforms()
-        except Exception as e:  # schemathesis' failures do not pickle: their report does
-            raise AssertionError(f"{op.label}: {e}") from None
+def _run_cases(op, mode: GenerationMode, checks: list) -> None:
+    @given(case=op.as_strategy(generation_mode=mode))
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
+              database=None)  # fmt: skip
+    def conforms(case):
+        case.call_and_validate(checks=checks, timeout=60)
+
+    try:
+        conforms()
+    except Exception as e:  # schemathesis' failures do not pickle: their report does
+        raise AssertionError(f"{op.label} ({mode.value}): {e}") from None
 
 
 def test_schemathesis_no_5xx_and_conforming_responses(api_cluster):
