@@ -182,3 +182,31 @@ def pytest_collection_modifyitems(config, items):
             if verdicts[func]:
                 item.add_marker(pytest.mark.e2e)
                 break
+
+
+def _in_child_as(uid: int, gid: int, fn) -> str:
+    """`fn()`'s string result, computed in a forked child that dropped to uid:gid (as a pod's
+    process runs); a failure there comes back as `error|<exception>`. Needs root."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgid(gid)
+            os.setuid(uid)
+            os.write(write, str(fn()).encode())
+        except BaseException as exc:  # reported to the parent, which fails the test
+            os.write(write, f"error|{exc!r}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read, "rb") as f:
+        return f.read().decode()
+
+
+@pytest.fixture
+def as_user():
+    """Run a function as another user (a forked child), for what only shows under a pod's uid."""
+    if os.getuid() != 0:
+        pytest.skip("dropping to another uid needs root")
+    return _in_child_as

@@ -239,36 +239,24 @@ def test_amx_counts_only_where_granted_and_probed():
     torch.testing.assert_close(cpu_native.gemm(x, torch.eye(8)), x)
 
 
-def test_cache_on_a_kubelet_made_empty_dir_uses_a_private_subdirectory():
+def test_cache_on_a_kubelet_made_empty_dir_uses_a_private_subdirectory(as_user):
     """A kubelet makes an emptyDir `root:<fsGroup>` with mode 2777; a non-root worker caches its
-    kernels in its own 0700 `uid-<uid>` subdirectory there (a forked child drops to uid 1000)."""
+    kernels in its own 0700 `uid-<uid>` subdirectory there."""
     import os
     import shutil
     import tempfile
 
-    if os.getuid() != 0:
-        pytest.skip("making a root-owned directory for another user to use needs root")
     parent = Path(tempfile.mkdtemp(prefix="disagg-emptydir-"))
     try:
         os.chown(parent, 0, 1000)
         os.chmod(parent, 0o2777)
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # child: as the worker's user, report what it would cache in
-            try:
-                os.setgid(1000)
-                os.setuid(1000)
-                got = cpu_native._private_dir(parent)
-                st = os.lstat(got)
-                os.write(write, f"{got}|{st.st_uid}|{st.st_mode & 0o777:o}".encode())
-            except BaseException as exc:  # reported to the parent, which fails the test
-                os.write(write, f"error|{exc}".encode())
-            finally:
-                os._exit(0)
-        os.close(write)
-        os.waitpid(pid, 0)
-        report = os.read(read, 4096).decode()
-        os.close(read)
+
+        def cache_dir() -> str:
+            got = cpu_native._private_dir(parent)
+            st = os.lstat(got)
+            return f"{got}|{st.st_uid}|{st.st_mode & 0o777:o}"
+
+        report = as_user(1000, 1000, cache_dir)
         assert report == f"{parent / 'uid-1000'}|1000|700", report
     finally:
         shutil.rmtree(parent)

@@ -134,7 +134,7 @@ async def test_peering_without_the_peering_crd_is_refused_with_the_reason(tmp_pa
             await proc.wait()
 
 
-def test_operator_runs_under_a_uid_with_no_passwd_entry(monkeypatch):
+def test_operator_runs_under_a_uid_with_no_passwd_entry(monkeypatch, as_user):
     """The chart runs the operator as uid 65532, which the image's password database may not
     know: kopf must get its peering identity from us, not from `getpass.getuser()`. A forked
     child drops to that uid and resolves the identity the way kopf does with what `run` passes."""
@@ -142,8 +142,6 @@ def test_operator_runs_under_a_uid_with_no_passwd_entry(monkeypatch):
 
     from kopf._core.engines import peering
 
-    if os.getuid() != 0:
-        pytest.skip("dropping to another uid needs root")
     try:
         pwd.getpwuid(65532)
         pytest.skip("this machine has a passwd entry for uid 65532")
@@ -159,22 +157,7 @@ def test_operator_runs_under_a_uid_with_no_passwd_entry(monkeypatch):
     parser = argparse.ArgumentParser()
     main.add_arguments(parser)
     args = parser.parse_args(["--all-namespaces", "--standalone", "--log-format", "plain"])
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setgid(65532)
-            os.setuid(65532)
-            code = main.run(args)
-            os.write(write, f"{code}|{seen['identity']}".encode())
-        except BaseException as exc:  # reported to the parent, which fails the test
-            os.write(write, f"error|{exc!r}".encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    os.waitpid(pid, 0)
-    report = os.read(read, 4096).decode()
-    os.close(read)
+    report = as_user(65532, 65532, lambda: f"{main.run(args)}|{seen['identity']}")
     code, identity = report.split("|", 1)
     assert code == "0", report
     assert identity.startswith("disagg-operator@")
