@@ -117,7 +117,10 @@ def test_autoscaler_pace_reaches_the_operator_and_defaults_to_the_codes():
 
     def env(values: dict) -> dict:
         docs = by_kind(render(values))
-        return {e["name"]: e["value"] for e in docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["env"]}
+        return {
+            e["name"]: e["value"]
+            for e in docs["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["env"]
+        }
 
     code = Settings.from_env({})
     default = Settings.from_env(env({}))

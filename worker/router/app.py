@@ -528,9 +528,7 @@ class Router:
                 )
                 self.pool.begin(decode.worker_id)
                 self.metrics.routed(decode.role)
-                state = ChoiceState(
-                    plan, self._echo(spec, p, prompts[p]), score_only=spec.score_only
-                )
+                state = ChoiceState(plan, self._echo(spec, p, prompts[p]), score_only=spec.score_only)
                 choices.append(_Choice(state, req, decode, [decode], len(hashes[p]), matches[p]))
             if spec.stream:
                 return await self._stream(request, spec, choices, builder, arrival)
