@@ -10,7 +10,7 @@ TORCH := torch==2.13.0
 # from the repository root; safe-path mode keeps the working directory off sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install redis compiler kernels proto test test-fast lint bench bench-transfer bench-serve bench-autoscale bench-kernels gpu-wheels gpu-check demo serve clean
+.PHONY: install redis compiler kernels proto test test-fast lint bench bench-transfer bench-serve bench-autoscale bench-kernels gpu-wheels gpu-check demo serve clean node-up node-down node-images test-node
 
 install: $(STAMP) redis compiler proto kernels
 
@@ -92,6 +92,24 @@ gpu-wheels: install
 GPU_PYTHON := $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	$(GPU_PYTHON) bench/gpu/check.py --wheels .gpu/wheels
+
+# A real Kubernetes node on this machine (root; Kubernetes v1.36 binaries in $$K8S_BIN, default
+# ~/k8s-bin): containerd, the kubelet, kube-proxy and DNS in a network namespace, the product's
+# images built from docker/*.Dockerfile without a registry. `$(NODE) --help` lists the settings.
+# The rig itself needs only the standard library: the project's interpreter when there is one.
+NODE := $(if $(wildcard $(PY)),$(PY),$(PYTHON)) hack/node/rig.py
+node-images:
+	$(NODE) images
+
+node-up:
+	$(NODE) up
+
+node-down:
+	$(NODE) down
+
+# tests/cluster/node against the rig (DISAGG_NODE_KUBECONFIG set); PYTEST_ARGS="-k ..." narrows it
+test-node: $(STAMP)
+	$(NODE) test -q $(PYTEST_ARGS)
 
 demo: install
 	$(VENV)/bin/disagg up --demo

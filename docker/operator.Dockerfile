@@ -1,10 +1,18 @@
 # The operator image: the `operator` extra only (kopf and the Kubernetes client), no torch or NIXL.
 # Build from the repository root: docker build -f docker/operator.Dockerfile -t ghcr.io/disagg/disagg-operator:0.1.0 .
-FROM python:3.12-slim
+FROM debian:bookworm-slim
 
+ARG DEBIAN_FRONTEND=noninteractive
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1
+    PIP_NO_CACHE_DIR=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv $VIRTUAL_ENV
 
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./

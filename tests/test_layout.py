@@ -33,6 +33,9 @@ LAYERS: dict[str, int] = {
 }
 # Folders of tests/ that stand for no package: tests/cluster runs the operator on a real cluster.
 NOT_MIRRORED = ("cluster",)
+# Packages outside the product's layers, mirrored in tests/ as the product's are: hack/node (the
+# real-node rig) is tested in tests/hack/node.
+TOOLING = ("hack",)
 # The operator image carries no torch: of the worker it may use only these torch-free modules.
 OPERATOR_MAY_IMPORT = (
     "disagg.worker.engine.args",
@@ -131,7 +134,7 @@ def unmirrored() -> list[str]:
         for folder in folders
         if folder.parts
         and folder.parts[0] not in NOT_MIRRORED
-        and not (folder.parts[0] in FOLDERS and (ROOT / folder / "__init__.py").is_file())
+        and not (folder.parts[0] in (*FOLDERS, *TOOLING) and (ROOT / folder / "__init__.py").is_file())
     )
 
 

@@ -65,6 +65,7 @@ def _run(venv: Path, *args: str) -> subprocess.CompletedProcess:
 def test_each_dockerfile_installs_the_project_with_its_own_extra():
     assert project_install_line(ROOT / "docker" / "operator.Dockerfile") == [".[operator]"]
     assert project_install_line(ROOT / "docker" / "worker.Dockerfile") == [".[worker]"]
+    assert project_install_line(ROOT / "docker" / "worker-cpu.Dockerfile") == [".[worker]"]
 
 
 @pytest.mark.slow
