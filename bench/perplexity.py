@@ -2,6 +2,7 @@
 
     python bench/perplexity.py                      # the default model (SmolLM2-135M-Instruct GGUF)
     python bench/perplexity.py --model DIR_OR_GGUF --text FILE
+    python bench/perplexity.py --llama-cpp LLAMA_CPP/build/bin    # and llama.cpp's F32, Q8_0, file type
 
 The text (`bench/data/perplexity.txt`: prose from this project's README, Apache-2.0) is scored
 in one prefill step, every position's logits kept: perplexity is exp of the mean negative
@@ -17,6 +18,9 @@ import argparse
 import math
 import os
 import platform
+import re
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,11 +77,42 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def llama_cpp_rows(bin_dir: Path, model: str, text: Path) -> None:
+    """llama.cpp's own perplexity of the same GGUF on the same text, for its F32, Q8_0 and the
+    file's own type (requantized from the file: the same weights as the rows above). Its tool
+    scores 128-token windows' second halves, not one pass over the text, so only its ratios to
+    its own F32 compare with the ratios above."""
+    env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {
+            "F32": Path(tmp) / "f32.gguf",
+            "Q8_0": Path(tmp) / "q8_0.gguf",
+            Path(model).name: Path(model),
+        }
+        for kind in ("F32", "Q8_0"):
+            subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", model, str(files[kind]), kind],
+                           check=True, capture_output=True, env=env)  # fmt: skip
+        for label, path in files.items():
+            run = subprocess.run(
+                [str(bin_dir / "llama-perplexity"), "-m", str(path), "-f", str(text), "-c", "128", "-b", "128",
+                 "-t", str(os.cpu_count() or 1)],
+                check=True, capture_output=True, text=True, env=env,
+            )  # fmt: skip
+            found = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
+            out[label] = float(found.group(1))
+    print(f"\nllama.cpp ({bin_dir}), 128-token windows:")
+    for label, ppl in out.items():
+        print(f"{'llama.cpp ' + label:<28}{ppl:>12.3f}{ppl / out['F32']:>9.4f}{os.getloadavg()[0]:>18.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory or GGUF file (default: the installed SmolLM2)")
     p.add_argument("--text", type=Path, default=TEXT)
     p.add_argument("--max-tokens", type=int, default=1024, help="score at most this many tokens")
+    p.add_argument("--llama-cpp", type=Path, metavar="BIN_DIR",
+                   help="a llama.cpp build's bin folder (llama-perplexity, llama-quantize): add its rows for a GGUF")  # fmt: skip
     args = p.parse_args()
     model = args.model or str(require_default_model())
     ids = Tokenizer.from_pretrained(model).encode(args.text.read_text())[: args.max_tokens]
@@ -98,6 +133,8 @@ def main() -> None:
         print(
             f"{label:<16}{ppl:>12.3f}{ppl / ref_ppl:>9.4f}{kl:>11.5f}{load:>7.2f}{seconds:>9.1f}", flush=True
         )
+    if args.llama_cpp is not None:
+        llama_cpp_rows(args.llama_cpp, model, args.text)
 
 
 if __name__ == "__main__":
