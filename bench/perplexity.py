@@ -85,10 +85,11 @@ def llama_cpp_rows(bin_dir: Path, model: str, text: Path) -> None:
     env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        own = Path(model).stem.rsplit(".", 1)[-1]  # the file's own type, e.g. Q4_1
         files = {
             "F32": Path(tmp) / "f32.gguf",
             "Q8_0": Path(tmp) / "q8_0.gguf",
-            Path(model).name: Path(model),
+            f"{own} (the file)": Path(model),
         }
         for kind in ("F32", "Q8_0"):
             subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", model, str(files[kind]), kind],
