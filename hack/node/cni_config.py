@@ -9,12 +9,13 @@ from .layout import Layout
 from .settings import Config
 
 FILE_NAME = "10-disagg-node.conflist"
+NETWORK_NAME = "disagg-node-pods"
 
 
 def conflist(config: Config, layout: Layout) -> dict:
     return {
         "cniVersion": "1.0.0",
-        "name": "disagg-node-pods",
+        "name": NETWORK_NAME,
         "plugins": [
             {
                 "type": "bridge",

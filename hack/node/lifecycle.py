@@ -17,6 +17,7 @@ from . import (
     aptsources,
     build,
     cgroups,
+    cni_config,
     controlplane,
     dockerfile,
     host,
@@ -359,6 +360,9 @@ def _down(cfg: Config, layout: Layout, clock: Clock) -> None:
         gone = mounts.unmount_under(str(cfg.state))
         if gone:
             clock.say(f"unmounted {len(gone)} mounts under {cfg.state}")
+        cached = node.remove_cni_cache()
+        if cached:
+            clock.say(f"removed {cached} CNI results of pods that had no teardown")
     with clock.stage("control plane"):
         proc.stop(layout, "api-relay")
         controlplane.stop(layout)
@@ -411,6 +415,8 @@ def leftovers(cfg: Config, layout: Layout) -> list[str]:
         found.append(f"netns {cfg.netns}")
     if proc.run(["ip", "link", "show", "dev", cfg.host_veth], check=False).returncode == 0:
         found.append(f"link {cfg.host_veth}")
+    if node.CNI_CACHE.is_dir():
+        found += [f"CNI result {p}" for p in node.CNI_CACHE.glob(f"{cni_config.NETWORK_NAME}-*")]
     routes = proc.output(["ip", "-4", "route", "show"])
     found += [f"route {line}" for line in routes.splitlines() if cfg.node_ip in line or cfg.host_veth in line]
     return found

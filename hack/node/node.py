@@ -111,6 +111,24 @@ def shim_pids(layout: Layout) -> list[int]:
     return found
 
 
+CNI_CACHE = Path("/var/lib/cni/results")  # the CNI library's, fixed: containerd 1.6 has no setting for it
+
+
+def remove_cni_cache() -> int:
+    """Cached CNI results of the rig's pods that died without a CNI DEL (containerd or the kubelet
+    killed): its network's entries and the loopback entries of the same containers."""
+    if not CNI_CACHE.is_dir():
+        return 0
+    prefix = cni_config.NETWORK_NAME + "-"
+    ids = {p.name[len(prefix) :].rsplit("-", 1)[0] for p in CNI_CACHE.glob(prefix + "*")}
+    gone = 0
+    for path in CNI_CACHE.iterdir():
+        if path.name.startswith(prefix) or any(path.name == f"cni-loopback-{cid}-lo" for cid in ids):
+            path.unlink()
+            gone += 1
+    return gone
+
+
 # ---- the API relay and the `kubernetes` Service -------------------------------------------------
 
 
