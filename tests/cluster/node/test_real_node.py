@@ -37,8 +37,9 @@ DEPLOY = ("apps/v1", "Deployment")
 INSTANCE = "app.kubernetes.io/instance"
 COMPONENT = "app.kubernetes.io/component"
 METRICS_PORT = 9100
-# a prompt long enough to be prefilled remotely (above the disaggregation threshold)
-LONG_PROMPT = " ".join(f"word{i % 97}" for i in range(300))
+# a prompt long enough to be prefilled remotely (above the disaggregation threshold), well
+# inside the example's 512-token context
+LONG_PROMPT = " ".join(f"word{i % 97}" for i in range(80))
 
 pytestmark = pytest.mark.cluster
 
@@ -75,6 +76,21 @@ async def _gone(kube: Kube, namespace: str) -> None:
     await eventually(deleted, 300, f"namespace {namespace} deleted")
 
 
+async def _delete_deployment(kube: Kube, ns: str) -> None:
+    """Delete the InferenceDeployment and wait until it and its pods are gone (the operator
+    removes its finalizer once the children are cleaned up)."""
+    await kube.request(
+        "DELETE", f"/apis/disagg.dev/v1alpha1/namespaces/{ns}/inferencedeployments/{NAME}", missing_ok=True
+    )
+
+    async def gone():
+        if await kube.get(*IDEP, ns, NAME) is not None:
+            return False
+        return not await kube.list("v1", "Pod", ns, f"{INSTANCE}={NAME}")
+
+    await eventually(gone, 180, "the InferenceDeployment and its pods gone", interval=2)
+
+
 @pytest.fixture(scope="module")
 def node():
     namespace = f"disagg-node-{uuid.uuid4().hex[:6]}"
@@ -97,20 +113,28 @@ def node():
         try:
             yield state
         finally:
-            if not state.rig.get("keep"):
+            # the InferenceDeployment first: its finalizer needs the operator, which helm removes
+            async def delete_deployment():
+                kube = client(kubeconfig())
                 try:
-                    cfg.uninstall(RELEASE, timeout=120)
-                except Exception:  # already uninstalled by the last test
-                    pass
+                    await _delete_deployment(kube, namespace)
+                finally:
+                    await kube.close()
 
-                async def teardown():
-                    kube = client(kubeconfig())
-                    try:
-                        await _gone(kube, namespace)
-                    finally:
-                        await kube.close()
+            asyncio.run(delete_deployment())
+            try:
+                cfg.uninstall(RELEASE, timeout=120)
+            except Exception:  # already uninstalled by the last test
+                pass
 
-                asyncio.run(teardown())
+            async def teardown():
+                kube = client(kubeconfig())
+                try:
+                    await _gone(kube, namespace)
+                finally:
+                    await kube.close()
+
+            asyncio.run(teardown())
 
 
 @pytest.fixture
@@ -399,15 +423,7 @@ async def test_an_image_change_rolls_out_decode_first_with_no_failed_request(nod
 
 async def test_uninstalling_and_deleting_the_namespace_leave_nothing(node, kube):
     ns = node.namespace
-    await kube.request(
-        "DELETE", f"/apis/disagg.dev/v1alpha1/namespaces/{ns}/inferencedeployments/{NAME}", missing_ok=True
-    )
-
-    async def children_gone():
-        left = [p for p in await kube.list("v1", "Pod", ns, f"{INSTANCE}={NAME}")]
-        return not left
-
-    await eventually(children_gone, 180, "the deployment's pods gone", interval=2)
+    await _delete_deployment(kube, ns)
     node.helm.uninstall(RELEASE, timeout=120)
     await _gone(kube, ns)
     selector = f"{INSTANCE}={RELEASE}"
