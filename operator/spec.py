@@ -15,7 +15,7 @@ from disagg.operator import rules
 from disagg.operator.autoscaling.spec import AutoscalingSpec, AutoscalingSpecError, parse_autoscaling
 from disagg.operator.constants import ROLES
 from disagg.worker.model.precisions import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
-from disagg.worker.serving.args import KV_TRANSFERS, ServingArgs
+from disagg.worker.serving.args import KV_TRANSFERS, PREFILL_PLACEMENTS, ServingArgs
 
 
 class SpecError(ValueError):
@@ -181,6 +181,8 @@ class Role:
 @dataclass(frozen=True)
 class KvTransfer:
     backend: str = "nixl"
+    prefill_placement: str = ServingArgs.prefill_placement
+    disagg_threshold: int = ServingArgs.disagg_threshold
     ucx_transports: tuple[str, ...] = ()
     rdma_resource: str = "rdma/hca"
     rdma_count: int = 0
@@ -393,6 +395,10 @@ def parse_spec(spec: dict) -> Spec:
         decode=_role(spec, "decode"),
         kv_transfer=KvTransfer(
             backend=_choice(kvt, "backend", "spec.kvTransfer", KV_TRANSFERS, ServingArgs.kv_transfer),
+            prefill_placement=_choice(
+                kvt, "prefillPlacement", "spec.kvTransfer", PREFILL_PLACEMENTS, ServingArgs.prefill_placement
+            ),
+            disagg_threshold=_int(kvt, "disaggThreshold", "spec.kvTransfer", ServingArgs.disagg_threshold, 0),
             ucx_transports=tuple(_get(kvt, "ucxTransports", "spec.kvTransfer", list, [])),
             rdma_resource=_get(rdma, "resourceName", "spec.kvTransfer.rdma", str, "rdma/hca"),
             rdma_count=_int(rdma, "count", "spec.kvTransfer.rdma", 0, 0),

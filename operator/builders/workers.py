@@ -147,6 +147,9 @@ def _args(idep: InferenceDeployment, role: Role) -> list[str]:
         ServingArgs.cli_flag("drain_timeout"),
         f"{drain_timeout(role.termination_grace_seconds):g}",
     ]
+    if role.name == "decode":  # decode workers decide where their prompts are prefilled
+        args += [ServingArgs.cli_flag("prefill_placement"), spec.kv_transfer.prefill_placement,
+                 ServingArgs.cli_flag("disagg_threshold"), str(spec.kv_transfer.disagg_threshold)]  # fmt: skip
     if spec.model.max_model_length is not None:
         args += [cli_flag("max_model_len"), str(spec.model.max_model_length)]
     if role.tensor_parallel_size > 1:  # the worker starts its other ranks itself, in this pod

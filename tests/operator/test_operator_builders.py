@@ -367,3 +367,20 @@ def test_hpa_mode_adds_the_autoscalers_hpa_among_the_children():
     assert kids["StatefulSet", "llama3-8b-prefill"]["spec"]["replicas"] == hpa["spec"]["minReplicas"]
     assert ("HorizontalPodAutoscaler", "llama3-8b-decode") not in kids
     kubernetes_validate.validate(rollout.stamp(hpa), KUBE_VERSION, strict=True)
+
+
+def test_prefill_placement_reaches_the_decode_workers_only():
+    from disagg.worker.serving.args import ServingArgs
+
+    body = load_example("cpu-tiny.yaml")
+    decode = worker(children(body), "tiny", "decode")["args"]
+    flag = ServingArgs.cli_flag("prefill_placement")
+    threshold = ServingArgs.cli_flag("disagg_threshold")
+    # the CRD's defaults are the worker's
+    assert decode[decode.index(flag) + 1] == ServingArgs.prefill_placement
+    assert decode[decode.index(threshold) + 1] == str(ServingArgs.disagg_threshold)
+    body["spec"]["kvTransfer"].update(prefillPlacement="threshold", disaggThreshold=16)
+    kids = children(body)
+    decode = worker(kids, "tiny", "decode")["args"]
+    assert decode[decode.index(flag) + 1] == "threshold" and decode[decode.index(threshold) + 1] == "16"
+    assert flag not in worker(kids, "tiny", "prefill")["args"]  # prefill workers do not decide

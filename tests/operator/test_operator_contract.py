@@ -828,6 +828,10 @@ def test_the_pods_command_lines_serve_a_chat_completion_and_drain(generated_mode
     """Prefill, decode and router processes started from the cpu-tiny example's own containers find
     each other through Redis, answer a chat completion, and the decode pod's preStop drains it."""
     body = load_example("cpu-tiny.yaml")
+    # The tiny model prefills this test's prompt faster than any trip to another process, so the
+    # load placement would keep it local: the threshold placement (a field of the spec) forces the
+    # disaggregated path, which is what this test must see work from the pods' commands.
+    body["spec"]["kvTransfer"]["prefillPlacement"] = "threshold"
     idep = specs.parse(body)
     kids = _children(body)
     procs: dict[str, subprocess.Popen] = {}
@@ -849,11 +853,7 @@ def _serve_and_drain(kids, idep, procs, metrics, generated_model, redis_url, tmp
                 "--redis-url": redis_url,
                 "--host": "127.0.0.1",
             }
-            # The decode pod places prefills by load, and the tiny model prefills this test's prompt
-            # faster than any trip to another process: the threshold placement forces the
-            # disaggregated path, which is what this test must see work from the pods' commands.
-            extra = {"DISAGG_PREFILL_PLACEMENT": "threshold"} if role == "decode" else None
-            procs[role] = _launch(container, kids, f"tiny-{role}-0", swaps, tmp_path / f"{role}.log", extra)
+            procs[role] = _launch(container, kids, f"tiny-{role}-0", swaps, tmp_path / f"{role}.log")
         (router,) = kids["Deployment", "tiny-router"]["spec"]["template"]["spec"]["containers"]
         port = _free_port()
         swaps = {

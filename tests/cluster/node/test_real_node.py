@@ -260,6 +260,9 @@ async def test_the_cpu_example_serves_a_streamed_chat_through_its_service(node, 
     body = example(NAME, ns)
     spec = body["spec"]
     spec["decode"]["replicas"] = 2
+    # the tiny model prefills faster here than a trip to the prefill pod, so the load placement
+    # would keep prompts local: every prompt of 32+ uncached tokens goes to the prefill pod
+    spec["kvTransfer"].update(prefillPlacement="threshold", disaggThreshold=32)
     for role in ("prefill", "decode"):  # a 2-core node: small requests so that every pod fits
         spec[role]["resources"]["requests"]["cpu"] = "100m"
     await kube.apply(body, field_manager="node-test")
