@@ -7,6 +7,7 @@ from disagg.operator.spec import InferenceDeployment
 from disagg.worker.router.args import RouterArgs
 
 API_KEYS_DIR = "/etc/disagg/api-keys"
+SHUTDOWN_DELAY_SECONDS = 5  # see the container's preStop
 HEALTH_PATH = "/health"  # 200 once a decode worker is known, else 503: readiness only
 LIVE_PATH = "/metrics"  # answers whenever the server runs, whether or not workers are up yet
 
@@ -64,6 +65,9 @@ def deployment(idep: InferenceDeployment) -> dict:
             model.mount(idep, read_only=True),
             *secrets.tls_mounts(idep),
         ],
+        # A terminating router keeps listening while its endpoint leaves every node's Service
+        # rules; stopping at once refuses the connections still routed to it (a rollout's errors).
+        "lifecycle": {"preStop": {"sleep": {"seconds": SHUTDOWN_DELAY_SECONDS}}},
         "securityContext": hardening.container(),
     }
     if router.resources:

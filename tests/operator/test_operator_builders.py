@@ -384,3 +384,12 @@ def test_prefill_placement_reaches_the_decode_workers_only():
     decode = worker(kids, "tiny", "decode")["args"]
     assert decode[decode.index(flag) + 1] == "threshold" and decode[decode.index(threshold) + 1] == "16"
     assert flag not in worker(kids, "tiny", "prefill")["args"]  # prefill workers do not decide
+
+
+def test_a_terminating_router_keeps_listening_until_its_endpoint_is_gone():
+    from disagg.operator.builders.router import SHUTDOWN_DELAY_SECONDS
+
+    kids = children(load_example("cpu-tiny.yaml"))
+    (router,) = kids["Deployment", "tiny-router"]["spec"]["template"]["spec"]["containers"]
+    assert router["lifecycle"]["preStop"] == {"sleep": {"seconds": SHUTDOWN_DELAY_SECONDS}}
+    assert SHUTDOWN_DELAY_SECONDS > 0
