@@ -645,7 +645,14 @@ class Router:
             if c.call is not None:
                 c.call.cancel()
                 asyncio.ensure_future(self._abort(c.decode, c.req.request_id))
-            raise  # a sibling failed or the client left: the worker frees this generation's blocks
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # a sibling failed or the client left: the worker frees this generation's blocks
+            # A call cancelled under us before any token (the pool closed the channel of a worker
+            # that left the registry): the generation still needs an answer.
+            self.pool.mark_failed(c.decode.worker_id)
+            events.put_nowait((c, APIError(503, f"worker {c.decode.worker_id} went away", code="worker_unavailable",
+                                           retry_after=1)))  # fmt: skip
 
     async def _relay(self, c: _Choice, msg, events: asyncio.Queue) -> str | None:
         """Relay the current worker's messages from `msg` on. None when the stream is over (ended,
