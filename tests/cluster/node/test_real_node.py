@@ -10,7 +10,6 @@ The tests run in file order against one installation (each step needs the previo
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import pathlib
 import re
@@ -19,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import helm_python as helm
 import httpx
@@ -47,19 +46,12 @@ pytestmark = pytest.mark.cluster
 @dataclass
 class Node:
     kubeconfig: str
-    rig: dict
     namespace: str
     helm: helm.Config
-    failures: list[str] = field(default_factory=list)
 
 
 def kubeconfig() -> str:
     return os.environ["DISAGG_NODE_KUBECONFIG"]
-
-
-def _rig_info() -> dict:
-    path = pathlib.Path(kubeconfig()).with_name("rig.json")
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 async def _namespace(kube: Kube, name: str) -> None:
@@ -91,50 +83,39 @@ async def _delete_deployment(kube: Kube, ns: str) -> None:
     await eventually(gone, 180, "the InferenceDeployment and its pods gone", interval=2)
 
 
-@pytest.fixture(scope="module")
-def node():
-    namespace = f"disagg-node-{uuid.uuid4().hex[:6]}"
+def _with_client(step, *args) -> None:
+    """Run `await step(kube, *args)` with an API client of its own (module fixtures are sync)."""
 
-    async def setup():
+    async def run():
         kube = client(kubeconfig())
         try:
-            await _namespace(kube, namespace)
+            await step(kube, *args)
         finally:
             await kube.close()
 
-    asyncio.run(setup())
+    asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def node():
+    namespace = f"disagg-node-{uuid.uuid4().hex[:6]}"
+    _with_client(_namespace, namespace)
     chart = helm.Chart.load(CHART)
     with chart, helm.Config(kubeconfig_path=kubeconfig(), namespace=namespace) as cfg:
         # a quick autoscaler, so that scaling shows within a minute
         values = {"watchNamespace": namespace, "autoscaler": {"intervalSeconds": 2, "windowSeconds": 6}}
         release = cfg.install(chart, RELEASE, values, timeout=180)
         assert release["status"] == "deployed"
-        state = Node(kubeconfig(), _rig_info(), namespace, cfg)
         try:
-            yield state
+            yield Node(kubeconfig(), namespace, cfg)
         finally:
             # the InferenceDeployment first: its finalizer needs the operator, which helm removes
-            async def delete_deployment():
-                kube = client(kubeconfig())
-                try:
-                    await _delete_deployment(kube, namespace)
-                finally:
-                    await kube.close()
-
-            asyncio.run(delete_deployment())
+            _with_client(_delete_deployment, namespace)
             try:
                 cfg.uninstall(RELEASE, timeout=120)
             except Exception:  # already uninstalled by the last test
                 pass
-
-            async def teardown():
-                kube = client(kubeconfig())
-                try:
-                    await _gone(kube, namespace)
-                finally:
-                    await kube.close()
-
-            asyncio.run(teardown())
+            _with_client(_gone, namespace)
 
 
 @pytest.fixture
