@@ -218,7 +218,7 @@ def _probe_paths(container: dict) -> dict[str, tuple[str, str]]:
         if kind in container:
             http = container[kind]["httpGet"]
             out[kind] = (http["path"], http["port"])
-    if "lifecycle" in container:
+    if "exec" in container.get("lifecycle", {}).get("preStop", {}):  # the router's is a plain sleep
         url = urllib.parse.urlsplit(_prestop(container)[1].url)
         assert url.hostname == "127.0.0.1"  # the hook runs inside the pod
         (name,) = [p["name"] for p in container["ports"] if p["containerPort"] == url.port]
