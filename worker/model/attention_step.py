@@ -21,6 +21,7 @@ op table) and `OpTableStep` (the op table as is: Triton on CUDA, a strided cache
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -117,7 +118,7 @@ def prefill_step_attention(
     return out
 
 
-class AttentionStep:
+class AttentionStep(abc.ABC):
     """What every path shares: the step's fields, the attention of prompt chunks and the residual
     stream's kernels through the op table. A path defines `rotate_and_write` and
     `decode_attention`, and overrides the rest where it has its own kernels."""
@@ -133,17 +134,17 @@ class AttentionStep:
         )
 
     # ---- per layer: rotary + K/V write, attention -------------------------------------------
+    @abc.abstractmethod
     def rotate_and_write(
         self, qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor
     ) -> None:
         """Rotate q and k in place (views of the fused `qkv`), write k and v into the layer's cache."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def decode_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor
     ) -> torch.Tensor:
         """Attention of a decode step (one token per sequence, its K/V already in the cache)."""
-        raise NotImplementedError
 
     def prefill_attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor
