@@ -343,9 +343,8 @@ class Router:
         views = self.pool.views()
         decode = sum(1 for v in views if v.role in ("decode", "both"))
         prefill = sum(1 for v in views if v.role == "prefill")
-        state = readiness.assess(decode, prefill, self.pool.registry_problem, self.pool.uses_registry)
-        body = state.body(decode, prefill, self.pool.registry_ok)
-        return web.json_response(body, status=200 if state.ready else 503)
+        state = readiness.Readiness(decode, prefill, self.pool.registry_problem, self.pool.uses_registry)
+        return web.json_response(state.body(), status=200 if state.ready else 503)
 
     async def internal_workers(self, request: web.Request) -> web.Response:
         """Every known worker with its id and address, for operators and tools holding the
@@ -648,11 +647,16 @@ class Router:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # a sibling failed or the client left: the worker frees this generation's blocks
-            # A call cancelled under us before any token (the pool closed the channel of a worker
-            # that left the registry): the generation still needs an answer.
+            # a call cancelled under us before any token: the generation still needs an answer
             self.pool.mark_failed(c.decode.worker_id)
-            events.put_nowait((c, APIError(503, f"worker {c.decode.worker_id} went away", code="worker_unavailable",
-                                           retry_after=1)))  # fmt: skip
+            events.put_nowait((c, self._went_away(c)))
+
+    def _went_away(self, c: _Choice) -> APIError:
+        """The client's 503 when a generation's call was cancelled under it (the pool closed the
+        channel of a worker that left the registry or stopped answering)."""
+        return APIError(
+            503, f"worker {c.decode.worker_id} went away", code="worker_unavailable", retry_after=1
+        )
 
     async def _relay(self, c: _Choice, msg, events: asyncio.Queue) -> str | None:
         """Relay the current worker's messages from `msg` on. None when the stream is over (ended,
@@ -686,16 +690,14 @@ class Router:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise
-            # The call was cancelled under us (the pool closed the channel of a worker that left
-            # the registry, or stopped answering): the generation still needs an answer.
+            # the call was cancelled under us: the generation still needs an answer
             self.pool.mark_failed(c.decode.worker_id)
             if finished:
                 events.put_nowait((c, None))
                 return None
             if c.migrations < self.config.max_migrations:
                 return "unresponsive"
-            raise APIError(503, f"worker {c.decode.worker_id} went away", code="worker_unavailable",
-                           retry_after=1) from None  # fmt: skip
+            raise self._went_away(c) from None
 
     async def _move(self, c: _Choice, reason: str, events: asyncio.Queue):
         """Re-place a broken stream on another decode worker, resuming from what was relayed;

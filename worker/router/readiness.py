@@ -52,26 +52,30 @@ def registry_problem(exc: BaseException) -> str:
 
 @dataclass(frozen=True)
 class Readiness:
-    ready: bool
-    reasons: tuple[str, ...]
+    decode: int  # ready decode (or colocated) workers
+    prefill: int  # ready prefill workers
+    registry_problem: str | None  # why the registry could not be read, None while it can
+    uses_registry: bool
 
-    def body(self, decode: int, prefill: int, registry_ok: bool) -> dict:
+    @property
+    def ready(self) -> bool:
+        """Ready when a decode worker is: a registry outage with workers still known keeps serving
+        (the last known members stay), but is reported."""
+        return self.decode > 0
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        out = [self.registry_problem] if self.registry_problem else []
+        if self.decode == 0:
+            out.append("no_decode_workers")
+        elif self.uses_registry and self.prefill == 0:
+            out.append("no_prefill_workers")
+        return tuple(out)
+
+    def body(self) -> dict:
         return {
             "status": "ok" if self.ready else "no_workers",
             "reasons": [{"code": r, "message": REASONS[r]} for r in self.reasons],
-            "ready_workers": {"decode": decode, "prefill": prefill},
-            "registry": registry_ok,
+            "ready_workers": {"decode": self.decode, "prefill": self.prefill},
+            "registry": self.registry_problem is None,
         }
-
-
-def assess(decode: int, prefill: int, registry_problem_code: str | None, uses_registry: bool) -> Readiness:
-    """Ready when a decode worker is: a registry outage with workers still known keeps serving
-    (the last known members stay), but is reported."""
-    reasons: list[str] = []
-    if registry_problem_code:
-        reasons.append(registry_problem_code)
-    if decode == 0:
-        reasons.append("no_decode_workers")
-    elif uses_registry and prefill == 0:
-        reasons.append("no_prefill_workers")
-    return Readiness(ready=decode > 0, reasons=tuple(reasons))

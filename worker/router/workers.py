@@ -55,7 +55,6 @@ class WorkerPool:
         self._stubs = WorkerStubs(auth)
         self._inflight: dict[str, int] = {}
         self._task: asyncio.Task | None = None
-        self.registry_ok = self._source is None
         # why the registry could not be read (a readiness reason code), None while it can
         self.registry_problem: str | None = None if self._source is None else "registry_not_read"
         self._refreshed = asyncio.Event()
@@ -91,6 +90,10 @@ class WorkerPool:
             pass
 
     @property
+    def registry_ok(self) -> bool:
+        return self.registry_problem is None
+
+    @property
     def uses_registry(self) -> bool:
         return self._source is not None
 
@@ -113,12 +116,10 @@ class WorkerPool:
                     e,
                 )
             self.registry_problem = problem
-            self.registry_ok = False
             return None
         if self.registry_problem not in (None, "registry_not_read"):
             log.info("worker registry reachable again")
         self.registry_problem = None
-        self.registry_ok = True
         return members
 
     async def refresh(self) -> None:

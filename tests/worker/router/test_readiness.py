@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from disagg.worker.cli.ports import free_port
-from disagg.worker.router.readiness import REASONS, assess, registry_problem
+from disagg.worker.router.readiness import REASONS, Readiness, registry_problem
 
 
 def _redis_error(url: str) -> BaseException:
@@ -49,19 +49,22 @@ def test_other_registry_failures(exc, code):
 
 
 def test_ready_needs_a_decode_worker_and_reports_every_reason():
-    state = assess(decode=0, prefill=0, registry_problem_code="registry_name_unresolved", uses_registry=True)
+    state = Readiness(decode=0, prefill=0, registry_problem="registry_name_unresolved", uses_registry=True)
     assert not state.ready and state.reasons == ("registry_name_unresolved", "no_decode_workers")
-    body = state.body(0, 0, registry_ok=False)
-    assert body["status"] == "no_workers"
+    body = state.body()
+    assert body["status"] == "no_workers" and body["registry"] is False
     assert [r["code"] for r in body["reasons"]] == ["registry_name_unresolved", "no_decode_workers"]
     assert all(r["message"] == REASONS[r["code"]] for r in body["reasons"])
     # a registry outage with workers still known keeps serving, and says so
-    state = assess(decode=1, prefill=1, registry_problem_code="registry_refused", uses_registry=True)
+    state = Readiness(decode=1, prefill=1, registry_problem="registry_refused", uses_registry=True)
     assert state.ready and state.reasons == ("registry_refused",)
     # disaggregated deployment with its prefill pool gone: ready, with the reason
-    assert assess(1, 0, None, uses_registry=True).reasons == ("no_prefill_workers",)
-    assert assess(1, 0, None, uses_registry=False).reasons == ()
-    assert assess(1, 2, None, uses_registry=True) == assess(1, 0, None, uses_registry=False)
+    assert Readiness(1, 0, None, uses_registry=True).reasons == ("no_prefill_workers",)
+    assert Readiness(1, 0, None, uses_registry=False).reasons == ()
+    assert (
+        Readiness(1, 2, None, uses_registry=True).reasons == ()
+        and Readiness(1, 2, None, True).body()["registry"]
+    )
 
 
 async def test_the_pool_keeps_why_the_registry_could_not_be_read():
