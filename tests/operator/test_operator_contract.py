@@ -725,16 +725,15 @@ def _launch(
     pod_name: str,
     swaps: dict[str, str],
     log: Path,
-    extra_env: dict | None = None,
 ) -> subprocess.Popen:
     """Start the container's command line as a local process: same arguments and environment, with
-    the pod's volume, ports and Redis Service swapped for local ones (and `extra_env` added)."""
+    the pod's volume, ports and Redis Service swapped for local ones."""
     env = container_env(container, kids, pod_name=pod_name, pod_ip="127.0.0.1")
     argv = [_expand(a, env) for a in container["args"]]
     for flag, value in swaps.items():
         _replace(argv, flag, value)
     proc_env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
-    proc_env.update(env, OMP_NUM_THREADS="1", **(extra_env or {}))
+    proc_env.update(env, OMP_NUM_THREADS="1")
     with open(log, "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "disagg.worker.cli", *argv],
