@@ -78,6 +78,18 @@ class EngineArgs(Settings):
         maximum=1.0,
         exclusive_min=True,
     )
+    kv_host_cache_memory: int | None = _setting(
+        None,
+        "bytes of host memory (page-locked on CUDA) for prefix-cache blocks evicted from the KV cache; "
+        "a later prompt with their prefix copies them back instead of recomputing; default: off",
+        minimum=1,
+    )
+    kv_disk_cache_dir: str | None = _setting(
+        None,
+        "a local directory (this engine's alone: locked, emptied at start and exit) for the blocks the "
+        "host tier evicts, one checksummed file each; needs kv_host_cache_memory; default: off",
+    )
+    kv_disk_cache_size: int = _setting(8 << 30, "bytes the disk tier may hold", minimum=1)
     cuda_graphs: bool | None = _setting(None, "capture decode steps as CUDA graphs (default: on CUDA)")
     seed: int = _setting(0, "seed of the per-request seeds of unseeded sampled requests")
     threads: int | None = _setting(
@@ -167,6 +179,18 @@ class EngineArgs(Settings):
         if self.tensor_parallel_size > 1 and self.kv_cache_dtype in KV_CACHE_DTYPES:
             raise ValueError(
                 "kv_cache_dtype: a quantized KV cache is not supported with tensor_parallel_size > 1 yet"
+            )
+        if self.kv_disk_cache_dir and self.kv_host_cache_memory is None:
+            raise ValueError(
+                "kv_disk_cache_dir needs kv_host_cache_memory: blocks reach the disk through host memory"
+            )
+        if self.tensor_parallel_size > 1 and self.kv_host_cache_memory is not None:
+            raise ValueError(
+                "kv_host_cache_memory: KV tiers are not supported with tensor_parallel_size > 1 yet"
+            )
+        if self.kv_host_cache_memory is not None and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_host_cache_memory needs enable_prefix_caching: the tiers keep prefix-cache blocks"
             )
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ValueError(

@@ -13,13 +13,16 @@ wait in an LRU queue (freed blocks join its back) and are evicted from its front
 uncached block is left (`eviction_window` can widen that choice to favour runs).
 
 Pins keep a finished request's blocks alive until an outside party (KV transfer) is done.
+
+`on_evict`, when set, is handed the (block id, hash, token ids) of the cached blocks an
+allocation evicts, before the caller can overwrite them: the lower KV tiers keep them.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
 
@@ -146,6 +149,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free cached blocks, LRU first
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._pins: dict[str, list[int]] = {}
+        self.on_evict: Callable[[list[tuple[int, int, tuple[int, ...] | None]]], None] | None = None
 
     # ---- accounting -------------------------------------------------------------------
     @property
@@ -241,14 +245,18 @@ class BlockManager:
             raise NoFreeBlocksError(f"asked for {n} KV blocks, only {self.num_free_blocks} free")
         from_runs = min(n, self._uncached.count)
         out = [b for start, length in self._uncached.take(from_runs) for b in range(start, start + length)]
+        evicted = []
         for b in self._pick_evicted(n - from_runs):
             del self._evictable[b]
             h = self._hash[b]
+            evicted.append((b, h, self._tokens[b]))
             self._hash[b] = None
             self._tokens[b] = None
             if self._cached.get(h) == b:
                 del self._cached[h]
             out.append(b)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         # Ascending order keeps neighbouring ids neighbours in the block table, whatever the
         # order they were found in; which blocks were evicted does not change.
         out.sort()

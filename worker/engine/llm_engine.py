@@ -35,6 +35,7 @@ from disagg.worker.engine import prompt_logprobs
 from disagg.worker.engine import resume as resumption
 from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.batch_builder import build_batch
+from disagg.worker.engine.block_hash import block_hashes
 from disagg.worker.engine.block_manager import BlockManager
 from disagg.worker.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from disagg.worker.engine.request import Request, RequestStatus
@@ -46,6 +47,7 @@ from disagg.worker.engine.seeds import PositionRng
 from disagg.worker.engine.spec.config import SpeculativeConfig
 from disagg.worker.engine.spec.speculator import Speculator, make_proposer
 from disagg.worker.engine.structured_output import Grammars
+from disagg.worker.engine.tiers.tiers import KVTiers
 from disagg.worker.model.runner import ModelRunner, plan_num_blocks
 
 log = logging.getLogger(__name__)
@@ -151,6 +153,7 @@ class LLMEngine:
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             useful_blocks=max_num_seqs * -(-model_len // block_size),
+            host_reserved=args.kv_host_cache_memory or 0,
         )
         # a lone request must always fit in the cache, or preemption could never make progress
         self.max_model_len = min(model_len, num_blocks * block_size)
@@ -173,6 +176,12 @@ class LLMEngine:
 
             self.ranks.wait_ready()
             self.runner = TensorParallelRunner(self.runner, self.ranks)
+        self.tiers = None
+        if args.kv_host_cache_memory is not None:
+            self.tiers = KVTiers(self.runner.kv_cache, block_size, args.kv_host_cache_memory,
+                                 args.kv_disk_cache_dir, args.kv_disk_cache_size)  # fmt: skip
+            self.block_manager.on_evict = self.tiers.offload
+            self.scheduler.tiers = self.tiers
         self.sampler = Sampler()
         self.speculator = Speculator(spec, proposer, self) if spec else None
         self.grammars: Grammars | None = None
@@ -182,7 +191,10 @@ class LLMEngine:
         self.scheduled: SchedulerOutput | None = None
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do with one rank); idempotent."""
+        """Stop the other tensor-parallel ranks and the disk tier's writer (deleting its files);
+        idempotent."""
+        if getattr(self, "tiers", None) is not None:
+            self.tiers.close()
         runner = getattr(self, "runner", None)  # absent when construction failed before it
         if hasattr(runner, "close"):
             runner.close()
@@ -221,6 +233,30 @@ class LLMEngine:
     def prefix_cache_hit_rate(self) -> float:
         s = self.scheduler
         return s.prefix_hit_tokens / s.prefix_query_tokens if s.prefix_query_tokens else 0.0
+
+    def cached_prefix_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """Leading tokens of a prompt whose K/V this engine holds, in its cache or the tiers below
+        (what its prefill would not compute)."""
+        hashes = block_hashes(prompt_ids, self.block_size)
+        n = len(self.block_manager.lookup(hashes, prompt_ids))
+        if self.tiers is not None:
+            hit = self.tiers.find(hashes, prompt_ids, n, len(hashes))
+            n += len(hit)
+            self.tiers.release(hit)
+        return n * self.block_size
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, in the cache and the tiers below (blocks in use keep their
+        contents)."""
+        self.block_manager.reset_prefix_cache()
+        if self.tiers is not None:
+            self.tiers.clear()
+
+    def holds_block(self, block_hash: int) -> bool:
+        """Whether the cache or a tier below holds the block of this hash."""
+        if self.block_manager.lookup([block_hash]):
+            return True
+        return self.tiers is not None and self.tiers.holds(block_hash)
 
     def has_unfinished(self) -> bool:
         """Whether `step()` has work: waiting or running requests (not reserved or pinned ones)."""
@@ -322,6 +358,8 @@ class LLMEngine:
         req = self._make_request(request_id, prompt, params, prefill_only, resume)
         self.requests[request_id] = req
         self.scheduler.add(req)
+        if self.tiers is not None and self.tiers.disk is not None:
+            self.tiers.prefetch(req.update_block_hashes(self.block_size), req.all_token_ids)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in any state and free its blocks; False if it is unknown or done."""

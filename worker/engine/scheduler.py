@@ -14,20 +14,34 @@ price of one pass over the weights. Without it, when both kinds of work exist th
 alternate, so a stream of long prompts never starves decoding and decoding never starves
 admission. Admission takes the longest cached
 prefix of full blocks (always leaving at least the last token to compute, whose logits
-are needed). When a running request needs a block and none is free, the newest running
-request is preempted: its blocks are freed and it recomputes everything later.
+are needed), then the blocks that follow it in the lower KV tiers (`tiers`, when the engine has
+them: copied back into fresh blocks instead of recomputed). When a running request needs a block
+and none is free, the newest running request is preempted: its blocks are freed and it
+recomputes everything later.
 
-Pure logic over `BlockManager` and `Request`: no tensors, no model.
+Pure logic over `BlockManager`, `Request` and the tiers' find / restore: no tensors, no model.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from disagg.worker.engine.block_manager import BlockManager, NoFreeBlocksError
 from disagg.worker.engine.request import Request, RequestStatus
+
+
+class LowerTiers(Protocol):
+    """What admission needs of the KV tiers below the cache (`tiers.KVTiers`)."""
+
+    def find(self, hashes: Sequence[int], token_ids: Sequence[int], first: int, last: int) -> Sized: ...
+
+    def restore(self, hit, block_ids: Sequence[int]) -> int: ...
+
+    def release(self, hit) -> None: ...
 
 
 @dataclass
@@ -82,12 +96,14 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved: dict[str, Request] = {}
+        self.tiers: LowerTiers | None = None
         self._last_was_prefill = False
         self._arrivals = 0
         # statistics
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.tier_hit_tokens = 0  # of prefix_hit_tokens, those restored from the lower tiers
 
     # ---- queues -----------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -127,16 +143,22 @@ class Scheduler:
         """
         bs = self.block_size
         hashes = req.update_block_hashes(bs)
-        hits = self.bm.lookup(hashes[: (req.num_prompt_tokens - 1) // bs], req.all_token_ids)
+        max_hit = (req.num_prompt_tokens - 1) // bs
+        hits = self.bm.lookup(hashes[:max_hit], req.all_token_ids)
         self.bm.acquire(hits)  # first, so that allocating the rest cannot evict them
+        below = self._find_below(req, len(hits), max_hit)
         try:
             fresh = self.bm.allocate(self.bm.blocks_for(req.num_prompt_tokens) - len(hits))
         except NoFreeBlocksError:
             self.bm.free(hits)
+            if below is not None:
+                self.tiers.release(below)
             raise
         req.block_ids = hits + fresh
-        req.num_registered_blocks = len(hits)  # commit offers only the written blocks to the cache
-        req.num_cached_tokens = len(hits) * bs
+        restored = self._restore(req, below, len(hits))
+        # commit offers only the written blocks to the cache
+        req.num_registered_blocks = len(hits) + restored
+        req.num_cached_tokens = (len(hits) + restored) * bs
         self.prefix_query_tokens += req.num_prompt_tokens
         self.prefix_hit_tokens += req.num_cached_tokens
         self._arrivals += 1
@@ -231,21 +253,52 @@ class Scheduler:
         max_hit = 0 if req.needs_prompt_logprobs else (req.num_tokens - 1) // bs
         hits = self.bm.lookup(hashes[:max_hit], req.all_token_ids)
         self.bm.acquire(hits)
-        num_cached = len(hits) * bs
-        n = min(req.num_tokens - num_cached, budget)
         spare = self.bm.num_free_blocks - (self.watermark_blocks if self.running else 0)
+        # blocks restored from below need cache blocks too: leave room for one block of compute
+        below = self._find_below(req, len(hits), min(max_hit, len(hits) + max(spare - 1, 0)))
+        num_below = 0 if below is None else len(below)
+        num_cached = (len(hits) + num_below) * bs
+        n = min(req.num_tokens - num_cached, budget)
         n = min(n, (len(hits) + spare) * bs - num_cached)
         if n <= 0:
             self.bm.free(hits)
+            if below is not None:
+                self.tiers.release(below)
             return 0
-        req.block_ids = hits + self.bm.allocate(self.bm.blocks_for(num_cached + n) - len(hits))
+        end = num_cached + n
+        req.block_ids = hits + self.bm.allocate(self.bm.blocks_for(end) - len(hits))
+        restored = self._restore(req, below, len(hits))
+        num_cached = (len(hits) + restored) * bs
+        n = min(end - num_cached, budget)  # a block that could not be restored is computed instead
         req.num_computed_tokens = num_cached
-        req.num_registered_blocks = len(hits)
+        req.num_registered_blocks = len(hits) + restored
         if req.num_preemptions == 0:
             req.num_cached_tokens = num_cached
         self.prefix_query_tokens += req.num_tokens
         self.prefix_hit_tokens += num_cached
         return n
+
+    def _find_below(self, req: Request, first: int, last: int):
+        """The prompt's blocks first.. (before `last`) that the lower tiers hold, or None."""
+        if self.tiers is None or first >= last:
+            return None
+        below = self.tiers.find(req.block_hashes, req.all_token_ids, first, last)
+        if not len(below):
+            self.tiers.release(below)
+            return None
+        return below
+
+    def _restore(self, req: Request, below, first: int) -> int:
+        """Copy what `below` found into the request's blocks first, first+1, ... and offer them to
+        the prefix cache; returns how many were restored."""
+        if below is None:
+            return 0
+        restored = self.tiers.restore(below, req.block_ids[first : first + len(below)])
+        bs, tokens = self.block_size, req.all_token_ids
+        for i in range(first, first + restored):
+            self.bm.register(req.block_ids[i], req.block_hashes[i], tokens[i * bs : (i + 1) * bs])
+        self.tier_hit_tokens += restored * bs
+        return restored
 
     def _fit(self, req: Request, want: int, out: SchedulerOutput, preempt: bool = True) -> int:
         """Make room for `want` more tokens of running `req`, shrinking the chunk to the free

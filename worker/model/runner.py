@@ -104,9 +104,11 @@ def plan_num_blocks(
     kv_cache_memory: int | None = None,
     gpu_memory_utilization: float = 0.9,
     useful_blocks: int | None = None,
+    host_reserved: int = 0,
 ) -> int:
     """Number of KV blocks: explicit count, else an explicit byte budget, else a share of the
-    device's free memory (capped at `useful_blocks`, beyond which blocks could never be used)."""
+    device's free memory (capped at `useful_blocks`, beyond which blocks could never be used).
+    `host_reserved`: host memory promised elsewhere (the KV host tier), not available to a CPU cache."""
     if num_gpu_blocks is not None:
         if num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {num_gpu_blocks}")
@@ -123,7 +125,9 @@ def plan_num_blocks(
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * gpu_memory_utilization)
     else:
-        budget = min(int(_available_host_memory() * CPU_KV_FRACTION), CPU_KV_CAP_BYTES)
+        budget = min(
+            int(max(_available_host_memory() - host_reserved, 0) * CPU_KV_FRACTION), CPU_KV_CAP_BYTES
+        )
     n = budget // block_bytes
     if useful_blocks is not None:
         n = min(n, useful_blocks)

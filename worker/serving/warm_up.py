@@ -16,7 +16,7 @@ def warm_up(engine, block_size: int, rate: PrefillRate, max_tokens: int = 256, p
     the fastest later pass seeds this worker's prefill `rate` (the fastest: other processes
     starting beside this one only ever slow a pass down), so load-aware placement can price
     prefills from the first request on. Leaves the engine as it found it (no request, stats
-    reset)."""
+    reset, nothing cached: its random prompts would only take room from users' prefixes)."""
     e = engine
     sched = e.scheduler
     n = min(max_tokens, sched.max_num_batched_tokens, e.max_model_len - 1,
@@ -37,5 +37,6 @@ def warm_up(engine, block_size: int, rate: PrefillRate, max_tokens: int = 256, p
         if i:
             best = min(best or float("inf"), time.monotonic() - started)
     sched.prefix_query_tokens, sched.prefix_hit_tokens, sched.num_preemptions = stats
+    e.reset_prefix_cache()
     if best is not None:
         rate.observe(n, best, provisional=True)
