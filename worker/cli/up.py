@@ -129,6 +129,15 @@ def router_args(args) -> RouterArgs:
         raise SystemExit(f"disagg up: {exc}") from None
 
 
+def worker_engine_args(engine: EngineArgs, role: str, name: str) -> EngineArgs:
+    """One worker's engine settings: no draft model on a prefill worker, and each worker its own
+    subdirectory of the KV disk tier (a directory belongs to one engine)."""
+    out = engine.without_speculation() if role == "prefill" else engine
+    if engine.kv_disk_cache_dir:
+        out = dataclasses.replace(out, kv_disk_cache_dir=str(Path(engine.kv_disk_cache_dir) / name))
+    return out
+
+
 def role_ranks(args, tensor_parallel_size: int) -> dict[str, int]:
     """Tensor-parallel ranks per role: --prefill-tp / --decode-tp, else --tensor-parallel-size."""
     ranks = {"prefill": args.prefill_tp, "decode": args.decode_tp, "both": None}
@@ -257,7 +266,7 @@ class Deployment:
                     "worker", "--role", role, "--model", str(model), "--worker-id", name,
                     "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport),
                     "--redis-url", self.redis_url, "--deployment", "local", *serving.to_cli_args(),
-                    *(engine.without_speculation() if role == "prefill" else engine).to_cli_args(),
+                    *worker_engine_args(engine, role, name).to_cli_args(),
                     "--tensor-parallel-size", str(ranks[role]), *a.worker_arg,
                 ]  # fmt: skip
                 self.children.append(

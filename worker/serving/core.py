@@ -140,9 +140,9 @@ class WorkerCore:
         )
 
     def on_loop_cached_tokens(self, prompt_ids: list[int]) -> int:
-        """Leading prompt tokens this worker's prefix cache holds (what a local prefill would skip)."""
-        hashes = block_hashes(prompt_ids, self.block_size)
-        return len(self.engine.block_manager.lookup(hashes, prompt_ids)) * self.block_size
+        """Leading prompt tokens this worker holds, in its prefix cache or a tier below it (what a
+        local prefill would skip)."""
+        return self.engine.cached_prefix_tokens(prompt_ids)
 
     def queued_prefill_tokens(self) -> int:
         """Prompt (or recomputation) tokens not yet computed: waiting requests and part-way ones.
@@ -152,9 +152,8 @@ class WorkerCore:
         return waiting + sum(r.num_uncomputed for r in sched.running if r.num_uncomputed > 1)
 
     def on_loop_evicted(self, hashes: list[int]) -> list[int]:
-        """Which of `hashes` the prefix cache no longer holds (their blocks were reused)."""
-        lookup = self.engine.block_manager.lookup
-        return [h for h in hashes if not lookup([h])]
+        """Which of `hashes` neither the prefix cache nor a tier below it holds any more."""
+        return [h for h in hashes if not self.engine.holds_block(h)]
 
     # ---- the step ----------------------------------------------------------------------------------
     def step(self) -> None:
@@ -229,6 +228,8 @@ class WorkerCore:
         self.metrics.kv_blocks(e.num_free_blocks, e.num_total_blocks)
         if e.speculator is not None:
             self.metrics.speculation(e.speculator.stats)
+        if e.tiers is not None:
+            self.metrics.kv_tiers(e.tiers)
 
     def load_response(self, worker_id: str, role: str) -> pb.LoadResponse:
         return pb.LoadResponse(worker_id=worker_id, role=role, **self.load)

@@ -56,6 +56,12 @@ class _Families:
     spec_proposed: Counter
     spec_accepted: Counter
     spec_accepted_lengths: Counter
+    kv_tier_blocks: Gauge
+    kv_tier_hits: Counter
+    kv_tier_bytes: Counter
+    kv_tier_evictions: Counter
+    kv_tier_corrupt: Counter
+    kv_tier_read_seconds: Histogram
 
 
 _FAMILIES: dict[int, _Families] = {}
@@ -226,6 +232,43 @@ def _families(registry: CollectorRegistry) -> _Families:
                 (*LABELS, "proposer", "accepted"),
                 registry=registry,
             ),
+            kv_tier_blocks=Gauge(
+                "disagg_kv_tier_blocks",
+                "KV blocks each tier below the cache holds.",
+                (*LABELS, "tier"),
+                registry=registry,
+            ),
+            kv_tier_hits=Counter(
+                "disagg_kv_tier_hits",
+                "KV blocks restored from a tier instead of recomputed.",
+                (*LABELS, "tier"),
+                registry=registry,
+            ),
+            kv_tier_bytes=Counter(
+                "disagg_kv_tier_bytes",
+                "Bytes moved into (written) and out of (read) each tier.",
+                (*LABELS, "tier", "direction"),
+                registry=registry,
+            ),
+            kv_tier_evictions=Counter(
+                "disagg_kv_tier_evictions",
+                "KV blocks a tier let go of to make room.",
+                (*LABELS, "tier"),
+                registry=registry,
+            ),
+            kv_tier_corrupt=Counter(
+                "disagg_kv_tier_corrupt_blocks",
+                "Disk-tier blocks refused (checksum, truncation, other tokens) and recomputed.",
+                (*LABELS, "tier"),
+                registry=registry,
+            ),
+            kv_tier_read_seconds=Histogram(
+                "disagg_kv_tier_read_seconds",
+                "Time to read one KV block back from a tier's storage.",
+                (*LABELS, "tier"),
+                buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+                registry=registry,
+            ),
         )
         registry.register(VLLMAliases(_FAMILIES[key]))  # vllm:* names for GIE / llm-d
     return _FAMILIES[key]
@@ -275,6 +318,7 @@ class ServingMetrics:
         self._kv_bytes = f.kv_bytes
         self._f = f
         self._spec_seen: dict[str, int | list[int]] = {}
+        self._tiers_seen: dict[tuple[str, str], int] = {}
         self._decisions = f.decisions
         self._rejected = f.rejected
         self._routed = f.routed
@@ -346,6 +390,23 @@ class ServingMetrics:
             if now > was or not seen:
                 child.inc(now - was)
         seen["accepted_lengths"] = list(stats.accepted_lengths)
+
+    def kv_tiers(self, tiers) -> None:
+        """Bring the tier series up to a `KVTiers`'s cumulative counts (and take its read times)."""
+        f, seen = self._f, self._tiers_seen
+        for tier, now in tiers.snapshot().items():
+            lab = {"role": self.role, "model": self.model, "tier": tier}
+            f.kv_tier_blocks.labels(**lab).set(now["blocks"])
+            for family, name, extra in (
+                (f.kv_tier_hits, "hits", {}), (f.kv_tier_evictions, "evictions", {}),
+                (f.kv_tier_corrupt, "corrupt", {}), (f.kv_tier_bytes, "bytes_read", {"direction": "read"}),
+                (f.kv_tier_bytes, "bytes_written", {"direction": "written"}),
+            ):  # fmt: skip
+                key = (tier, name)
+                family.labels(**lab, **extra).inc(max(now[name] - seen.get(key, 0), 0))
+                seen[key] = now[name]
+            for seconds in tiers.counters[tier].take_read_seconds():
+                f.kv_tier_read_seconds.labels(**lab).observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
