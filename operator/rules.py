@@ -88,6 +88,13 @@ RULES: tuple[Rule, ...] = (
         "pod: use tcp, or rc/ud/dc for RDMA",
     ),
     Rule(
+        "spec.*.kvCache",
+        "!has(self.disk) || has(self.host)",
+        lambda k: not _has(k, "disk") or _has(k, "host"),
+        "kvCache.disk needs kvCache.host (blocks reach the disk through host memory)",
+        ".disk",
+    ),
+    Rule(
         "spec.redis",
         "has(self.managed) != has(self.external)",
         lambda r: _has(r, "managed") != _has(r, "external"),

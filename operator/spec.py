@@ -162,6 +162,15 @@ class Router:
 
 
 @dataclass(frozen=True)
+class KvDisk:
+    """The KV cache's disk tier: a volume of `size` (an emptyDir, or a claim of `storage_class`)."""
+
+    size: str
+    size_bytes: int
+    storage_class: str | None = None
+
+
+@dataclass(frozen=True)
 class Role:
     name: str  # prefill | decode
     replicas: int | None
@@ -170,6 +179,8 @@ class Role:
     tensor_parallel_size: int = 1
     block_size: int = 16
     memory_fraction: float = 0.9
+    kv_host_bytes: int | None = None  # the KV cache's host-memory tier
+    kv_disk: KvDisk | None = None
     max_unavailable: int = 1
     termination_grace_seconds: int = 120
     node_selector: dict = field(default_factory=dict)
@@ -282,6 +293,48 @@ def _autoscaling(role: str, body: dict, path: str) -> AutoscalingSpec:
         raise SpecError(field, problem) from None
 
 
+_QUANTITY_SUFFIXES = {
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "": 1,
+}  # fmt: skip
+
+
+def quantity_bytes(value: str | int, path: str) -> int:
+    """Bytes of a Kubernetes memory or storage quantity (`8Gi`, `500M`, `1048576`)."""
+    text = str(value).strip()
+    number = text.rstrip("KMGTPEik")
+    suffix = text[len(number) :]
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = -1.0
+    if suffix not in _QUANTITY_SUFFIXES or amount < 0:
+        raise SpecError(path, f"is not a quantity of bytes: {value!r}")
+    return int(amount * _QUANTITY_SUFFIXES[suffix])
+
+
+def _kv_tiers(kv: dict, path: str) -> tuple[int | None, KvDisk | None]:
+    host = _section(kv, "host", path)
+    disk = _section(kv, "disk", path)
+    host_bytes = None
+    if host:
+        host_bytes = quantity_bytes(
+            _get(host, "memory", f"{path}.host", str, required=True), f"{path}.host.memory"
+        )
+    kv_disk = None
+    if disk:  # without host: refused by a CEL rule (`rules.py`)
+        size = _get(disk, "size", f"{path}.disk", str, required=True)
+        kv_disk = KvDisk(size, quantity_bytes(size, f"{path}.disk.size"),
+                         _get(disk, "storageClassName", f"{path}.disk", str))  # fmt: skip
+    for field_path, amount in (
+        (f"{path}.host.memory", host_bytes),
+        (f"{path}.disk.size", kv_disk and kv_disk.size_bytes),
+    ):
+        if amount is not None and amount < 1:
+            raise SpecError(field_path, "must be more than 0")
+    return host_bytes, kv_disk
+
+
 def _role(spec: dict, name: str) -> Role:
     path = f"spec.{name}"
     body = _section(spec, name, "spec", required=True)
@@ -299,6 +352,7 @@ def _role(spec: dict, name: str) -> Role:
     block = _int(kv, "blockSize", f"{path}.kvCache", 16, 1)
     if block not in (8, 16, 32, 64, 128):
         raise SpecError(f"{path}.kvCache.blockSize", f"must be one of 8, 16, 32, 64, 128, got {block}")
+    kv_host_bytes, kv_disk = _kv_tiers(kv, f"{path}.kvCache")
     env = _get(body, "env", path, list, [])
     for i, item in enumerate(env):
         if not isinstance(item, dict) or not item.get("name"):
@@ -311,6 +365,8 @@ def _role(spec: dict, name: str) -> Role:
         tensor_parallel_size=tp,
         block_size=block,
         memory_fraction=float(fraction),
+        kv_host_bytes=kv_host_bytes,
+        kv_disk=kv_disk,
         max_unavailable=_int(body, "maxUnavailable", path, 1, 0),
         termination_grace_seconds=_int(body, "terminationGracePeriodSeconds", path, 120, 1),
         node_selector=_section(body, "nodeSelector", path),

@@ -10,7 +10,7 @@ import posixpath
 
 from disagg.operator import constants as c
 from disagg.operator.builders import common, config, hardening, model, secrets
-from disagg.operator.spec import InferenceDeployment, Role, SpecError
+from disagg.operator.spec import InferenceDeployment, Role, SpecError, quantity_bytes
 from disagg.worker.engine.args import cli_flag
 from disagg.worker.serving.args import ServingArgs
 
@@ -26,6 +26,11 @@ STOP_MARGIN_SECONDS = 10
 HEALTH_PATH = "/health"  # 200 once loaded and registered, 503 while loading or draining
 LIVE_PATH = "/live"  # 200 while the process and its engine loop run, draining included
 DRAIN_PATH = "/drain"  # stops admitting; answers once in-flight streams are done
+# The KV cache's disk tier: its volume, where the worker finds it, and the share of the volume the
+# tier fills (an emptyDir over its sizeLimit gets the pod evicted).
+KV_DISK_VOLUME = "kv-disk"
+KV_DISK_MOUNT = "/var/cache/disagg-kv"
+KV_DISK_FILL = 0.9
 # The interface the servers bind: the pod's own (they default to loopback outside a pod).
 BIND_ALL = "0.0.0.0"
 
@@ -54,6 +59,18 @@ def check_supported(idep: InferenceDeployment, role: Role) -> None:
             "spec.prefill.kvCache.blockSize",
             f"must equal spec.decode.kvCache.blockSize ({prefill} != {decode})",
         )
+    if role.kv_host_bytes is not None and role.tensor_parallel_size > 1:
+        raise SpecError(
+            f"spec.{role.name}.kvCache.host", "is not supported with tensorParallelSize above 1 yet"
+        )
+    limit = (role.resources.get("limits") or {}).get("memory")
+    if role.kv_host_bytes is not None and limit is not None:
+        limit_bytes = quantity_bytes(limit, f"spec.{role.name}.resources.limits.memory")
+        if role.kv_host_bytes >= limit_bytes:
+            raise SpecError(
+                f"spec.{role.name}.kvCache.host.memory",
+                f"must be below resources.limits.memory ({limit}): the tier lives in the pod's memory",
+            )
 
 
 def desired_replicas(idep: InferenceDeployment, role: Role) -> int | None:
@@ -152,6 +169,11 @@ def _args(idep: InferenceDeployment, role: Role) -> list[str]:
                  ServingArgs.cli_flag("disagg_threshold"), str(spec.kv_transfer.disagg_threshold)]  # fmt: skip
     if spec.model.max_model_length is not None:
         args += [cli_flag("max_model_len"), str(spec.model.max_model_length)]
+    if role.kv_host_bytes is not None:
+        args += [cli_flag("kv_host_cache_memory"), str(role.kv_host_bytes)]
+    if role.kv_disk is not None:
+        args += [cli_flag("kv_disk_cache_dir"), KV_DISK_MOUNT,
+                 cli_flag("kv_disk_cache_size"), str(int(role.kv_disk.size_bytes * KV_DISK_FILL))]  # fmt: skip
     if role.tensor_parallel_size > 1:  # the worker starts its other ranks itself, in this pod
         args += [cli_flag("tensor_parallel_size"), str(role.tensor_parallel_size)]
     if spec.speculative is not None and role.name == "decode":  # prefill workers never decode
@@ -246,6 +268,7 @@ def worker_container(
             {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
             *hardening.scratch_mounts(cache=True),
             *secrets.tls_mounts(idep),
+            *([{"name": KV_DISK_VOLUME, "mountPath": KV_DISK_MOUNT}] if role.kv_disk is not None else []),
         ],
         "securityContext": security,
     }
@@ -282,6 +305,9 @@ def pod_spec(idep: InferenceDeployment, role: Role, container: dict, pod_ranks: 
             *secrets.tls_volumes(idep),
         ],
     }
+    disk = role.kv_disk
+    if disk is not None and disk.storage_class is None:  # with a class, the StatefulSet claims one per pod
+        out["volumes"].append({"name": KV_DISK_VOLUME, "emptyDir": {"sizeLimit": disk.size}})
     if not out["initContainers"]:
         del out["initContainers"]
     if spec.image.pull_secrets:
@@ -325,11 +351,28 @@ def statefulset(idep: InferenceDeployment, role_name: str) -> dict:
     replicas = desired_replicas(idep, role)
     if replicas is not None:
         sts_spec = {"replicas": replicas, **sts_spec}
+    if role.kv_disk is not None and role.kv_disk.storage_class is not None:
+        sts_spec["volumeClaimTemplates"] = [kv_disk_claim(role)]
+        # the claims go with the pods: a scaled-down or deleted role leaves no volumes behind
+        sts_spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Delete"}
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": common.metadata(idep, name, role_name),
         "spec": sts_spec,
+    }
+
+
+def kv_disk_claim(role: Role) -> dict:
+    """Each pod's claim for the KV disk tier (a StatefulSet volumeClaimTemplate)."""
+    disk = role.kv_disk
+    return {
+        "metadata": {"name": KV_DISK_VOLUME},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "storageClassName": disk.storage_class,
+            "resources": {"requests": {"storage": disk.size}},
+        },
     }
 
 

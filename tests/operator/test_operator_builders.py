@@ -393,3 +393,63 @@ def test_a_terminating_router_keeps_listening_until_its_endpoint_is_gone():
     (router,) = kids["Deployment", "tiny-router"]["spec"]["template"]["spec"]["containers"]
     assert router["lifecycle"]["preStop"] == {"sleep": {"seconds": SHUTDOWN_DELAY_SECONDS}}
     assert SHUTDOWN_DELAY_SECONDS > 0
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+@pytest.mark.parametrize("storage_class", [None, "local-nvme"])
+def test_kv_tiers_reach_the_workers_with_their_volume(storage_class):
+    body = load_example("cpu-tiny.yaml")
+    disk = {"size": "10Gi"} if storage_class is None else {"size": "10Gi", "storageClassName": storage_class}
+    body["spec"]["decode"]["kvCache"].update(host={"memory": "512Mi"}, disk=disk)
+    name = body["metadata"]["name"]
+    kids = children(body)
+    args = worker(kids, name, "decode")["args"]
+    assert _flag(args, "--kv-host-cache-memory") == str(512 << 20)
+    assert _flag(args, "--kv-disk-cache-dir") == workers.KV_DISK_MOUNT
+    assert _flag(args, "--kv-disk-cache-size") == str(int(10 * 2**30 * workers.KV_DISK_FILL))
+    assert "--kv-host-cache-memory" not in worker(kids, name, "prefill")["args"]
+    sts = kids["StatefulSet", f"{name}-decode"]
+    pod = sts["spec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts[workers.KV_DISK_VOLUME] == workers.KV_DISK_MOUNT
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    if storage_class is None:
+        assert volumes[workers.KV_DISK_VOLUME]["emptyDir"] == {"sizeLimit": "10Gi"}
+        assert "volumeClaimTemplates" not in sts["spec"]
+    else:
+        assert workers.KV_DISK_VOLUME not in volumes
+        (claim,) = sts["spec"]["volumeClaimTemplates"]
+        assert claim["metadata"]["name"] == workers.KV_DISK_VOLUME
+        assert claim["spec"]["storageClassName"] == storage_class
+        assert claim["spec"]["resources"]["requests"]["storage"] == "10Gi"
+    kubernetes_validate.validate(rollout.stamp(sts), KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize(
+    ("host", "role_change", "field"),
+    [
+        ("2Gi", {}, "spec.decode.kvCache.host.memory"),  # the pod's whole memory limit
+        ("1Gi", {"tensorParallelSize": 2}, "spec.decode.kvCache.host"),
+        ("lots", {}, "spec.decode.kvCache.host.memory"),
+    ],
+)
+def test_kv_tiers_a_worker_cannot_run_are_refused_naming_the_field(host, role_change, field):
+    body = load_example("cpu-tiny.yaml")
+    body["spec"]["decode"]["kvCache"]["host"] = {"memory": host}
+    body["spec"]["decode"].update(role_change)
+    with pytest.raises(specs.SpecError) as err:
+        children(body)
+    assert err.value.path == field
+
+
+def test_quantities_read_as_bytes():
+    assert specs.quantity_bytes("1Gi", "f") == 2**30
+    assert specs.quantity_bytes("1.5Mi", "f") == 3 * 2**19
+    assert specs.quantity_bytes("2G", "f") == 2 * 10**9
+    assert specs.quantity_bytes("4096", "f") == 4096
+    for bad in ("", "Gi", "1Xi", "-1Gi", "one"):
+        with pytest.raises(specs.SpecError):
+            specs.quantity_bytes(bad, "f")

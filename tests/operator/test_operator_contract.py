@@ -90,8 +90,13 @@ def _speculative_draft(spec: dict) -> None:
     spec["speculativeDecoding"] = {"method": "draft", "numTokens": 3, "draftModelPath": "tiny-draft"}
 
 
+def _kv_tiers(spec: dict) -> None:
+    spec["decode"]["kvCache"].update(host={"memory": "512Mi"}, disk={"size": "4Gi"})
+
+
 VARIANTS = {
     "speculative-draft": _speculative_draft,
+    "kv-tiers": _kv_tiers,
     "external-redis": _external_redis,
     "pvc": _pvc,
     "host-path": _host_path,
@@ -324,6 +329,12 @@ def test_worker_containers_parse_with_the_real_cli(example, variant, role, tmp_p
             assert args.speculative_draft_model == f"{model.MODEL_MOUNT}/{spec_decoding.draft_path}"
             assert _mounted_volume(pod, container, args.speculative_draft_model)["name"] == model.VOLUME
     assert args.device == ("cuda" if "nvidia.com/gpu" in (r.resources.get("limits") or {}) else "cpu")
+    assert args.kv_host_cache_memory == r.kv_host_bytes
+    if r.kv_disk is None:
+        assert args.kv_disk_cache_dir is None
+    else:  # on its own writable volume, the tier kept below the volume's size
+        assert _mounted_volume(pod, container, args.kv_disk_cache_dir)["name"] == workers.KV_DISK_VOLUME
+        assert args.kv_disk_cache_size < r.kv_disk.size_bytes
     grace = pod["terminationGracePeriodSeconds"]
     assert grace == r.termination_grace_seconds
     assert 0 < args.drain_timeout < grace, "the preStop drain must end before the kubelet kills the pod"

@@ -259,6 +259,11 @@ CEL_BAD = [
         "cma, sm, shm, posix, sysv and self reach only processes of one pod",
     ),
     (
+        lambda s: s["decode"].setdefault("kvCache", {}).update(disk={"size": "20Gi"}),
+        "spec.decode.kvCache.disk",
+        "kvCache.disk needs kvCache.host",
+    ),
+    (
         lambda s: s.update(redis={"managed": {}, "external": {"url": "redis://cache:6379"}}),
         "spec.redis",
         "set exactly one of managed and external",
@@ -274,6 +279,7 @@ CEL_GOOD = [
     lambda s: s["kvTransfer"].update(ucxTransports=[]),
     lambda s: s.update(redis={"external": {"url": "redis://cache:6379"}}),
     lambda s: s["model"].update(source={"hostPath": {"path": "/models/tiny"}}),
+    lambda s: s["decode"].setdefault("kvCache", {}).update(host={"memory": "1Gi"}, disk={"size": "20Gi"}),
 ]
 
 
