@@ -515,6 +515,7 @@ class Router:
                         address=w.address,
                         queued_prefill_tokens=w.queued_prefill_tokens,
                         prefill_tokens_per_s=w.prefill_tokens_per_s,
+                        cached_tokens=matches[p].get(w.worker_id, 0) * self.config.block_size,
                     )  # fmt: skip
                     for w in rank_prefill(views, matches[p], self.config.prefill_candidates)
                     if decode.role == "decode"  # a colocated or lending worker prefills itself

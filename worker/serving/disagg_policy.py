@@ -2,8 +2,14 @@
 
 The price of each site is the time until the first token could be sampled there:
 
-  local  = (prompt tokens already queued on D + this prompt's uncached tokens) / D's prefill rate
-  remote = (tokens queued on P + uncached tokens) / P's prefill rate + transfer + hop overhead
+  local  = (prompt tokens already queued on D + the prompt's tokens D holds no K/V for) / D's rate
+  remote = (tokens queued on P + the prompt's tokens P holds no K/V for) / P's rate
+           + transfer of the tokens D lacks + hop overhead
+
+Each side's cached prefix (its prefix cache and the KV tiers below it) is what it skips: a prefill
+worker that holds a longer prefix than D (the router's prefix index says how long) is priced for
+the shorter suffix it computes, so a prompt whose history lives on P is pulled from there rather
+than recomputed on D when the transfer costs less than the compute it saves.
 
 An idle D (nothing decoding) prefills itself, as a colocated worker would, unless the remote site
 is clearly cheaper (by more than `IDLE_REMOTE_MARGIN`: a faster or less-loaded prefill pool), so
@@ -39,6 +45,7 @@ class PrefillSite:
     queued_tokens: int  # prompt tokens waiting for prefill there
     tokens_per_s: float | None  # its measured prefill rate, None when not measured yet
     fresh: bool = True  # the rate was measured by served work lately (not only at warm-up)
+    cached_tokens: int = 0  # leading prompt tokens it holds K/V for (the router's prefix index)
 
 
 @dataclass(frozen=True)
@@ -57,8 +64,10 @@ def choose_prefill_site(
     remote_extra_s: float,
     decoding: int,
     busy_slack: float,
+    remote_uncached_tokens: int | None = None,
 ) -> Decision:
-    """Decide for one prompt. `remote_extra_s`: the transfer and hop cost for this prompt
+    """Decide for one prompt. `uncached_tokens`: what D would compute; `remote_uncached_tokens`:
+    what P would (default: the same); `remote_extra_s`: the transfer and hop cost for this prompt
     (`RemoteCost.seconds`); `decoding`: streams D is generating for right now."""
     if remote is None:
         return Decision(False, "no_prefill_worker")
@@ -69,7 +78,8 @@ def choose_prefill_site(
     if not local_rate or not remote_rate:
         return Decision(True, "unmeasured")
     local_s = (local.queued_tokens + uncached_tokens) / local_rate
-    remote_s = (remote.queued_tokens + uncached_tokens) / remote_rate + remote_extra_s
+    remote_uncached = uncached_tokens if remote_uncached_tokens is None else remote_uncached_tokens
+    remote_s = (remote.queued_tokens + remote_uncached) / remote_rate + remote_extra_s
     if decoding == 0:
         if remote_s < (1.0 - IDLE_REMOTE_MARGIN) * local_s:
             if not local.fresh and local.tokens_per_s:
@@ -103,6 +113,9 @@ def place(p: Placement, cached_tokens: int, local: PrefillSite, decoding: int) -
     if p.mode == "threshold":
         remote = uncached >= p.threshold
         return Decision(remote, "threshold" if remote else "short")
+    # P computes what it lacks (all of it where D alone holds a prefix: D's K/V cannot reach P)
+    remote_uncached = p.prompt_len - min(p.remote.cached_tokens, p.prompt_len - 1)
     return choose_prefill_site(
-        uncached, p.threshold, local, p.remote, p.remote_extra_s(uncached), decoding, p.busy_slack
-    )
+        uncached, p.threshold, local, p.remote, p.remote_extra_s(uncached), decoding, p.busy_slack,
+        remote_uncached,
+    )  # fmt: skip

@@ -74,7 +74,11 @@ class RemotePrefill:
     def placement(self, prompt_len: int, target: pb.PrefillTarget) -> Placement:
         return Placement(
             prompt_len,
-            PrefillSite(target.queued_prefill_tokens, target.prefill_tokens_per_s or None),
+            PrefillSite(
+                target.queued_prefill_tokens,
+                target.prefill_tokens_per_s or None,
+                cached_tokens=target.cached_tokens,
+            ),  # fmt: skip
             self.cost.seconds,
             self.args.prefill_placement,
             self.args.disagg_threshold,

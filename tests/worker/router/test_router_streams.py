@@ -128,3 +128,24 @@ async def test_invocations_refuses_what_its_api_would(tokenizer, body, param):
         assert r.status == 400
     finally:
         await client.close()
+
+
+async def test_prefill_targets_carry_the_prefix_each_one_holds(tokenizer):
+    """The decode worker prices a remote prefill with what the prefill worker holds: the prefix
+    index's match, in tokens, goes with each candidate."""
+    from disagg.worker.router.policy import WorkerView
+
+    pool = FakePool(lambda req: messages(["a"], "length"))
+    decode = WorkerView("d0", "decode", "fake:0", free_blocks=100, total_blocks=100)
+    holders = [WorkerView(w, "prefill", f"fake:{i + 1}", free_blocks=100, total_blocks=100)
+               for i, w in enumerate(("p0", "p1"))]  # fmt: skip
+    pool.views = lambda: [decode, *holders]
+    client, _ = await _client(tokenizer, pool, prefix_lookup=lambda hashes: {"p1": 2, "d0": 1})
+    try:
+        prompt = list(range(40, 90))  # 3 full blocks of 16
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+        assert r.status == 200, await r.text()
+        targets = pool.requests[0].prefill_targets
+        assert [(t.worker_id, t.cached_tokens) for t in targets] == [("p1", 32), ("p0", 0)]
+    finally:
+        await client.close()

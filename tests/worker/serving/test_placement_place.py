@@ -26,5 +26,9 @@ def test_load_mode_prices_the_uncached_tokens_with_the_trip_for_them():
     p = Placement(1000, remote, extra, mode="load", threshold=64, busy_slack=2.0)
     local = PrefillSite(0, RATE)
     got = place(p, cached_tokens=200, local=local, decoding=3)
-    assert asked == [800]
-    assert got == choose_prefill_site(800, 64, local, remote, 0.01, 3, 2.0)
+    assert asked == [800]  # the transfer: what D lacks
+    # the compute: P holds nothing of the prompt, so it computes all 1000 tokens (D's 200 cached
+    # ones included, whose K/V it cannot get)
+    assert got == choose_prefill_site(800, 64, local, remote, 0.01, 3, 2.0, remote_uncached_tokens=1000)
+    held = Placement(1000, PrefillSite(500, 2 * RATE, cached_tokens=600), extra, threshold=64, busy_slack=2.0)
+    assert place(held, 200, local, 3) == choose_prefill_site(800, 64, local, held.remote, 0.01, 3, 2.0, 400)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from disagg.worker.serving.disagg_policy import PrefillSite, choose_prefill_site
+from disagg.worker.serving.disagg_policy import Placement, PrefillSite, choose_prefill_site, place
 from disagg.worker.serving.prefill_estimate import DecodeStepTime, PrefillRate, RemoteCost
 
 RATE = 4000.0  # prompt tokens per second on both sides unless a test says otherwise
@@ -60,6 +60,34 @@ def test_an_idle_decode_worker_remeasures_itself_before_trusting_a_stale_rate():
     # staleness changes nothing where the local site wins anyway, or while D is decoding
     assert decide(local=PrefillSite(0, RATE, fresh=False)).reason == "idle_local_faster"
     assert decide(local=slow_seed, decoding=2).reason == "protect_decode"
+
+
+def _placed(prompt: int, local_cached: int, remote_cached: int, decoding: int = 0):
+    # the transfer costs 10 us per token D lacks, plus a 5 ms hop
+    p = Placement(prompt, PrefillSite(0, RATE, cached_tokens=remote_cached), lambda n: 0.005 + 1e-5 * n,
+                  threshold=64, busy_slack=1.0)  # fmt: skip
+    return place(p, local_cached, PrefillSite(0, RATE), decoding)
+
+
+def test_a_prefix_held_by_the_prefill_worker_is_pulled_not_recomputed():
+    """P holds 3600 of a 4000-token prompt (a conversation's history it prefilled): it computes
+    400 tokens and sends 4000, cheaper than D's 4000; with D holding the prefix instead, P would
+    have to compute it all (D's K/V cannot reach P): D prefills the rest itself."""
+    pulled = _placed(4000, local_cached=0, remote_cached=3600)
+    assert pulled.remote and pulled.reason == "remote_faster"
+    assert pulled.remote_s == pytest.approx(400 / RATE + 0.005 + 0.04)
+    assert pulled.local_s == pytest.approx(4000 / RATE)
+    kept = _placed(4000, local_cached=3600, remote_cached=0)
+    assert not kept.remote and kept.remote_s == pytest.approx(4000 / RATE + 0.005 + 0.004)
+    # both hold it: the trip buys nothing
+    assert not _placed(4000, local_cached=3600, remote_cached=3600).remote
+
+
+def test_the_pull_pays_off_only_past_the_transfers_break_even():
+    """Transfer at 10 us/token against compute at 250 us/token: pulling a held prefix wins from a
+    few dozen tokens on; the 5 ms hop and the 10% idle margin decide the short ones."""
+    remote = {held: _placed(held + 64, 0, held).remote for held in (16, 64, 256, 1024)}
+    assert remote == {16: False, 64: True, 256: True, 1024: True}
 
 
 def test_prefill_rate_freshness():
