@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import helm_python as helm
 import kubernetes_validate
@@ -172,8 +173,24 @@ def test_grafana_dashboard_has_ttft_and_itl_panels():
         "disagg_engine_step_rows_total",
         "disagg_router_migrations_total",
         "disagg_router_migration_gap_seconds_bucket",
+        "disagg_kv_tier_hits_total",
+        "disagg_kv_tier_blocks",
+        "disagg_kv_tier_read_seconds_bucket",
     ):
         assert metric in exprs
+    # every series a panel reads is one the workers and router export
+    from prometheus_client import CollectorRegistry
+
+    from disagg.worker.serving.metrics import ServingMetrics
+
+    exported = ServingMetrics("decode", "m", registry=CollectorRegistry()).exposition().decode()
+
+    def family(name: str) -> str:
+        return re.sub(r"_(bucket|sum|count|total|created)$", "", name)
+
+    families = {family(n) for n in re.findall(r"^# TYPE (\S+)", exported, flags=re.M)}
+    for name in set(re.findall(r"\bdisagg_[a-z0-9_]+", exprs)):
+        assert family(name) in families, name
     assert "ConfigMap" not in by_kind(render({}))  # off by default
 
 
