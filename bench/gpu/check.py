@@ -45,6 +45,7 @@ STEPS = (
     Step("engine", "engine vs transformers on the GPU: greedy identical, ragged-workload throughput", 120, "step_engine"),
     Step("roofline", "decode step vs HBM floor (B=1, 64); 2048-token prefill vs bf16 matmul peak", 100, "step_roofline"),
     Step("spec_kvq", "speculative decoding and the 8-bit KV cache on the GPU", 80, "step_spec_kvq"),
+    Step("kv_tiers", "KV tiers: VRAM -> pinned host -> disk and back bit for bit; copy rates", 120, "step_kv_tiers"),
 )  # fmt: skip
 
 
