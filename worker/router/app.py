@@ -36,7 +36,14 @@ from disagg.worker.router.fanout import ChoiceState, Echo, plan_choices, total_u
 from disagg.worker.router.migration import MIGRATION_SUFFIX, MOVABLE_ERRORS, finished_message, resumed_request
 from disagg.worker.router.openai_format import ResponseBuilder, usage_body
 from disagg.worker.router.openapi import openapi_spec
-from disagg.worker.router.policy import Lending, WorkerView, choose_decode, rank_prefill, served_quantization
+from disagg.worker.router.policy import (
+    Lending,
+    WorkerView,
+    choose_decode,
+    rank_holders,
+    rank_prefill,
+    served_quantization,
+)
 from disagg.worker.router.responses_format import ResponsesBuilder
 from disagg.worker.router.responses_request import parse_responses
 from disagg.worker.router.tokenize_api import (
@@ -517,8 +524,7 @@ class Router:
                         prefill_tokens_per_s=w.prefill_tokens_per_s,
                         cached_tokens=matches[p].get(w.worker_id, 0) * self.config.block_size,
                     )  # fmt: skip
-                    for w in rank_prefill(views, matches[p], self.config.prefill_candidates)
-                    if decode.role == "decode"  # a colocated or lending worker prefills itself
+                    for w in self._prefill_candidates(views, decode, matches[p])
                 ]
                 req = worker_pb2.GenerateRequest(
                     request_id=base_id if len(plans) == 1 else f"{base_id}-{plan.index}",
@@ -538,6 +544,16 @@ class Router:
             for c in choices:
                 for d in c.used:
                     self.pool.end(d.worker_id)
+
+    def _prefill_candidates(self, views: list[WorkerView], decode: WorkerView, match: dict[str, int]):
+        """Where `decode` may have its prompt prefilled: the prefill workers for a decode worker;
+        for a colocated one, the workers holding a longer prefix of it (a pull it prices); none for
+        a lent prefill worker, which prefills itself."""
+        if decode.role == "decode":
+            return rank_prefill(views, match, self.config.prefill_candidates)
+        if decode.role == "both":
+            return rank_holders(views, decode, match, self.config.prefill_candidates)
+        return []
 
     def _echo(self, spec: GenerationSpec, prompt_index: int, ids: list[int]) -> Echo | None:
         if not spec.echo:

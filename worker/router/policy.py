@@ -9,7 +9,9 @@ mix lends its spare prefill capacity to decoding instead of idling while decode 
 Only a request whose prompt costs the lender no more time than the decode steps it takes off the
 decode worker is lent: the streams decoding on a lender stall while it computes that prompt.
 Prefill: longest cached prefix first (fewer tokens to compute), then the fewest prompt tokens
-queued, then the shortest queue. The router's own count of requests it has in flight on a worker
+queued, then the shortest queue. A colocated worker is offered the workers that hold a longer
+prefix of its prompt than it does (`rank_holders`): it pulls from one when that is priced cheaper
+than computing the prefix itself. The router's own count of requests it has in flight on a worker
 is fresher than the worker's last heartbeat, so load takes the larger of the two.
 """
 
@@ -148,3 +150,20 @@ def rank_prefill(
         )
     )  # fmt: skip
     return candidates[:limit]
+
+
+def rank_holders(
+    workers: list[WorkerView], chosen: WorkerView, prefix_match: dict[str, int] | None = None, limit: int = 2
+) -> list[WorkerView]:
+    """For a colocated `chosen` worker: the workers that can prefill (prefill, both) holding a
+    longer cached prefix than it does, longest first, then fewest queued prompt tokens."""
+    prefix_match = prefix_match or {}
+    own = prefix_match.get(chosen.worker_id, 0)
+    holders = [
+        w for w in workers
+        if w.role in ("prefill", "both") and w.worker_id != chosen.worker_id and prefix_match.get(w.worker_id, 0) > own
+    ]  # fmt: skip
+    holders.sort(
+        key=lambda w: (-prefix_match.get(w.worker_id, 0), w.queued_prefill_tokens, w.queue, w.worker_id)
+    )
+    return holders[:limit]

@@ -71,8 +71,7 @@ def kv_storage(engine) -> dict:
 
 
 def _build_transport(cfg: WorkerConfig, engine, address: str):
-    if cfg.role == "both":
-        return None  # colocated: no KV ever leaves or arrives
+    # a colocated worker has one too: it pulls a prefix another worker holds (and serves such pulls)
     from disagg.worker.kv_transfer import KVLayout, create_transport
 
     layout = KVLayout.from_tensor(

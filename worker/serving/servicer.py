@@ -9,6 +9,7 @@ Outputs come back through per-request sinks (`OutputStream`); Redis is reached t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -86,8 +87,13 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.streams = 0  # Generate and Prefill calls in progress (drain waits for zero)
         self.live: set[OutputStream] = set()  # Generate streams, for a drain to hand off
         self._stubs = WorkerStubs(auth)
+        # a colocated worker's targets hold a longer prefix than it does: it pulls one only when the
+        # priced trip is cheaper than computing that prefix itself, whatever the placement mode
+        args = (
+            opts.args if opts.role == "decode" else dataclasses.replace(opts.args, prefill_placement="load")
+        )
         self.remote = RemotePrefill(
-            opts.worker_id, opts.address, opts.args, opts.kv_wait_timeout, loop, core, state, metrics, self._stubs
+            opts.worker_id, opts.address, args, opts.kv_wait_timeout, loop, core, state, metrics, self._stubs
         )  # fmt: skip
 
     async def _call(self, fn, *args):
@@ -150,7 +156,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             # a moved stream recomputes its outputs with the prompt: prefilled here
             remote, reason = False, "resumed"
             await self._call(*add)
-        elif self.opts.role == "decode" and request.prefill_targets and len(prompt) + 1 < self.max_model_len:
+        elif request.prefill_targets and self.opts.role != "prefill" and len(prompt) + 1 < self.max_model_len:
             try:
                 prefill_worker, reason = await self.remote.prefill(
                     rid, prompt, request, params, stream.sink, stream.arrival, stream.first_sent

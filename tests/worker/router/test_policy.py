@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from disagg.worker.router.policy import Lending, WorkerView, choose_decode, rank_prefill, worth_lending
+from disagg.worker.router.policy import (
+    Lending,
+    WorkerView,
+    choose_decode,
+    rank_holders,
+    rank_prefill,
+    worth_lending,
+)
 
 
 def w(wid, role="decode", running=0, waiting=0, free=100, total=100, inflight=0):
@@ -51,6 +58,17 @@ def test_prefill_longest_prefix_then_queue():
     assert [p.worker_id for p in rank_prefill(ps, {"p2": 3, "p3": 1}, limit=3)] == ["p2", "p3", "p1"]
     assert [p.worker_id for p in rank_prefill(ps, {}, limit=2)] == ["p1", "p3"]
     assert rank_prefill([w("d")], {}) == []
+
+
+def test_a_colocated_worker_is_offered_the_workers_holding_more_of_its_prompt():
+    chosen = w("b1", "both")
+    pool = [chosen, w("b2", "both"), w("b3", "both"), w("p1", "prefill"), w("d1", "decode")]
+    match = {"b1": 2, "b2": 5, "b3": 2, "p1": 4, "d1": 9}
+    # longest first; a decode worker cannot prefill for it, and an equal prefix buys nothing
+    assert [h.worker_id for h in rank_holders(pool, chosen, match)] == ["b2", "p1"]
+    assert [h.worker_id for h in rank_holders(pool, chosen, match, limit=1)] == ["b2"]
+    assert rank_holders(pool, chosen, {"b1": 5, "b2": 5}) == []
+    assert rank_holders(pool, chosen, {}) == []
 
 
 def test_prefill_ranking_prefers_the_shorter_token_queue():
