@@ -396,6 +396,8 @@ class LLMEngine:
         """
         req = self._make_request(request_id, prompt_ids, params, prefill_only=False)
         blocks = self.scheduler.reserve(req)
+        if self.tiers is not None:
+            self.tiers.wait_copies()  # blocks it evicted are safe below before another worker writes them
         self.requests[request_id] = req
         return Reservation(blocks, req.num_cached_tokens // self.block_size)
 

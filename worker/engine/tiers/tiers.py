@@ -105,6 +105,13 @@ class KVTiers:
             self._copies = torch.cuda.Event()
             self._copies.record()
 
+    def wait_copies(self) -> None:
+        """Until the offload copies issued so far are done. The step's own writes are ordered
+        after them on the stream; a writer off the stream (another worker's NIXL write into a
+        reservation) is not, so a reservation waits for them before it is handed out."""
+        if self._copies is not None:
+            self._copies.synchronize()
+
     def _demote(self, block: Demoted) -> None:
         if self.disk is not None:
             self.disk.put(block)
