@@ -200,3 +200,48 @@ def test_restoring_takes_no_more_blocks_than_are_free():
     sched, req, out = _admit(4, tiers)
     assert req.num_computed_tokens == 3 * BS and len(req.block_ids) == 4
     assert out.chunks[0].num_tokens == 8 and tiers.open_hits == 0
+
+
+def test_random_traffic_gives_the_tokens_of_a_big_cache_and_keeps_every_tier_consistent(
+    tiny_llama_dir, tmp_path
+):
+    """Prompts sharing prefixes of random lengths, in random batches, through a 12-block cache with a
+    3-slot host tier and a disk tier of 10 blocks (so every tier evicts): every output equals an
+    engine whose cache never evicts, and afterwards the host slots, the disk index, its byte count
+    and the files on disk all agree (each block freed exactly once)."""
+    import random
+
+    rng = random.Random(5)
+    stems = [_prompt(200 + i, n=5 * BS) for i in range(4)]
+    prompts = [
+        rng.choice(stems)[: rng.randrange(1, 5 * BS)] + _prompt(300 + i, n=rng.randrange(1, 20))
+        for i in range(30)
+    ]
+    big = _engine(tiny_llama_dir, "auto", 256)
+    engine = _tiered(tiny_llama_dir, "auto", tmp_path, host_blocks=3)
+    disk = engine.tiers.disk
+    disk.capacity_bytes = 10 * block_file.file_size(BS, engine.tiers.block_bytes)
+    try:
+        i = 0
+        while i < len(prompts):
+            batch = prompts[i : i + rng.randrange(1, 4)]
+            for j, p in enumerate(batch):
+                engine.add_request(f"t{i + j}", p, _params())
+            got = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        got[out.request_id] = _seen(out)[0]
+            for j, p in enumerate(batch):
+                assert got[f"t{i + j}"] == _seen(_run(big, p, f"r{i + j}"))[0], f"prompt {i + j}"
+            i += len(batch)
+        disk.flush()
+        engine.block_manager.check()
+        engine.tiers.host.check()
+        on_disk = {p.name: p.stat().st_size for p in disk.dir.glob("*" + block_file.SUFFIX)}
+        assert set(on_disk) == {block_file.file_name(h) for h in disk._index}
+        assert disk.used_bytes == sum(on_disk.values()) <= disk.capacity_bytes
+        assert disk.evictions > 0 and engine.tiers.host.evictions > 0
+        assert sum(c.hits for c in engine.tiers.counters.values()) > 0
+    finally:
+        engine.close()
