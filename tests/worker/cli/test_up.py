@@ -128,6 +128,18 @@ def test_role_ranks_come_from_the_role_flags_else_the_engine_setting():
         role_ranks(Namespace(**{**vars(args), "kv_transfer": "grpc"}), 1)
 
 
+def test_each_worker_gets_its_own_kv_disk_directory_and_prefill_no_draft():
+    from disagg.worker.cli.up import worker_engine_args
+    from disagg.worker.engine.args import EngineArgs
+
+    engine = EngineArgs(kv_host_cache_memory=1 << 20, kv_disk_cache_dir="/var/kv", speculative_method="ngram")
+    decode = worker_engine_args(engine, "decode", "decode-1")
+    prefill = worker_engine_args(engine, "prefill", "prefill-0")
+    assert (decode.kv_disk_cache_dir, prefill.kv_disk_cache_dir) == ("/var/kv/decode-1", "/var/kv/prefill-0")
+    assert decode.speculative_method == "ngram" and prefill.speculative_method is None
+    assert worker_engine_args(EngineArgs(), "both", "both-0").kv_disk_cache_dir is None
+
+
 @pytest.mark.slow
 def test_up_runs_prefill_and_decode_at_different_tensor_parallel_sizes(tiny_model, tmp_path):
     run_dir, port = tmp_path / "run", free_port()
