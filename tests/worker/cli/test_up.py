@@ -91,13 +91,17 @@ def test_up_keeps_its_secrets_private_and_restarts_a_dead_child(tiny_model, tmp_
         old = _worker_pid(up, "decode-0")
         os.kill(old, signal.SIGKILL)
         deadline = time.monotonic() + 150
-        while True:
-            new = _worker_pid(up, "decode-0")
-            if new not in (None, old) and "decode-0" in _sees(url, token):
-                break
-            assert up.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
+
+        def wait(done) -> None:
+            while not done():
+                assert up.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+
+        # the router notices the death (until its next poll it still lists the old process as
+        # ready; a restart is seconds of loading, many polls), then takes the new process back
+        wait(lambda: "decode-0" not in _sees(url, token))
+        wait(lambda: _worker_pid(up, "decode-0") not in (None, old) and "decode-0" in _sees(url, token))
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         # the router's log says why a worker left rotation, if one did
         assert r.status_code == 200, r.text + (run_dir / "router.log").read_text(errors="replace")[-3000:]
