@@ -187,7 +187,7 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", type=Path, default=ROOT / "bench" / "kv_tiers.png")
+    p.add_argument("--plot", type=Path, default=ROOT / ".run" / "kv_tiers.png")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = ensure_model(args.model, args.preset)
@@ -226,6 +226,7 @@ def main() -> int:
         off = next(x for x in layouts if x.name == lay.name.replace("tiers on", "tiers off"))
         print(f"{lay.name:<24}{1000 * lay.ttft(50):>12.1f}{1000 * lay.ttft(99):>12.1f}{lay.computed:>14}"
               f"{lay.restored_tokens:>14}{lay.ttft(50) / off.ttft(50):>10.2f}x{lay.computed / off.computed:>15.2f}x")  # fmt: skip
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
     plot(args.plot, layouts)
     print(f"TTFT p50 by turn: {args.plot}")
     return 0
