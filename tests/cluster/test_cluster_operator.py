@@ -515,6 +515,42 @@ async def test_an_invalid_spec_is_refused_naming_the_field(kube, ns):
     assert await sts(kube, ns, "bad-prefill") is None and await sts(kube, ns, "bad-decode") is None
 
 
+async def test_kv_tiers_reach_the_statefulset_and_a_disk_without_host_is_refused(kube, ns):
+    body = example("tiers", ns)
+    body["spec"]["decode"]["kvCache"]["disk"] = {"size": "2Gi"}
+    with pytest.raises(KubeError) as err:  # the API server's CEL rule
+        await create(kube, body)
+    assert err.value.status == 422 and "kvCache.disk needs kvCache.host" in str(err.value)
+
+    body = example("tiers", ns)
+    body["spec"]["decode"]["kvCache"].update(
+        host={"memory": "256Mi"}, disk={"size": "2Gi", "storageClassName": "local-nvme"}
+    )
+    await create(kube, body)
+
+    async def built():
+        return await sts(kube, ns, "tiers-decode") is not None
+
+    await eventually(built, 30, "the decode StatefulSet")
+    decode = await sts(kube, ns, "tiers-decode")
+    (claim,) = decode["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["storageClassName"] == "local-nvme"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "2Gi"
+    assert decode["spec"]["persistentVolumeClaimRetentionPolicy"] == {
+        "whenDeleted": "Delete",
+        "whenScaled": "Delete",
+    }
+    args = decode["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--kv-host-cache-memory") + 1] == str(256 << 20)
+    # the pod as the StatefulSet controller makes it (its claim's volume added), admitted by the API
+    # server and the namespace's `restricted` Pod Security
+    template = copy.deepcopy(decode["spec"]["template"])
+    template["spec"]["volumes"].append(
+        {"name": claim["metadata"]["name"], "persistentVolumeClaim": {"claimName": "kv-disk-tiers-decode-0"}}
+    )
+    await _dry_run_pod(kube, ns, "tiers-pod", template)
+
+
 LWS = ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
 LWS_CRD = yaml.safe_load((pathlib.Path(__file__).parent / "leaderworkerset-crd.yaml").read_text())
 
