@@ -79,7 +79,7 @@ class KVTiers:
         self.counters = {tier: TierCounters() for tier in TIERS}
         self.dropped = 0  # evicted blocks no tier could take (every host slot pinned)
         self._clock = clock
-        self._copies: torch.cuda.Event | None = None  # after the last offload copy on CUDA
+        self._unsettled = False  # offload copies issued on the CUDA stream and not waited for
 
     # ---- down: blocks leaving the cache -----------------------------------------------------------
     def offload(self, evicted: Sequence[tuple[int, int, tuple[int, ...] | None]]) -> None:
@@ -91,8 +91,8 @@ class KVTiers:
             if self.host.holds(block_hash):
                 self.host.touch(block_hash)
                 continue
-            if len(self.host) == self.host.capacity and self._copies is not None:
-                self._copies.synchronize()  # the slot about to be demoted must hold its bytes
+            if len(self.host) == self.host.capacity:
+                self.wait_copies()  # the slot about to be demoted must hold its bytes
             slot, demoted = self.host.claim(block_hash, tokens)
             if demoted is not None:
                 self._demote(demoted)
@@ -100,17 +100,19 @@ class KVTiers:
                 self.dropped += 1
                 continue
             self.host.slots[slot].copy_(self.cache[:, block], non_blocking=True)
+            self._unsettled = self.cache.is_cuda
             self.counters["host"].bytes_written += self.block_bytes
-        if self.cache.is_cuda and evicted:
-            self._copies = torch.cuda.Event()
-            self._copies.record()
 
     def wait_copies(self) -> None:
-        """Until the offload copies issued so far are done. The step's own writes are ordered
-        after them on the stream; a writer off the stream (another worker's NIXL write into a
-        reservation) is not, so a reservation waits for them before it is handed out."""
-        if self._copies is not None:
-            self._copies.synchronize()
+        """Until the offload copies issued so far are done (on CPU they are done when issued). The
+        step's own writes are ordered after them on the stream; a writer off the stream (another
+        worker's NIXL write into a reservation) is not, so a reservation waits for them before it
+        is handed out, and so does reading a slot's bytes to demote it."""
+        if self._unsettled:
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+            self._unsettled = False
 
     def _demote(self, block: Demoted) -> None:
         if self.disk is not None:
