@@ -8,6 +8,7 @@ raises `SpecError` naming the field.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -300,17 +301,11 @@ _QUANTITY_SUFFIXES = {
 
 
 def quantity_bytes(value: str | int, path: str) -> int:
-    """Bytes of a Kubernetes memory or storage quantity (`8Gi`, `500M`, `1048576`)."""
-    text = str(value).strip()
-    number = text.rstrip("KMGTPEik")
-    suffix = text[len(number) :]
-    try:
-        amount = float(number)
-    except ValueError:
-        amount = -1.0
-    if suffix not in _QUANTITY_SUFFIXES or amount < 0:
+    """Bytes of a Kubernetes memory or storage quantity (`8Gi`, `1.5Mi`, `500M`, `1048576`)."""
+    found = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([KMGTPE]i|[kMGTPE])?", str(value).strip())
+    if found is None:
         raise SpecError(path, f"is not a quantity of bytes: {value!r}")
-    return int(amount * _QUANTITY_SUFFIXES[suffix])
+    return int(float(found[1]) * _QUANTITY_SUFFIXES[found[2] or ""])
 
 
 def _kv_tiers(kv: dict, path: str) -> tuple[int | None, KvDisk | None]:
