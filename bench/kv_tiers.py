@@ -146,6 +146,16 @@ def serve_wave(
     return turns
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "an unknown CPU"
+
+
 def plot(path: Path, layouts: list[Layout]) -> None:
     import matplotlib
 
@@ -216,6 +226,7 @@ def main() -> int:
         for tiers in (False, True):
             layouts.append(run_layout(args, model, workers, tiers, vocab, pool_blocks, block_bytes))
 
+    print(f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; " + cpu_name())
     print(f"model {model.name} ({args.dtype}), {args.threads} threads; {args.conversations} conversations x "
           f"{args.turns} turns, system {args.system_tokens} + {args.user_tokens} user + {args.answer_tokens} "
           f"answer tokens per turn, waves of {args.batch}; cache {pool_blocks} blocks of {args.block_size} "

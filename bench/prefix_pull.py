@@ -105,6 +105,13 @@ def target(holder: Worker, held: int) -> pb.PrefillTarget:
                             prefill_tokens_per_s=load.prefill_tokens_per_s)  # fmt: skip
 
 
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "an unknown CPU"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -166,7 +173,8 @@ def main() -> int:
             w.stop()
     load = os.getloadavg()[0]
     print(
-        f"model {model.name}, one thread per worker, {cores} cores, load {load:.1f}; {args.trials} trials per length"
+        f"model {model.name}, one thread per worker, {cores} cores ({cpu_name()}), load {load:.1f}; "
+        f"{args.trials} trials per length"
     )
     print(
         f"{'held L':>8}{'pull TTFT ms':>14}{'recompute ms':>14}{'pull/recompute':>16}{'placement pulled':>18}"
