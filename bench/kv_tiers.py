@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_model import ensure_model, log  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 from disagg.worker.engine.llm_engine import LLMEngine  # noqa: E402
 from disagg.worker.engine.sampling_params import SamplingParams  # noqa: E402
@@ -144,16 +145,6 @@ def serve_wave(
         turns.append(Turn(c, turn + 1, len(history[c]), cached[rid], first[rid]))
         history[c] += answers[rid]
     return turns
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "an unknown CPU"
 
 
 def plot(path: Path, layouts: list[Layout]) -> None:

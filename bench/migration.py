@@ -34,6 +34,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_model import ensure_model, log  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 from disagg.worker.cli.ports import free_port  # noqa: E402
 from disagg.worker.cli.up import Deployment, add_arguments  # noqa: E402
@@ -205,11 +206,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.model is None:
         args.model = str(ensure_model(Path(".models") / args.preset, args.preset))
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
-    )
     print(f"model {args.model}; {args.streams} greedy streams of {args.max_tokens} tokens; "
-          f"{os.cpu_count()} cores ({cpu}), load {os.getloadavg()[0]:.1f}")  # fmt: skip
+          f"{os.cpu_count()} cores ({cpu_name()}), load {os.getloadavg()[0]:.1f}")  # fmt: skip
     kill_phase(args)
     print("\ndrain of the busiest decode worker:")
     waited, _ = drain_phase(args, args.drain_timeout, "waiting")

@@ -17,15 +17,19 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from machine import cpu_name  # noqa: E402
 
 from disagg.worker.engine.tokenizer import Tokenizer
 from disagg.worker.model.forward_batch import ForwardBatch
@@ -68,13 +72,6 @@ def log_probs(model_path: str, ids: list[int], dtype: str, quantization: str, kv
     cache = model.allocate_kv_cache(math.ceil(len(ids) / BLOCK), BLOCK)
     logits = model.forward(one_sequence_prefill(ids), cache)
     return F.log_softmax(logits[:-1].float(), dim=-1)
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def llama_cpp_rows(bin_dir: Path, model: str, text: Path) -> None:

@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_model import ensure_model, log  # noqa: E402
+from machine import cpu_name  # noqa: E402
 
 from disagg.proto import worker_pb2 as pb  # noqa: E402
 from disagg.proto import worker_pb2_grpc as pb_grpc  # noqa: E402
@@ -103,13 +104,6 @@ def target(holder: Worker, held: int) -> pb.PrefillTarget:
     return pb.PrefillTarget(worker_id=holder.name, address=holder.address, cached_tokens=held,
                             queued_prefill_tokens=load.queued_prefill_tokens,
                             prefill_tokens_per_s=load.prefill_tokens_per_s)  # fmt: skip
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "an unknown CPU"
 
 
 def main() -> int:

@@ -36,13 +36,17 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from machine import cpu_name  # noqa: E402
 
 # (name, N, K) of the small preset: hidden 768, 12 q / 4 kv heads of 64, intermediate 2048, vocab 32000
 SHAPES = [
@@ -166,19 +170,11 @@ def thresholds(quantized, cpu_native, cpu_bf16) -> list[Threshold]:
     ]  # fmt: skip
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
 def threshold_tables(shapes: list[tuple[str, int, int]], args, gen: torch.Generator) -> None:
     from disagg.kernels import cpu_bf16, cpu_native, quantized
 
     print(
-        f"row thresholds of disagg.kernels.quantized on {cpu_name() or 'this CPU'}: AVX-512 tiles "
+        f"row thresholds of disagg.kernels.quantized on {cpu_name()}: AVX-512 tiles "
         f"{cpu_native.gemm_vector_floats() >= 16}, VNNI {cpu_native.gemm_int8_is_fast()}, bf16 products "
         f"{cpu_bf16.dot_native()}, AMX {cpu_native.amx_usable()}; {torch.get_num_threads()} threads, "
         f"weights {'hot' if args.hot else 'cold'}; 1-min load average {os.getloadavg()[0]:.2f}"
