@@ -217,6 +217,9 @@ class DiskTier:
         """Forget and delete every block (queued writes land first)."""
         self.flush()
         self.wait_prefetched()
+        self._forget_all()
+
+    def _forget_all(self) -> None:
         with self._mutex:
             self._index.clear()
             self._staged.clear()
@@ -240,10 +243,6 @@ class DiskTier:
         self._reader.shutdown(wait=True, cancel_futures=True)
         self._queue.put(None)
         self._writer.join()
-        self._remove_block_files()
-        with self._mutex:
-            self._index.clear()
-            self._staged.clear()
-            self.used_bytes = self._staged_bytes = 0
+        self._forget_all()
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         os.close(self._lock_fd)

@@ -38,6 +38,7 @@ class HostTier:
         self._pins = [0] * capacity_blocks
         self._free = list(range(capacity_blocks - 1, -1, -1))
         self.evictions = 0
+        self.bytes_written = 0  # every slot claimed is filled with one block
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -71,6 +72,7 @@ class HostTier:
             demoted = Demoted(victim, self._tokens[slot], self.payload(slot))
             self.evictions += 1
         self._lru[block_hash] = slot
+        self.bytes_written += self.block_bytes
         self._hash[slot] = block_hash
         self._tokens[slot] = tuple(token_ids)
         return slot, demoted

@@ -29,11 +29,11 @@ TIERS = ("host", "disk")
 
 @dataclass
 class TierCounters:
-    """Monotonic counts for one tier, and read latencies not yet taken by the metrics."""
+    """Monotonic counts of the blocks restored from one tier, and read latencies not yet taken by
+    the metrics (what goes into a tier each tier counts itself)."""
 
     hits: int = 0  # blocks restored from the tier
     bytes_read: int = 0
-    bytes_written: int = 0
     read_seconds: list[float] = field(default_factory=list)
 
     def take_read_seconds(self) -> list[float]:
@@ -77,7 +77,6 @@ class KVTiers:
         self.host = HostTier(host_blocks, self.block_shape, cache.dtype, pin_memory=cache.is_cuda)
         self.disk = DiskTier(disk_dir, disk_bytes) if disk_dir is not None else None
         self.counters = {tier: TierCounters() for tier in TIERS}
-        self.dropped = 0  # evicted blocks no tier could take (every host slot pinned)
         self._clock = clock
         self._unsettled = False  # offload copies issued on the CUDA stream and not waited for
 
@@ -96,12 +95,10 @@ class KVTiers:
             slot, demoted = self.host.claim(block_hash, tokens)
             if demoted is not None:
                 self._demote(demoted)
-            if slot is None:
-                self.dropped += 1
+            if slot is None:  # every slot pinned by restores: the block is not kept
                 continue
             self.host.slots[slot].copy_(self.cache[:, block], non_blocking=True)
             self._unsettled = self.cache.is_cuda
-            self.counters["host"].bytes_written += self.block_bytes
 
     def wait_copies(self) -> None:
         """Until the offload copies issued so far are done (on CPU they are done when issued). The
@@ -185,16 +182,16 @@ class KVTiers:
     def snapshot(self) -> dict[str, dict[str, int]]:
         """Per tier: blocks held now, and cumulative hits, bytes read and written, evictions and
         (disk) corrupt blocks refused."""
-        disk = self.disk
-        out = {"host": {"blocks": len(self.host), "evictions": self.host.evictions, "corrupt": 0}}
-        out["disk"] = {
-            "blocks": 0 if disk is None else len(disk),
-            "evictions": 0 if disk is None else disk.evictions,
-            "corrupt": 0 if disk is None else disk.corrupt,
-        }
-        self.counters["disk"].bytes_written = 0 if disk is None else disk.bytes_written
+        host, disk = self.host, self.disk
+        out = {
+            "host": {"blocks": len(host), "evictions": host.evictions, "corrupt": 0,
+                     "bytes_written": host.bytes_written},
+            "disk": {"blocks": 0, "evictions": 0, "corrupt": 0, "bytes_written": 0} if disk is None else
+                    {"blocks": len(disk), "evictions": disk.evictions, "corrupt": disk.corrupt,
+                     "bytes_written": disk.bytes_written},
+        }  # fmt: skip
         for tier, c in self.counters.items():
-            out[tier].update(hits=c.hits, bytes_read=c.bytes_read, bytes_written=c.bytes_written)
+            out[tier].update(hits=c.hits, bytes_read=c.bytes_read)
         return out
 
     def clear(self) -> None:
