@@ -63,7 +63,7 @@ def round_trip(ctx: Context, r: StepResult, work) -> None:
 
 
 def copy_rates(ctx: Context, r: StepResult) -> None:
-    from disagg.worker.engine.tiers.tiers import KVTiers, TierHit
+    from disagg.worker.engine.tiers.tiers import KVTiers
 
     blocks = 256 if ctx.full else 8
     # Llama-3-8B's block: 32 layers x K/V x 16 tokens x 8 KV heads x 128 x bf16 = 2 MiB
@@ -71,7 +71,8 @@ def copy_rates(ctx: Context, r: StepResult) -> None:
     cache = torch.randn(shape, dtype=torch.bfloat16, device=ctx.device)
     tiers = KVTiers(cache, BS, host_bytes=blocks * cache[:, 0].numel() * 2)
     ids = list(range(blocks))
-    evicted = [(b, 1000 + b, tuple(range(b, b + BS))) for b in ids]
+    hashes, token_ids = [1000 + b for b in ids], list(range(blocks * BS))
+    evicted = [(b, hashes[b], tuple(token_ids[b * BS : (b + 1) * BS])) for b in ids]
     ctx.synchronize()
     t = time.perf_counter()
     tiers.offload(evicted)
@@ -79,9 +80,7 @@ def copy_rates(ctx: Context, r: StepResult) -> None:
     down = time.perf_counter() - t
     before = cache[:, :blocks].clone()
     cache[:, :blocks].zero_()
-    hit = TierHit([(h, tokens, tiers.host.find(h, tokens)) for _, h, tokens in evicted])
-    for _, _, slot in hit.blocks:
-        tiers.host.pin(slot)
+    hit = tiers.find(hashes, token_ids, 0, blocks)  # the host slots, pinned
     ctx.synchronize()
     t = time.perf_counter()
     restored = tiers.restore(hit, ids)
