@@ -58,7 +58,6 @@ class DiskTier:
         self.evictions = 0
         self.corrupt = 0
         self.bytes_written = 0
-        self.write_errors = 0
         self._queue: queue.Queue[Demoted | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
@@ -100,7 +99,6 @@ class DiskTier:
             try:
                 self._write(block)
             except OSError as e:  # a full or failing disk loses the block, not the engine
-                self.write_errors += 1
                 log.warning("KV disk tier: could not write block %016x: %s", block.block_hash, e)
             finally:
                 with self._mutex:
@@ -164,17 +162,17 @@ class DiskTier:
         try:
             return block_file.decode(data, block_hash, tokens)
         except block_file.CorruptBlock as e:
-            if self.discard(block_hash, corrupt=True):
+            if self._refuse(block_hash):
                 log.warning("KV disk tier: block %016x refused (%s); it will be recomputed", block_hash, e)
             return None
 
-    def discard(self, block_hash: int, corrupt: bool = False) -> bool:
-        """Forget a block and delete its file; False when it was already gone."""
+    def _refuse(self, block_hash: int) -> bool:
+        """Forget a corrupt block, count it and delete its file; False when another reader did first."""
         with self._mutex:
             size = self._index.pop(block_hash, None)
             if size is not None:
                 self.used_bytes -= size
-                self.corrupt += corrupt
+                self.corrupt += 1
         if size is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.file_path(block_hash).unlink()
