@@ -6,7 +6,6 @@ on disk once it starts again."""
 
 from __future__ import annotations
 
-import json
 import random
 import time
 
@@ -32,25 +31,16 @@ def _prompt(seed: int) -> list[int]:
     return [rng.randrange(5, 500) for _ in range(PROMPT_LEN)]
 
 
-def _block_bytes(model_dir) -> int:
-    cfg = json.loads((model_dir / "config.json").read_text())
-    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[
-        cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-    ]
-    return cfg["num_hidden_layers"] * 2 * BS * cfg["num_key_value_heads"] * head_dim * itemsize
-
-
 @pytest.fixture(scope="module")
 def tiers_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("kv-tiers") / "decode-0"
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model, tmp_path_factory, redis_server, tiers_dir):
+def cluster(tiny_model, tmp_path_factory, redis_server, tiers_dir, reference_llm):
     decode_args = (
         "--num-gpu-blocks", str(CACHE_BLOCKS), "--block-size", str(BS),
-        "--kv-host-cache-memory", str(4 * _block_bytes(tiny_model)),
+        "--kv-host-cache-memory", str(4 * reference_llm.engine.model.kv_cache_block_bytes(BS)),
         "--kv-disk-cache-dir", str(tiers_dir), "--kv-disk-cache-size", str(64 << 20),
     )  # fmt: skip
     c = Cluster(
