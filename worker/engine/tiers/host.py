@@ -57,6 +57,13 @@ class HostTier:
     def touch(self, block_hash: int) -> None:
         self._lru.move_to_end(block_hash)
 
+    def next_victim(self) -> int | None:
+        """The slot the next `claim` takes a block out of: None while a slot is free (or every slot
+        is pinned)."""
+        if self._free:
+            return None
+        return next((s for s in self._lru.values() if not self._pins[s]), None)
+
     def claim(self, block_hash: int, token_ids: Sequence[int]) -> tuple[int | None, Demoted | None]:
         """A slot for a new block (the caller fills it) and the block it displaced, if any; no slot
         when every slot is pinned."""
@@ -65,10 +72,11 @@ class HostTier:
         if self._free:
             slot = self._free.pop()
         else:
-            victim = next((h for h, s in self._lru.items() if not self._pins[s]), None)
-            if victim is None:
+            slot = self.next_victim()
+            if slot is None:
                 return None, None
-            slot = self._lru.pop(victim)
+            victim = self._hash[slot]
+            del self._lru[victim]
             demoted = Demoted(victim, self._tokens[slot], self.payload(slot))
             self.evictions += 1
         self._lru[block_hash] = slot

@@ -78,7 +78,7 @@ class KVTiers:
         self.disk = DiskTier(disk_dir, disk_bytes) if disk_dir is not None else None
         self.counters = {tier: TierCounters() for tier in TIERS}
         self._clock = clock
-        self._unsettled = False  # offload copies issued on the CUDA stream and not waited for
+        self._unsettled: set[int] = set()  # host slots filled by CUDA copies not waited for yet
 
     # ---- down: blocks leaving the cache -----------------------------------------------------------
     def offload(self, evicted: Sequence[tuple[int, int, tuple[int, ...] | None]]) -> None:
@@ -90,7 +90,7 @@ class KVTiers:
             if self.host.holds(block_hash):
                 self.host.touch(block_hash)
                 continue
-            if len(self.host) == self.host.capacity:
+            if self.host.next_victim() in self._unsettled:
                 self.wait_copies()  # the slot about to be demoted must hold its bytes
             slot, demoted = self.host.claim(block_hash, tokens)
             if demoted is not None:
@@ -98,7 +98,8 @@ class KVTiers:
             if slot is None:  # every slot pinned by restores: the block is not kept
                 continue
             self.host.slots[slot].copy_(self.cache[:, block], non_blocking=True)
-            self._unsettled = self.cache.is_cuda
+            if self.cache.is_cuda:
+                self._unsettled.add(slot)
 
     def wait_copies(self) -> None:
         """Until the offload copies issued so far are done (on CPU they are done when issued). The
@@ -109,7 +110,7 @@ class KVTiers:
             done = torch.cuda.Event()
             done.record()
             done.synchronize()
-            self._unsettled = False
+            self._unsettled.clear()
 
     def _demote(self, block: Demoted) -> None:
         if self.disk is not None:

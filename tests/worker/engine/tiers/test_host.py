@@ -35,8 +35,11 @@ def test_pinned_slots_are_not_reclaimed():
     tier = _tier(2)
     s1, _ = _fill(tier, 1, 1.0)
     s2, _ = _fill(tier, 2, 2.0)
+    assert tier.next_victim() == s1  # the least recently used
     tier.pin(s1)
+    assert tier.next_victim() == s2
     tier.pin(s2)
+    assert tier.next_victim() is None
     assert tier.claim(3, (3, 4)) == (None, None)  # every slot pinned: the new block is not kept
     tier.unpin(s2)
     slot, demoted = _fill(tier, 3, 3.0)
@@ -57,6 +60,7 @@ def test_a_hit_needs_the_same_tokens():
 
 def test_drop_frees_the_slot():
     tier = _tier(1)
+    assert tier.next_victim() is None  # a free slot: nothing to displace
     slot, _ = _fill(tier, 1, 1.0)
     tier.drop(slot)
     assert not tier.holds(1) and len(tier) == 0
