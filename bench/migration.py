@@ -9,7 +9,10 @@ and the moved streams' tokens/s in the second before the gap and the second afte
 
 Drain: the same streams, and the busiest decode worker drained (`/drain`, what a pod's preStop
 calls) with the hand-off off (the worker waits for its streams, up to --drain-timeout) and on
-(`--drain-handoff`): how long the drain took, beside how long the streams still ran.
+(`--drain-handoff`), the moved streams' K/V pulled from the draining worker (the default) or
+recomputed by the worker they moved to (`--handoff-pull-window 0`): how long the drain took,
+beside how long the streams still ran, and the pause the moved streams and the streams already
+on the receiving worker saw (p50/p99 of each stream's longest gap after the drain began).
 
     python bench/migration.py --preset small
 """
@@ -57,13 +60,14 @@ def pct(xs: list[float], p: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def deploy(args, name: str, handoff: float) -> Deployment:
+def deploy(args, name: str, handoff: float, pull_window: float = 5.0) -> Deployment:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     ns = parser.parse_args([
         "--model", str(args.model), "--prefill", "1", "--decode", "2", "--port", str(free_port()),
         "--threads", "1", "--run-dir", str(Path(args.run_dir) / name), "--timeout", "600",
         "--drain-timeout", str(args.drain_timeout), "--drain-handoff", str(handoff),
+        "--handoff-pull-window", str(pull_window),
     ])  # fmt: skip
     dep = Deployment(ns)
     dep.plan()
@@ -165,14 +169,25 @@ def kill_phase(args) -> None:
               f"pause, {statistics.mean(r[1] for r in rates):.1f} in the second after it")  # fmt: skip
 
 
-def drain_phase(args, handoff: float, label: str) -> tuple[float, float]:
-    dep = deploy(args, f"drain-{label}", handoff=handoff)
+def pauses_after(streams: list[Stream], at: float) -> list[float]:
+    """Each stream's longest gap between chunks from `at` on (streams that ended before: none)."""
+    out = []
+    for s in streams:
+        later = [t for t in s.arrivals if t >= at]
+        if len(later) >= 2:
+            out.append(max(b - a for a, b in zip(later, later[1:], strict=False)))
+    return out
+
+
+def drain_phase(args, handoff: float, label: str, pull_window: float = 5.0) -> tuple[float, float]:
+    dep = deploy(args, f"drain-{label}", handoff=handoff, pull_window=pull_window)
     took: dict = {}
     try:
         log(f"drain ({label}): starting 1 prefill + 2 decode workers ...")
         dep.start()
 
         async def drain(victim: str) -> None:
+            took["victim"] = victim
             child = next(c for c in dep.children if c.name == victim)
             url = child.health_url.replace("/health", "/drain")
             request = urllib.request.Request(url, headers={"Authorization": f"Bearer {dep.internal_token}"})
@@ -189,9 +204,15 @@ def drain_phase(args, handoff: float, label: str) -> tuple[float, float]:
     finally:
         dep.stop()
     errors = sum(1 for s in streams if s.error or not s.done)
-    print(f"  drain {label:>11}: {took.get('seconds', float('nan')):6.2f} s to drain; the streams ran on "
+    print(f"  drain {label:>16}: {took.get('seconds', float('nan')):6.2f} s to drain; the streams ran on "
           f"{end - hit:6.2f} s; {errors} streams failed; {took.get('body', '')}")  # fmt: skip
-    return took.get("seconds", float("nan")), end - hit
+    victim = took.get("victim", "")
+    moved = pauses_after([s for s in streams if s.decode == victim], hit)
+    stayed = pauses_after([s for s in streams if s.decode != victim], hit)
+    print(f"  {'':>22}longest gap after the drain began: moved streams p50 {pct(moved, 50) * 1e3:7.1f} ms "
+          f"p99 {pct(moved, 99) * 1e3:7.1f} ms; streams on the receiving workers p50 "
+          f"{pct(stayed, 50) * 1e3:7.1f} ms p99 {pct(stayed, 99) * 1e3:7.1f} ms")  # fmt: skip
+    return took.get("seconds", float("nan")), pct(moved, 50)
 
 
 def main(argv=None) -> int:
@@ -211,8 +232,11 @@ def main(argv=None) -> int:
     kill_phase(args)
     print("\ndrain of the busiest decode worker:")
     waited, _ = drain_phase(args, args.drain_timeout, "waiting")
-    handed, _ = drain_phase(args, args.drain_handoff, "handoff")
-    print(f"  the hand-off drains in {handed / waited:.2f}x the time of waiting for the streams")
+    handed, pulled_pause = drain_phase(args, args.drain_handoff, "handoff, pull")
+    _, replayed_pause = drain_phase(args, args.drain_handoff, "handoff, recompute", pull_window=0.0)
+    print(f"  the hand-off drains in {handed / waited:.2f}x the time of waiting for the streams; the moved "
+          f"streams' p50 pause with their K/V pulled is {pulled_pause / replayed_pause:.2f}x that with it "
+          "recomputed")  # fmt: skip
     return 0
 
 

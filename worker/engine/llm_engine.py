@@ -384,7 +384,11 @@ class LLMEngine:
         return self.block_manager.unpin(request_id)
 
     def reserve(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        resume: Resumption | None = None,
     ) -> Reservation:
         """Hold blocks for a prompt whose K/V another worker will write; returns their ids in order
         (raises NoFreeBlocksError when the cache is full).
@@ -393,8 +397,11 @@ class LLMEngine:
         their K/V is in place, so the sender skips `num_cached_blocks` of them. The block holding
         the last prompt token is always fresh, since the prefill side computes that token to
         sample the first output token.
+
+        With `resume`, the blocks hold the prompt and the resumed outputs (a stream pulled from
+        the worker that handed it off): see `commit_remote_prefill`.
         """
-        req = self._make_request(request_id, prompt_ids, params, prefill_only=False)
+        req = self._make_request(request_id, prompt_ids, params, prefill_only=False, resume=resume)
         blocks = self.scheduler.reserve(req)
         if self.tiers is not None:
             self.tiers.wait_copies()  # blocks it evicted are safe below before another worker writes them
@@ -407,13 +414,21 @@ class LLMEngine:
         first_token: int,
         first_logprob: TokenLogprob | None = None,
         prompt_logprobs: Sequence[TokenLogprob | None] | None = None,
-    ) -> RequestOutput:
+    ) -> RequestOutput | None:
         """The reserved request's prompt K/V is in place: decode from `first_token` on (with the
         prompt logprobs the prefill side computed, when asked for). Returns the output for the
-        first token (already finished if it ends the request)."""
+        first token (already finished if it ends the request).
+
+        A resumed request already has its outputs: `first_token` (what the sender sampled after
+        them, without their sampling state) is not used, and the last output is computed by the
+        next step, which samples the following token exactly as the stream's first worker would
+        have. Returns None then: nothing new to stream yet."""
         req = self.requests.get(request_id)
         if req is None or req.status != RequestStatus.RESERVED:
             raise KeyError(f"no reserved request {request_id!r}")
+        if req.output_token_ids:
+            self.scheduler.commit_reserved(req)
+            return None
         if not 0 <= first_token < self.config.vocab_size:
             raise ValueError(
                 f"first_token {first_token} is outside the vocabulary [0, {self.config.vocab_size})"

@@ -139,16 +139,17 @@ class Scheduler:
         Leading full blocks already in the prefix cache are shared, not allocated: their K/V is
         in place, so the sender skips `req.num_cached_tokens // block_size` of them. The block of
         the last prompt token is always fresh: the prefill side computes that token to sample the
-        first output token.
+        first output token. A resumed request (outputs already set) reserves for its prompt and
+        outputs together.
         """
         bs = self.block_size
         hashes = req.update_block_hashes(bs)
-        max_hit = (req.num_prompt_tokens - 1) // bs
+        max_hit = (req.num_tokens - 1) // bs
         hits = self.bm.lookup(hashes[:max_hit], req.all_token_ids)
         self.bm.acquire(hits)  # first, so that allocating the rest cannot evict them
         below = self._find_below(req, len(hits), max_hit)
         try:
-            fresh = self.bm.allocate(self.bm.blocks_for(req.num_prompt_tokens) - len(hits))
+            fresh = self.bm.allocate(self.bm.blocks_for(req.num_tokens) - len(hits))
         except NoFreeBlocksError:
             self.bm.free(hits)
             if below is not None:
@@ -159,7 +160,7 @@ class Scheduler:
         # commit offers only the written blocks to the cache
         req.num_registered_blocks = len(hits) + restored
         req.num_cached_tokens = (len(hits) + restored) * bs
-        self.prefix_query_tokens += req.num_prompt_tokens
+        self.prefix_query_tokens += req.num_tokens
         self.prefix_hit_tokens += req.num_cached_tokens
         self._arrivals += 1
         req.arrival = self._arrivals
@@ -168,10 +169,11 @@ class Scheduler:
         return list(req.block_ids)
 
     def commit_reserved(self, req: Request) -> None:
-        """The prompt's K/V has arrived: the request runs from here as if it prefilled locally."""
+        """The prompt's K/V has arrived: the request runs from here as if it prefilled locally. A
+        resumed request runs as if it were decoding: its last output is the next token computed."""
         assert req.status == RequestStatus.RESERVED
         del self.reserved[req.request_id]
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_tokens - (1 if req.output_token_ids else 0)
         self._register_computed_blocks(req)
         req.status = RequestStatus.RUNNING
         self._insert_running(req)

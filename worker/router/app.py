@@ -33,7 +33,13 @@ from disagg.worker.router.args import DEFAULT_MAX_CHOICES, RouterArgs
 from disagg.worker.router.body import read_body
 from disagg.worker.router.errors import APIError, invalid
 from disagg.worker.router.fanout import ChoiceState, Echo, plan_choices, total_usage
-from disagg.worker.router.migration import MIGRATION_SUFFIX, MOVABLE_ERRORS, finished_message, resumed_request
+from disagg.worker.router.migration import (
+    MIGRATION_SUFFIX,
+    MOVABLE_ERRORS,
+    finished_message,
+    resumed_request,
+    worth_pulling,
+)
 from disagg.worker.router.openai_format import ResponseBuilder, usage_body
 from disagg.worker.router.openapi import openapi_spec
 from disagg.worker.router.policy import (
@@ -130,6 +136,7 @@ class _Choice:
     sent_ids: list[int] = field(default_factory=list)  # tokens relayed, over every worker
     sent_chars: int = 0  # characters of their text relayed
     migrations: int = 0
+    handed_off: bool = False  # its worker handed it off (draining): that worker holds its K/V
     moved_for: str | None = None  # why it last moved, until the new worker's first token
     moved_at: float | None = None
     last_token_at: float | None = None
@@ -685,6 +692,7 @@ class Router:
                 if msg.HasField("error"):
                     reason = MOVABLE_ERRORS.get(msg.error.code)
                     if reason is not None and c.migrations < self.config.max_migrations:
+                        c.handed_off = msg.error.code == "migrate"
                         return reason
                     events.put_nowait((c, msg))
                     return None
@@ -724,7 +732,13 @@ class Router:
             c.call.cancel()
         asyncio.ensure_future(self._abort(old, c.req.request_id))  # a frozen worker gets it later
         c.migrations += 1
-        req = resumed_request(c.req, c.original_id, c.migrations, c.sent_ids, c.sent_chars)
+        holder = None
+        if c.handed_off and worth_pulling(
+            len(c.req.prompt_token_ids) + len(c.sent_ids), self.config.block_size
+        ):
+            holder = worker_pb2.PrefillTarget(worker_id=old.worker_id, address=old.address)
+        c.handed_off = False
+        req = resumed_request(c.req, c.original_id, c.migrations, c.sent_ids, c.sent_chars, holder)
         params = req.params
         done = (params.max_tokens and len(c.sent_ids) >= params.max_tokens) or (
             len(req.prompt_token_ids) + len(c.sent_ids) >= self.config.max_model_len

@@ -1,8 +1,9 @@
 """Moving a live stream to another decode worker: what may move, and the request that resumes it.
 
 A stream whose decode worker dies, stops answering or drains mid-way is re-placed on another
-decode worker with the prompt and every token already relayed; the new worker recomputes them
-as its own outputs and goes on (`disagg.worker.engine.resume`), drawing token N from the same
+decode worker with the prompt and every token already relayed; the new worker takes them as its
+own outputs (recomputing their K/V, or pulling it from a draining worker that handed the stream
+off) and goes on (`disagg.worker.engine.resume`), drawing token N from the same
 seeded random numbers (`disagg.worker.engine.seeds`), so the client's stream continues with
 nothing repeated and nothing missing. Pure: the router's `_move` does the I/O.
 """
@@ -24,19 +25,34 @@ MIGRATION_SUFFIX = "~m"  # request ids on the workers: <id>~m1, <id>~m2 ... afte
 
 
 def resumed_request(
-    original: pb.GenerateRequest, request_id: str, move: int, sent_ids: list[int], sent_chars: int
+    original: pb.GenerateRequest,
+    request_id: str,
+    move: int,
+    sent_ids: list[int],
+    sent_chars: int,
+    holder: pb.PrefillTarget | None = None,
 ) -> pb.GenerateRequest:
-    """The request that continues `original` on another worker after its `move`-th move."""
+    """The request that continues `original` on another worker after its `move-th` move.
+    `holder`: the worker that handed the stream off, still holding its K/V for the new worker to
+    pull; None: the new worker recomputes prompt and outputs itself."""
     req = pb.GenerateRequest()
     req.CopyFrom(original)
     req.request_id = f"{request_id}{MIGRATION_SUFFIX}{move}"
-    # the new worker prefills prompt and outputs itself; the prompt's logprobs were sent already
     del req.prefill_targets[:]
-    req.params.ClearField("prompt_logprobs")
+    req.params.ClearField("prompt_logprobs")  # the prompt's logprobs were sent already
     req.resume.Clear()
     req.resume.output_token_ids.extend(sent_ids)
     req.resume.sent_chars = sent_chars
+    if holder is not None:
+        req.prefill_targets.append(holder)
+        req.resume.handoff_of = original.request_id
     return req
+
+
+def worth_pulling(num_tokens: int, block_size: int) -> bool:
+    """Whether a handed-off stream's K/V is worth pulling: at least one full block of it, besides
+    the block of its last token (which the new worker computes anyway)."""
+    return (num_tokens - 1) // block_size >= 1
 
 
 def finished_message(prompt_tokens: int, completion_tokens: int) -> pb.GenerateResponse:

@@ -63,6 +63,12 @@ class ServingArgs(Settings):
         "--drain-timeout the worker waits for them instead",
         minimum=0.0,
     )
+    handoff_pull_window: float = setting(
+        5.0,
+        "seconds a draining worker keeps serving the K/V of the streams it handed off, for their new "
+        "workers to pull instead of recomputing it (0: they recompute)",
+        minimum=0.0,
+    )
 
     def quarantine_seconds(self) -> float:
         """How long a decode worker holds the blocks of an aborted transfer whose KV may still land:

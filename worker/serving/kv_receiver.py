@@ -81,19 +81,20 @@ class KVReceiver:
         self.quarantine_seconds = 30.0
 
     # ---- reservations and expectations -------------------------------------------------------------
-    def reserve(self, request_id: str, prompt_ids: list[int], params, sink) -> Reservation:
-        """Blocks for a remote prefill; the leading `num_cached_blocks` come from the prefix cache."""
-        blocks = self.engine.reserve(request_id, prompt_ids, params)
+    def reserve(self, request_id: str, prompt_ids: list[int], params, sink, resume=None) -> Reservation:
+        """Blocks for a remote prefill (`resume`: of a stream's prompt and outputs, pulled from the
+        worker that handed it off); the leading `num_cached_blocks` come from the prefix cache."""
+        blocks = self.engine.reserve(request_id, prompt_ids, params, resume)
         self.reserved.add(request_id)
         self.sinks[request_id] = sink
         return blocks
 
     def reserve_expecting(
         self, request_id: str, prompt_ids: list[int], params, sink, transfer_id: str,
-        done: Callable[[str | None], None], committed: Committed | None = None,
+        done: Callable[[str | None], None], committed: Committed | None = None, resume=None,
     ) -> Reservation:  # fmt: skip
         """`reserve` and `expect` for its fresh blocks, in the same visit to the engine loop."""
-        blocks = self.reserve(request_id, prompt_ids, params, sink)
+        blocks = self.reserve(request_id, prompt_ids, params, sink, resume)
         self.expect(transfer_id, request_id, done, blocks.fresh_block_ids, committed)
         return blocks
 
@@ -151,12 +152,15 @@ class KVReceiver:
         logprob: TokenLogprob | None,
         prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> bool:
-        """Start decoding a request whose KV landed, from its first token (False: it was aborted
-        meanwhile, and the abort freed its blocks)."""
+        """Start decoding a request whose KV landed, from its first token (a resumed one: from its
+        last output, nothing to stream yet). False: it was aborted meanwhile, and the abort freed
+        its blocks."""
         if request_id not in self.reserved:
             return False
         self.reserved.discard(request_id)
-        self.dispatch(self.engine.commit_remote_prefill(request_id, token_id, logprob, prompt_logprobs))
+        out = self.engine.commit_remote_prefill(request_id, token_id, logprob, prompt_logprobs)
+        if out is not None:
+            self.dispatch(out)
         return True
 
     # ---- quarantine --------------------------------------------------------------------------------

@@ -330,7 +330,8 @@ class WorkerProcess:
             self._drain_deadline = clock() + self.cfg.serving.drain_timeout
             self._handoff_at = clock() + self.cfg.serving.drain_handoff
         deadline = self._drain_deadline
-        while s.streams > 0 and clock() < deadline:
+        # after a hand-off, the new workers' pulls of the streams' K/V are awaited too (bounded)
+        while (s.streams > 0 or s.pulls_expected()) and clock() < deadline:
             if self._handoff_at is not None and clock() >= self._handoff_at and self._handoff_at < deadline:
                 self._handoff_at = None
                 log.info("draining: handing %d streams off to the router", s.hand_off())

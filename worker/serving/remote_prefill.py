@@ -116,8 +116,37 @@ class RemotePrefill:
             await self._call(self.receiver.end_attempt, attempt.transfer_id, True)
             raise
 
+    # ---- a handed-off stream ----------------------------------------------------------------------
+    async def pull(self, rid, prompt, request: pb.GenerateRequest, params, resume, sink) -> str:
+        """Pull the K/V of a stream a draining worker handed off (its prompt and the outputs it
+        streamed: `request.prefill_targets[0]`, which samples nothing used here) into blocks
+        reserved for the resumed request, which goes on from its last output once they landed.
+        Returns the holder's id. Raises PrefillFailed when nothing could be pulled (the request
+        then holds nothing here: the caller recomputes it) or PrefillAborted."""
+        began = time.monotonic()
+        tokens = prompt + list(resume.output_token_ids)
+        # greedy, one token: the holder's first token is discarded, so nothing of the stream's
+        # sampling (grammar, penalties, logprobs) is needed there
+        pull = pb.GenerateRequest(request_id=rid, prompt_token_ids=tokens, params=pb.SamplingParams(top_k=-1))
+        attempt = Attempt.new(rid, 0, pull.params)
+        try:
+            dst = await self._call(
+                self.receiver.reserve_expecting, rid, prompt, params, sink, *attempt.expect, resume
+            )
+        except NoFreeBlocksError as e:
+            raise PrefillFailed(f"no free blocks to pull into: {e}") from None
+        except asyncio.CancelledError:
+            await self._call(self.receiver.end_attempt, attempt.transfer_id, True)
+            raise
+        targets = list(request.prefill_targets[:1])
+        return await self._attempts(
+            rid, tokens, pull, params, targets, attempt, dst, began, handoff_of=request.resume.handoff_of
+        )
+
     # ---- attempts ---------------------------------------------------------------------------------
-    async def _attempts(self, rid, prompt, request, params, targets, current: Attempt, dst, began) -> str:
+    async def _attempts(
+        self, rid, prompt, request, params, targets, current: Attempt, dst, began, handoff_of: str = ""
+    ) -> str:
         """Have a prefill worker fill the blocks `dst` reserved for attempt `current` (retrying
         once elsewhere), commit. Returns the prefill worker's id; raises PrefillFailed after the
         blocks were freed (or, for a failed attempt whose KV may still land, quarantined apart
@@ -137,7 +166,9 @@ class RemotePrefill:
                 try:
                     if number and not await self._expect_kv(rid, current, dst):
                         raise RequestGone(rid)
-                    await self._prefill_once(rid, prompt, request, target, dst, record, current, began)
+                    await self._prefill_once(
+                        rid, prompt, request, target, dst, record, current, began, handoff_of
+                    )
                     record.finish_later()
                     return target.worker_id
                 except asyncio.CancelledError:
@@ -200,7 +231,16 @@ class RemotePrefill:
         return await self._call(self.receiver.end_attempt, attempt.transfer_id, settled)
 
     async def _prefill_once(
-        self, rid, prompt, request, target, dst, record: TransferRecord, attempt: Attempt, began: float
+        self,
+        rid,
+        prompt,
+        request,
+        target,
+        dst,
+        record: TransferRecord,
+        attempt: Attempt,
+        began: float,
+        handoff_of: str = "",
     ) -> None:
         """One attempt, the engine loop already waiting for its KV (the first attempt sends P
         generation 0 and does not wait for its record).
@@ -219,6 +259,7 @@ class RemotePrefill:
             transfer_generation=gen,
             transfer_id=attempt.transfer_id,
             skip_leading_blocks=dst.num_cached_blocks,
+            handoff_of=handoff_of,
         )
         renew = record.renew()
         call = None

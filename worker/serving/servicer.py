@@ -85,7 +85,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.ready = False
         self.draining = False
         self.streams = 0  # Generate and Prefill calls in progress (drain waits for zero)
-        self.live: set[OutputStream] = set()  # Generate streams, for a drain to hand off
+        self.live: dict[OutputStream, str] = {}  # Generate streams -> request id, for a drain to hand off
+        # request id of each stream a drain handed off -> when: their new workers may pull its K/V
+        self.handed_off: dict[str, float] = {}
         self._stubs = WorkerStubs(auth)
         # a colocated worker's targets hold a longer prefix than it does: it pulls one only when the
         # priced trip is cheaper than computing that prefix itself, whatever the placement mode
@@ -127,7 +129,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             return
         stream = OutputStream(len(prompt), self.metrics, self.core.block_size)
         self.streams += 1
-        self.live.add(stream)
+        self.live[stream] = rid
         try:
             try:
                 served = await self._start(rid, prompt, request, params, stream)
@@ -140,7 +142,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         finally:
             stream.first_sent.set()
             self.streams -= 1
-            self.live.discard(stream)
+            self.live.pop(stream, None)
             if not stream.finished:
                 # client went away (or the stream broke): free the request without waiting
                 self.loop.call(self.core.on_loop_abort, rid)
@@ -153,9 +155,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         add = (self.core.on_loop_add, rid, prompt, params, stream.sink, stream.arrival, resume)
         remote, reason = False, "no_prefill_worker"
         if resume is not None:
-            # a moved stream recomputes its outputs with the prompt: prefilled here
-            remote, reason = False, "resumed"
-            await self._call(*add)
+            remote, reason = await self._resume(rid, prompt, request, params, resume, stream, add)
+            if remote:
+                served.prefill_worker = request.prefill_targets[0].worker_id
         elif request.prefill_targets and self.opts.role != "prefill" and len(prompt) + 1 < self.max_model_len:
             try:
                 prefill_worker, reason = await self.remote.prefill(
@@ -177,17 +179,43 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.metrics.disaggregation_decision(remote, reason)
         return served
 
+    async def _resume(
+        self, rid, prompt, request, params, resume, stream: OutputStream, add
+    ) -> tuple[bool, str]:
+        """Start a moved stream: pull its K/V from the worker that handed it off when the router
+        names one, else (or when the pull fails) recompute its prompt and outputs here. Returns
+        (pulled, the decision's reason)."""
+        if request.resume.handoff_of and request.prefill_targets and self.opts.role != "prefill":
+            try:
+                await self.remote.pull(rid, prompt, request, params, resume, stream.sink)
+                return True, "handoff_pull"
+            except PrefillAborted:
+                raise
+            except PrefillFailed as e:
+                log.warning("pulling the K/V of %s failed (%s): recomputing it", rid, e)
+                stream.restart()
+        await self._call(*add)
+        return False, "resumed"
+
     def hand_off(self) -> int:
-        """End every running stream with `migrate`, for the router to resume it elsewhere."""
-        for stream in list(self.live):
+        """End every running stream with `migrate`, for the router to resume it elsewhere; their
+        K/V stays pullable (`handed_off`) while the drain lasts."""
+        now = time.monotonic()
+        for stream, rid in list(self.live.items()):
+            self.handed_off[rid] = now
             stream.hand_off()
         return len(self.live)
 
+    def pulls_expected(self) -> int:
+        """Handed-off streams whose new worker may still pull their K/V (--handoff-pull-window)."""
+        cutoff = time.monotonic() - self.opts.args.handoff_pull_window
+        for rid in [r for r, at in self.handed_off.items() if at < cutoff]:
+            del self.handed_off[rid]
+        return len(self.handed_off)
+
     # ---- Prefill (prefill / both) ----------------------------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
-        refused = self._refuse()
-        if refused is None and self.opts.role == "decode":
-            refused = error("invalid_request", "this is a decode worker: it does not serve Prefill")
+        refused = self._refuse_prefill(request)
         if refused is not None:
             return pb.PrefillResponse(error=refused)
         try:
@@ -221,6 +249,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             raise
         finally:
             self.streams -= 1
+            self.handed_off.pop(request.handoff_of, None)  # pulled (or failed): one pull a stream
         n = len(request.prompt_token_ids)
         if isinstance(answer, PrefillResult):
             self.metrics.ttft.observe(time.monotonic() - arrival)
@@ -228,6 +257,20 @@ class WorkerService(pb_grpc.WorkerServicer):
             count_prefix(self.metrics, self.core.block_size, n, answer.cached_tokens)
             self.metrics.request_finished("prefilled")
         return prefill_response(answer, n)
+
+    def _refuse_prefill(self, request: pb.PrefillRequest) -> pb.Error | None:
+        """Why a Prefill is refused (None: served). A pull of a stream this worker handed off is
+        served while draining, and by a decode worker; any other pull is refused."""
+        if request.handoff_of:
+            self.pulls_expected()  # forget those past the window first
+            if request.handoff_of in self.handed_off and self.ready:
+                return None
+            return error("prefill_failed", f"worker {self.opts.worker_id} holds no handed-off stream "
+                         f"{request.handoff_of!r}")  # fmt: skip
+        refused = self._refuse()
+        if refused is None and self.opts.role == "decode":
+            refused = error("invalid_request", "this is a decode worker: it does not serve Prefill")
+        return refused
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
         if not self.ready:

@@ -133,3 +133,46 @@ def test_a_speculating_engine_resumes_exactly_too(tiny_llama_dir, params):
         rest += [t for o in second.step() for t in o.new_token_ids]
     assert tokens[:7] + rest == tokens
     assert first.speculator.stats.num_proposed > 0  # it really speculated
+
+
+@pytest.mark.parametrize("case", ["greedy", "seeded", "penalties", "json"])
+def test_a_resumed_stream_whose_kv_is_pulled_continues_exactly_computing_one_token(tiny_llama_dir, case):
+    """A draining worker hands a stream off: the new engine reserves blocks for prompt and outputs,
+    the old one prefills them from its own cache (the stream's blocks, still cached there) into
+    them, and the new engine goes on from the last output, computing only that token itself."""
+    old, new = (LLMEngine(tiny_llama_dir, block_size=8, num_gpu_blocks=128) for _ in range(2))
+    params = CASES[case]
+    whole = _stream(old, "whole", params)
+    tokens = [t for ids, _, _ in whole for t in ids]
+    text = "".join(t for _, t, _ in whole)
+    cut = len(whole) // 2
+    # the stream on the old engine, handed off after `cut` messages
+    old.add_request("live", PROMPT, params)
+    sent = []
+    while len(sent) < cut:
+        sent += [(list(o.new_token_ids), o.new_text) for o in old.step()]
+    sent_ids = [t for ids, _ in sent for t in ids]
+    sent_text = "".join(t for _, t in sent)
+    assert old.abort("live")
+    held = PROMPT + sent_ids
+    # the pull: a greedy one-token prefill of prompt + outputs on the old engine
+    old.add_request("pull", held, SamplingParams(temperature=0, max_tokens=1), prefill_only=True)
+    outs = []
+    while old.has_unfinished():
+        outs += old.step()
+    (pulled,) = outs
+    assert pulled.num_cached_tokens == (len(held) - 1) // 8 * 8  # every full block came from its cache
+    resume = Resumption(tuple(sent_ids), len(sent_text))
+    dst = new.reserve("moved", PROMPT, params, resume)
+    assert dst.num_cached_blocks == 0 and len(dst.fresh_block_ids) == (len(held) + 7) // 8
+    new.kv_cache[:, dst.fresh_block_ids] = old.kv_cache[:, old.block_ids("pull")]
+    assert old.release("pull")
+    assert new.commit_remote_prefill("moved", pulled.new_token_ids[0]) is None
+    assert new.requests["moved"].num_uncomputed == 1  # only the last output is left to compute
+    rest = []
+    while new.has_unfinished():
+        rest += [(list(o.new_token_ids), o.new_text, o.outputs[0].finish_reason) for o in new.step()]
+    assert sent_ids + [t for ids, _, _ in rest for t in ids] == tokens
+    assert sent_text + "".join(t for _, t, _ in rest) == text
+    assert rest[-1][2] == whole[-1][2]
+    assert new.block_manager.num_free_blocks == new.num_total_blocks

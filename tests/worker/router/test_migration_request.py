@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from disagg.proto import worker_pb2 as pb
-from disagg.worker.router.migration import MIGRATION_SUFFIX, MOVABLE_ERRORS, finished_message, resumed_request
+from disagg.worker.router.migration import (
+    MIGRATION_SUFFIX,
+    MOVABLE_ERRORS,
+    finished_message,
+    resumed_request,
+    worth_pulling,
+)
 
 
 def _original() -> pb.GenerateRequest:
@@ -23,11 +29,28 @@ def test_the_resumed_request_carries_what_was_sent_and_nothing_to_redo():
     assert list(req.prompt_token_ids) == [5, 6, 7]  # the prompt, not prompt + outputs
     assert list(req.resume.output_token_ids) == [11, 12, 13] and req.resume.sent_chars == 7
     assert not req.prefill_targets  # the new worker recomputes prompt and outputs itself
+    assert not req.resume.handoff_of
     assert not req.params.HasField("prompt_logprobs")  # sent with the first worker's first message
     assert (req.params.seed, req.params.max_tokens, req.params.logprobs) == (9, 40, 1)
     # the original is left as it was
     assert original.prefill_targets and original.params.HasField("prompt_logprobs")
     assert not original.HasField("resume")
+
+
+def test_a_handed_off_stream_names_its_holder_and_its_request_id_there():
+    original = _original()
+    original.request_id = f"abc-1{MIGRATION_SUFFIX}1"  # moved once already
+    holder = pb.PrefillTarget(worker_id="d0", address="d0:1")
+    req = resumed_request(original, "abc-1", 2, [11, 12], 4, holder)
+    assert [(t.worker_id, t.address) for t in req.prefill_targets] == [("d0", "d0:1")]  # only the holder
+    assert req.resume.handoff_of == f"abc-1{MIGRATION_SUFFIX}1"  # the id the holder knows it by
+    assert req.request_id == f"abc-1{MIGRATION_SUFFIX}2"
+
+
+def test_a_pull_needs_a_full_block_besides_the_last_tokens_one():
+    assert not worth_pulling(16, 16)  # one block, holding the last token: nothing to pull
+    assert worth_pulling(17, 16)
+    assert not worth_pulling(1, 16)
 
 
 def test_an_empty_resume_still_marks_a_moved_stream():

@@ -216,6 +216,21 @@ def _moved(cluster: Cluster, reason: str) -> float:
     return cluster.metric("router", "disagg_router_migrations_total", reason=reason, outcome="resumed")
 
 
+def _resumed(cluster: Cluster, how: str) -> float:
+    """Moved streams the decode workers started by pulling their K/V (`handoff_pull`) or by
+    recomputing it (`resumed`)."""
+    decision = "remote" if how == "handoff_pull" else "local"
+    return sum(
+        cluster.metric(w, "disagg_disaggregation_decisions_total", decision=decision, reason=how)
+        for w in cluster.workers
+        if w.startswith("decode")
+    )
+
+
+def _kv_sent(cluster: Cluster, worker: str) -> float:
+    return cluster.metric(worker, "disagg_kv_transfer_bytes_total", direction="send")
+
+
 def test_streams_of_a_killed_decode_worker_resume_exactly_elsewhere(cluster, undisturbed, redis_server):
     before = _moved(cluster, "unavailable")
     results, victim = _disturbed(cluster, lambda v, _outs: cluster.workers[v].kill())
@@ -257,17 +272,73 @@ def test_a_drain_hands_streams_off_instead_of_waiting_for_them(cluster, undistur
         took["thread"].start()
 
     before = _moved(cluster, "draining")
+    pulled, recomputed = _resumed(cluster, "handoff_pull"), _resumed(cluster, "resumed")
+    sent = {w: _kv_sent(cluster, w) for w in cluster.workers if w.startswith("decode")}
     results, victim = _disturbed(cluster, drain)
     took["thread"].join(60)
     assert results == undisturbed
     assert took["body"] == {"drained": True, "streams": 0}
-    assert _moved(cluster, "draining") > before
-    # the drain ended once its streams were handed off (--drain-handoff), not when the longest ended
+    moved = _moved(cluster, "draining") - before
+    assert moved > 0
+    # the drained worker's K/V went to the new workers, which recomputed none of the moved streams
+    assert _resumed(cluster, "handoff_pull") - pulled == moved
+    assert _resumed(cluster, "resumed") == recomputed
+    assert _kv_sent(cluster, victim) > sent[victim]
+    # the drain ended once its streams were handed off (--drain-handoff) and their K/V pulled, not
+    # when the longest ended
     assert took["running"] > 0, took
     cluster.workers[victim].stop()
     cluster.assert_released(redis_server.url, idle_timeout=LEASE * 4, records_timeout=LEASE * 4)
     cluster.workers[victim].start()
     cluster.wait_ready([victim])
+
+
+def test_handed_off_streams_whose_kv_cannot_be_pulled_are_recomputed_exactly(
+    tiny_model, tmp_path, redis_server
+):
+    """A draining worker that keeps no K/V for its handed-off streams (--handoff-pull-window 0)
+    refuses their pulls: the new worker recomputes each stream and it still continues exactly."""
+    c = Cluster(
+        tiny_model, tmp_path, redis_url=redis_server.url, prefill=0, decode=2, deployment="migration-replay",
+        worker_args=("--drain-handoff", "0.2", "--handoff-pull-window", "0"),
+    )  # fmt: skip
+    c.start()
+    try:
+        # greedy, and long enough to be running still when the drain hands them off
+        requests = [
+            (p, {**b, "max_tokens": 400}) for p, b in _requests(c.model_name) if b.get("temperature") == 0
+        ][:4]
+        alone = []
+        for path, body in requests:
+            out: dict = {}
+            _run(c.url, path, body, out)
+            alone.append(_collect(_parsed(out)))
+        pulled, recomputed = _resumed(c, "handoff_pull"), _resumed(c, "resumed")
+        drained: dict = {}
+
+        def drain(victim: str) -> None:
+            url = c.workers[victim].health.replace("/health", "/drain")
+            drained["body"] = httpx.get(url, headers=c.internal_headers, timeout=60).json()
+
+        outs = [{} for _ in requests]
+        threads = [
+            threading.Thread(target=_run, args=(c.url, p, b, o))
+            for (p, b), o in zip(requests, outs, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        while not all(len(o.get("events", ())) >= 3 for o in outs):
+            time.sleep(0.005)
+        serving = [o["decode"] for o in outs]
+        drain(max(set(serving), key=serving.count))
+        for t in threads:
+            t.join(120)
+        assert [_collect(_parsed(o)) for o in outs] == alone
+        assert drained["body"] == {"drained": True, "streams": 0}
+        assert _resumed(c, "resumed") > recomputed
+        assert _resumed(c, "handoff_pull") == pulled
+    finally:
+        c.stop()
 
 
 def test_with_no_other_decode_worker_a_broken_stream_ends_with_a_clean_error(
