@@ -21,6 +21,11 @@ class Resumption:
     sent_chars: int = 0  # characters of the outputs' text the client has already received
 
 
+def with_outputs(prompt: list[int], resume: Resumption | None) -> list[int]:
+    """The tokens whose K/V a resumed request needs: its prompt, then the outputs it resumes."""
+    return prompt if resume is None else prompt + list(resume.output_token_ids)
+
+
 def apply(req: Request, resume: Resumption, vocab_size: int, max_model_len: int) -> None:
     """Give a new request the outputs it resumes from; raises ValueError naming what is wrong."""
     ids = resume.output_token_ids

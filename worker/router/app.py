@@ -523,21 +523,11 @@ class Router:
                 if decode is None:
                     raise APIError(503, "No decode worker is ready; retry shortly.", code="no_workers",
                                    retry_after=2)  # fmt: skip
-                targets = [
-                    worker_pb2.PrefillTarget(
-                        worker_id=w.worker_id,
-                        address=w.address,
-                        queued_prefill_tokens=w.queued_prefill_tokens,
-                        prefill_tokens_per_s=w.prefill_tokens_per_s,
-                        cached_tokens=matches[p].get(w.worker_id, 0) * self.config.block_size,
-                    )  # fmt: skip
-                    for w in self._prefill_candidates(views, decode, matches[p])
-                ]
                 req = worker_pb2.GenerateRequest(
                     request_id=base_id if len(plans) == 1 else f"{base_id}-{plan.index}",
                     prompt_token_ids=prompts[p],
                     params=sampling_params_to_proto(spec.sampling, max_tokens[p], plan.seed),
-                    prefill_targets=targets,
+                    prefill_targets=self._prefill_targets(views, decode, matches[p]),
                 )
                 self.pool.begin(decode.worker_id)
                 self.metrics.routed(decode.role)
@@ -551,6 +541,21 @@ class Router:
             for c in choices:
                 for d in c.used:
                     self.pool.end(d.worker_id)
+
+    def _prefill_targets(
+        self, views: list[WorkerView], decode: WorkerView, match: dict[str, int]
+    ) -> list[worker_pb2.PrefillTarget]:
+        """The prefill targets `decode` is offered, with what it prices them by."""
+        return [
+            worker_pb2.PrefillTarget(
+                worker_id=w.worker_id,
+                address=w.address,
+                queued_prefill_tokens=w.queued_prefill_tokens,
+                prefill_tokens_per_s=w.prefill_tokens_per_s,
+                cached_tokens=match.get(w.worker_id, 0) * self.config.block_size,
+            )  # fmt: skip
+            for w in self._prefill_candidates(views, decode, match)
+        ]
 
     def _prefill_candidates(self, views: list[WorkerView], decode: WorkerView, match: dict[str, int]):
         """Where `decode` may have its prompt prefilled: the prefill workers for a decode worker;
@@ -762,6 +767,8 @@ class Router:
                            "stream", code="worker_unavailable", retry_after=1)  # fmt: skip
         log.warning("stream %s: worker %s %s; resuming it on %s after %d tokens",
                     c.original_id, old.worker_id, reason, alt.worker_id, len(c.sent_ids))  # fmt: skip
+        if holder is None:  # prompt and outputs are prefilled where the usual placement says
+            req.prefill_targets.extend(self._prefill_targets(views, alt, c.match))
         c.used.append(alt)
         self.pool.begin(alt.worker_id)
         c.req = req

@@ -34,7 +34,8 @@ def resumed_request(
 ) -> pb.GenerateRequest:
     """The request that continues `original` on another worker after its `move-th` move.
     `holder`: the worker that handed the stream off, still holding its K/V for the new worker to
-    pull; None: the new worker recomputes prompt and outputs itself."""
+    pull, the only prefill target; None: no target yet (the router adds the new worker's usual
+    ones: prompt and outputs are prefilled as a prompt is)."""
     req = pb.GenerateRequest()
     req.CopyFrom(original)
     req.request_id = f"{request_id}{MIGRATION_SUFFIX}{move}"

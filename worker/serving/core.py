@@ -18,6 +18,7 @@ from disagg.worker.engine.block_hash import block_hashes
 from disagg.worker.engine.block_manager import NoFreeBlocksError
 from disagg.worker.engine.llm_engine import Reservation
 from disagg.worker.engine.outputs import RequestOutput
+from disagg.worker.engine.resume import with_outputs
 from disagg.worker.serving.disagg_policy import Placement, PrefillSite, place
 from disagg.worker.serving.kv_receiver import KVReceiver
 from disagg.worker.serving.kv_sender import KVSender
@@ -105,14 +106,16 @@ class WorkerCore:
         arrival: float,
         placement: Placement,
         expect: tuple,
+        resume=None,
     ) -> tuple[str, Reservation | None]:
         """Where a decode worker prefills `prompt_ids`, decided (`disagg_policy.place`) and acted
         on in one visit to this loop (each visit may wait for a running step, and this is on the
         first token's path): remote: blocks reserved and the KV awaited (`expect`: the transfer
         id, `done` and `committed` of `KVReceiver.expect`), the reservation returned; local, or no
         room to reserve the whole prompt now: the request is queued here (None), waiting for
-        blocks there. Returns the decision's reason too."""
-        decision = place(placement, *self.on_loop_prefill_price(prompt_ids))
+        blocks there. Returns the decision's reason too. `resume`: a moved stream's outputs,
+        prefilled with the prompt."""
+        decision = place(placement, *self.on_loop_prefill_price(with_outputs(prompt_ids, resume)))
         if decision.local_s is not None:
             log.debug(
                 "prefill of %d tokens: local %.1f ms, remote %.1f ms -> %s (%s)",
@@ -122,11 +125,11 @@ class WorkerCore:
         if decision.remote:
             try:
                 return decision.reason, self.receiver.reserve_expecting(
-                    request_id, prompt_ids, params, sink, *expect
+                    request_id, prompt_ids, params, sink, *expect, resume
                 )
             except NoFreeBlocksError:
                 pass
-        self.on_loop_add(request_id, prompt_ids, params, sink, arrival)
+        self.on_loop_add(request_id, prompt_ids, params, sink, arrival, resume)
         return decision.reason, None
 
     def on_loop_prefill_price(self, prompt_ids: list[int]) -> tuple[int, PrefillSite, int]:

@@ -133,14 +133,14 @@ class KVReceiver:
         self._quarantine(transfer_id)
         return True
 
-    def rereserve(self, request_id: str, prompt_ids: list[int], params) -> Reservation | None:
+    def rereserve(self, request_id: str, prompt_ids: list[int], params, resume=None) -> Reservation | None:
         """Fresh blocks for the request's next attempt, its last ones being quarantined (None:
         the request is gone). Raises NoFreeBlocksError, the request then holding nothing."""
         if request_id not in self.reserved:
             return None
         self.engine.abort(request_id)
         try:
-            return self.engine.reserve(request_id, prompt_ids, params)
+            return self.engine.reserve(request_id, prompt_ids, params, resume)
         except Exception:
             self.reserved.discard(request_id)
             raise

@@ -17,6 +17,7 @@ import grpc
 
 from disagg.proto import worker_pb2 as pb
 from disagg.worker.engine.block_manager import NoFreeBlocksError
+from disagg.worker.engine.resume import with_outputs
 from disagg.worker.serving.args import ServingArgs
 from disagg.worker.serving.attempt import Attempt, PrefillAborted, PrefillFailed, RequestGone
 from disagg.worker.serving.convert import logprob_from_proto, prompt_logprobs_from_proto
@@ -29,6 +30,13 @@ from disagg.worker.serving.transfer_record import TransferRecord
 log = logging.getLogger("disagg.worker.remote_prefill")
 
 MAX_ATTEMPTS = 2
+# What P samples with for a resumed request: its first token is discarded (D goes on from the
+# stream's own outputs), so none of the stream's sampling (grammar, penalties, logprobs) is needed
+RESUMED_PREFILL_PARAMS = pb.SamplingParams(top_k=-1)
+
+
+def prefill_params(request: pb.GenerateRequest, resume) -> pb.SamplingParams:
+    return request.params if resume is None else RESUMED_PREFILL_PARAMS
 
 
 class RemotePrefill:
@@ -86,27 +94,30 @@ class RemotePrefill:
         )
 
     async def prefill(
-        self, rid, prompt, request: pb.GenerateRequest, params, sink, arrival, first_sent
+        self, rid, prompt, request: pb.GenerateRequest, params, sink, arrival, first_sent, resume=None
     ) -> tuple[str | None, str]:
         """Place the prompt's prefill and, when it goes remote, have it done there: (the prefill
         worker's id, or None when the request was queued here; the placement's reason). Raises
-        PrefillFailed when no prefill worker could do it (the request then holds nothing)."""
+        PrefillFailed when no prefill worker could do it (the request then holds nothing).
+        `resume`: a moved stream's outputs, prefilled with the prompt (the request then goes on
+        from its last output)."""
         began = time.monotonic()
         targets = list(request.prefill_targets)[:MAX_ATTEMPTS]
-        attempt = Attempt.new(rid, 0, request.params, first_sent)
-        reason, dst = await self._place(rid, prompt, params, sink, arrival, targets[0], attempt)
+        attempt = Attempt.new(rid, 0, prefill_params(request, resume), first_sent)
+        reason, dst = await self._place(rid, prompt, params, sink, arrival, targets[0], attempt, resume)
         if dst is None:
             return None, reason
-        return await self._attempts(rid, prompt, request, params, targets, attempt, dst, began), reason
+        worker = await self._attempts(rid, prompt, request, params, targets, attempt, dst, began, resume)
+        return worker, reason
 
-    async def _place(self, rid, prompt, params, sink, arrival, target, attempt: Attempt):
+    async def _place(self, rid, prompt, params, sink, arrival, target, attempt: Attempt, resume=None):
         """Price the prompt's prefill here and on the router's first choice of prefill worker, and
         act on it, in one engine-loop visit: (reason, the reservation of a remote prefill, or None
         when the request was queued here)."""
-        placement = self.placement(len(prompt), target)
+        placement = self.placement(len(with_outputs(prompt, resume)), target)
         try:
             return await self._call(
-                self.core.on_loop_place, rid, prompt, params, sink, arrival, placement, attempt.expect
+                self.core.on_loop_place, rid, prompt, params, sink, arrival, placement, attempt.expect, resume
             )
         except asyncio.CancelledError:
             # The loop may have reserved and begun awaiting the transfer before the cancel took
@@ -124,11 +135,7 @@ class RemotePrefill:
         Returns the holder's id. Raises PrefillFailed when nothing could be pulled (the request
         then holds nothing here: the caller recomputes it) or PrefillAborted."""
         began = time.monotonic()
-        tokens = prompt + list(resume.output_token_ids)
-        # greedy, one token: the holder's first token is discarded, so nothing of the stream's
-        # sampling (grammar, penalties, logprobs) is needed there
-        pull = pb.GenerateRequest(request_id=rid, prompt_token_ids=tokens, params=pb.SamplingParams(top_k=-1))
-        attempt = Attempt.new(rid, 0, pull.params)
+        attempt = Attempt.new(rid, 0, RESUMED_PREFILL_PARAMS)
         try:
             dst = await self._call(
                 self.receiver.reserve_expecting, rid, prompt, params, sink, *attempt.expect, resume
@@ -139,13 +146,11 @@ class RemotePrefill:
             await self._call(self.receiver.end_attempt, attempt.transfer_id, True)
             raise
         targets = list(request.prefill_targets[:1])
-        return await self._attempts(
-            rid, tokens, pull, params, targets, attempt, dst, began, handoff_of=request.resume.handoff_of
-        )
+        return await self._attempts(rid, prompt, request, params, targets, attempt, dst, began, resume)
 
     # ---- attempts ---------------------------------------------------------------------------------
     async def _attempts(
-        self, rid, prompt, request, params, targets, current: Attempt, dst, began, handoff_of: str = ""
+        self, rid, prompt, request, params, targets, current: Attempt, dst, began, resume=None
     ) -> str:
         """Have a prefill worker fill the blocks `dst` reserved for attempt `current` (retrying
         once elsewhere), commit. Returns the prefill worker's id; raises PrefillFailed after the
@@ -162,12 +167,12 @@ class RemotePrefill:
                 if number:
                     self.metrics.prefill_retries.inc()
                     record.begin(target.worker_id, dst.fresh_block_ids, await record.generation())
-                    current = Attempt.new(rid, number, request.params, current.first_sent)
+                    current = Attempt.new(rid, number, prefill_params(request, resume), current.first_sent)
                 try:
                     if number and not await self._expect_kv(rid, current, dst):
                         raise RequestGone(rid)
                     await self._prefill_once(
-                        rid, prompt, request, target, dst, record, current, began, handoff_of
+                        rid, prompt, request, target, dst, record, current, began, resume
                     )
                     record.finish_later()
                     return target.worker_id
@@ -194,7 +199,7 @@ class RemotePrefill:
                     if quarantined and number + 1 < len(targets):
                         # its KV may still land in those blocks: the retry writes fresh ones
                         try:
-                            dst = await self._call(self.receiver.rereserve, rid, prompt, params)
+                            dst = await self._call(self.receiver.rereserve, rid, prompt, params, resume)
                         except NoFreeBlocksError:
                             reasons.append("no free blocks to retry into")
                             break
@@ -240,7 +245,7 @@ class RemotePrefill:
         record: TransferRecord,
         attempt: Attempt,
         began: float,
-        handoff_of: str = "",
+        resume=None,
     ) -> None:
         """One attempt, the engine loop already waiting for its KV (the first attempt sends P
         generation 0 and does not wait for its record).
@@ -250,16 +255,17 @@ class RemotePrefill:
         here from P's answer."""
         gen = await record.generation() if attempt.number else 0
         stub = self._stubs.stub(target.address)
+        tokens = with_outputs(prompt, resume)
         req = pb.PrefillRequest(
             request_id=rid,
-            prompt_token_ids=prompt,
-            params=request.params,
+            prompt_token_ids=tokens,
+            params=prefill_params(request, resume),
             decode_worker_id=self.worker_id,
             dst_block_ids=dst,  # the whole prompt's blocks: P skips the leading cached ones itself
             transfer_generation=gen,
             transfer_id=attempt.transfer_id,
             skip_leading_blocks=dst.num_cached_blocks,
-            handoff_of=handoff_of,
+            handoff_of=request.resume.handoff_of if resume is not None else "",
         )
         renew = record.renew()
         call = None
@@ -293,7 +299,7 @@ class RemotePrefill:
         finally:
             renew.cancel()
         setup = max(sent - began - handshakes, 0.0)  # decision, reservation (a retry: + Redis)
-        fresh_tokens = len(prompt) - dst.num_cached_blocks * self.core.block_size
+        fresh_tokens = len(tokens) - dst.num_cached_blocks * self.core.block_size
         if attempt.committed_at is not None:
             self.metrics.remote_prefill_committed("landing")
             commit = time.monotonic() - attempt.committed_at  # the loop -> this thread
@@ -302,9 +308,10 @@ class RemotePrefill:
             ))  # fmt: skip
             return
         landed_at = time.monotonic()
-        lp = logprob_from_proto(resp.first_token) if request.params.HasField("logprobs") else None
+        asked = req.params
+        lp = logprob_from_proto(resp.first_token) if asked.HasField("logprobs") else None
         prompt_lps = None
-        if request.params.HasField("prompt_logprobs"):
+        if asked.HasField("prompt_logprobs"):
             prompt_lps = prompt_logprobs_from_proto(resp.prompt_logprobs)
         if not await self._call(self.receiver.commit, rid, resp.first_token.token_id, lp, prompt_lps):
             raise RequestGone(rid)  # aborted while the KV was moving

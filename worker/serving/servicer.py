@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from disagg.proto import worker_pb2 as pb
 from disagg.proto import worker_pb2_grpc as pb_grpc
 from disagg.worker.engine.block_manager import NoFreeBlocksError
+from disagg.worker.engine.resume import with_outputs
 from disagg.worker.serving.args import ServingArgs
 from disagg.worker.serving.attempt import PrefillAborted, PrefillFailed
 from disagg.worker.serving.auth import INSECURE, InternalAuth
@@ -149,20 +150,25 @@ class WorkerService(pb_grpc.WorkerServicer):
                 self.metrics.request_finished("abort")
 
     async def _start(self, rid, prompt, request, params, stream: OutputStream) -> pb.ServedBy:
-        """Queue the request here, or have a prefill worker prefill it first; who serves it."""
+        """Queue the request here, or have a prefill worker prefill it first; who serves it.
+
+        A moved stream (`resume`) is placed the same way with its outputs after the prompt; one a
+        draining worker handed off pulls its K/V from that worker (`handoff_of`, its only
+        target). When no prefill worker could do it, it is recomputed here."""
         served = pb.ServedBy(decode_worker=self.opts.worker_id)
         resume = resumption(request)
         add = (self.core.on_loop_add, rid, prompt, params, stream.sink, stream.arrival, resume)
         remote, reason = False, "no_prefill_worker"
-        if resume is not None:
-            remote, reason = await self._resume(rid, prompt, request, params, resume, stream, add)
-            if remote:
-                served.prefill_worker = request.prefill_targets[0].worker_id
-        elif request.prefill_targets and self.opts.role != "prefill" and len(prompt) + 1 < self.max_model_len:
+        fits = len(with_outputs(prompt, resume)) + 1 < self.max_model_len
+        if request.prefill_targets and self.opts.role != "prefill" and fits:
             try:
-                prefill_worker, reason = await self.remote.prefill(
-                    rid, prompt, request, params, stream.sink, stream.arrival, stream.first_sent
-                )
+                if resume is not None and request.resume.handoff_of:
+                    prefill_worker = await self.remote.pull(rid, prompt, request, params, resume, stream.sink)
+                    reason = "handoff_pull"
+                else:
+                    prefill_worker, reason = await self.remote.prefill(
+                        rid, prompt, request, params, stream.sink, stream.arrival, stream.first_sent, resume
+                    )  # fmt: skip
                 if prefill_worker is not None:
                     remote, served.prefill_worker, served.disaggregated = True, prefill_worker, True
             except PrefillAborted:
@@ -176,26 +182,10 @@ class WorkerService(pb_grpc.WorkerServicer):
                 await self._call(*add)
         else:
             await self._call(*add)
+        if resume is not None and reason != "handoff_pull":
+            reason = "resumed"  # counted apart from new requests, wherever it was prefilled
         self.metrics.disaggregation_decision(remote, reason)
         return served
-
-    async def _resume(
-        self, rid, prompt, request, params, resume, stream: OutputStream, add
-    ) -> tuple[bool, str]:
-        """Start a moved stream: pull its K/V from the worker that handed it off when the router
-        names one, else (or when the pull fails) recompute its prompt and outputs here. Returns
-        (pulled, the decision's reason)."""
-        if request.resume.handoff_of and request.prefill_targets and self.opts.role != "prefill":
-            try:
-                await self.remote.pull(rid, prompt, request, params, resume, stream.sink)
-                return True, "handoff_pull"
-            except PrefillAborted:
-                raise
-            except PrefillFailed as e:
-                log.warning("pulling the K/V of %s failed (%s): recomputing it", rid, e)
-                stream.restart()
-        await self._call(*add)
-        return False, "resumed"
 
     def hand_off(self) -> int:
         """End every running stream with `migrate`, for the router to resume it elsewhere; their

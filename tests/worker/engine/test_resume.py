@@ -135,12 +135,16 @@ def test_a_speculating_engine_resumes_exactly_too(tiny_llama_dir, params):
     assert first.speculator.stats.num_proposed > 0  # it really speculated
 
 
+@pytest.mark.parametrize("source", ["holder", "prefill-worker"])
 @pytest.mark.parametrize("case", ["greedy", "seeded", "penalties", "json"])
-def test_a_resumed_stream_whose_kv_is_pulled_continues_exactly_computing_one_token(tiny_llama_dir, case):
-    """A draining worker hands a stream off: the new engine reserves blocks for prompt and outputs,
-    the old one prefills them from its own cache (the stream's blocks, still cached there) into
-    them, and the new engine goes on from the last output, computing only that token itself."""
-    old, new = (LLMEngine(tiny_llama_dir, block_size=8, num_gpu_blocks=128) for _ in range(2))
+def test_a_resumed_stream_prefilled_elsewhere_continues_exactly_computing_one_token(
+    tiny_llama_dir, case, source
+):
+    """The new engine reserves blocks for prompt and outputs and another engine prefills them into
+    them: the worker that handed the stream off, from its own cache (the stream's blocks, still
+    cached there), or a prefill worker, computing them all. The new engine goes on from the last
+    output, computing only that token itself."""
+    old, new, prefill = (LLMEngine(tiny_llama_dir, block_size=8, num_gpu_blocks=128) for _ in range(3))
     params = CASES[case]
     whole = _stream(old, "whole", params)
     tokens = [t for ids, _, _ in whole for t in ids]
@@ -155,18 +159,20 @@ def test_a_resumed_stream_whose_kv_is_pulled_continues_exactly_computing_one_tok
     sent_text = "".join(t for _, t in sent)
     assert old.abort("live")
     held = PROMPT + sent_ids
-    # the pull: a greedy one-token prefill of prompt + outputs on the old engine
-    old.add_request("pull", held, SamplingParams(temperature=0, max_tokens=1), prefill_only=True)
+    # a greedy one-token prefill of prompt + outputs
+    source_engine = old if source == "holder" else prefill
+    source_engine.add_request("pull", held, SamplingParams(temperature=0, max_tokens=1), prefill_only=True)
     outs = []
-    while old.has_unfinished():
-        outs += old.step()
+    while source_engine.has_unfinished():
+        outs += source_engine.step()
     (pulled,) = outs
-    assert pulled.num_cached_tokens == (len(held) - 1) // 8 * 8  # every full block came from its cache
+    # the holder found every full block in its cache; the prefill worker computed them all
+    assert pulled.num_cached_tokens == ((len(held) - 1) // 8 * 8 if source == "holder" else 0)
     resume = Resumption(tuple(sent_ids), len(sent_text))
     dst = new.reserve("moved", PROMPT, params, resume)
     assert dst.num_cached_blocks == 0 and len(dst.fresh_block_ids) == (len(held) + 7) // 8
-    new.kv_cache[:, dst.fresh_block_ids] = old.kv_cache[:, old.block_ids("pull")]
-    assert old.release("pull")
+    new.kv_cache[:, dst.fresh_block_ids] = source_engine.kv_cache[:, source_engine.block_ids("pull")]
+    assert source_engine.release("pull")
     assert new.commit_remote_prefill("moved", pulled.new_token_ids[0]) is None
     assert new.requests["moved"].num_uncomputed == 1  # only the last output is left to compute
     rest = []

@@ -28,7 +28,7 @@ def test_the_resumed_request_carries_what_was_sent_and_nothing_to_redo():
     assert req.request_id == f"abc-1{MIGRATION_SUFFIX}2"
     assert list(req.prompt_token_ids) == [5, 6, 7]  # the prompt, not prompt + outputs
     assert list(req.resume.output_token_ids) == [11, 12, 13] and req.resume.sent_chars == 7
-    assert not req.prefill_targets  # the new worker recomputes prompt and outputs itself
+    assert not req.prefill_targets  # the router adds the new worker's own
     assert not req.resume.handoff_of
     assert not req.params.HasField("prompt_logprobs")  # sent with the first worker's first message
     assert (req.params.seed, req.params.max_tokens, req.params.logprobs) == (9, 40, 1)

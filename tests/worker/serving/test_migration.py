@@ -216,14 +216,16 @@ def _moved(cluster: Cluster, reason: str) -> float:
     return cluster.metric("router", "disagg_router_migrations_total", reason=reason, outcome="resumed")
 
 
-def _resumed(cluster: Cluster, how: str) -> float:
-    """Moved streams the decode workers started by pulling their K/V (`handoff_pull`) or by
-    recomputing it (`resumed`)."""
-    decision = "remote" if how == "handoff_pull" else "local"
+def _resumed(cluster: Cluster, how: str, but: str = "") -> float:
+    """Moved streams the decode workers (but `but`) started: `handoff_pull`, their K/V pulled from
+    the worker that handed them off; `local`, recomputed there; `remote`, prefilled on a prefill
+    worker."""
+    labels = {"handoff_pull": ("remote", "handoff_pull"), "local": ("local", "resumed"),
+              "remote": ("remote", "resumed")}[how]  # fmt: skip
     return sum(
-        cluster.metric(w, "disagg_disaggregation_decisions_total", decision=decision, reason=how)
+        cluster.metric(w, "disagg_disaggregation_decisions_total", decision=labels[0], reason=labels[1])
         for w in cluster.workers
-        if w.startswith("decode")
+        if w.startswith("decode") and w != but
     )
 
 
@@ -233,9 +235,18 @@ def _kv_sent(cluster: Cluster, worker: str) -> float:
 
 def test_streams_of_a_killed_decode_worker_resume_exactly_elsewhere(cluster, undisturbed, redis_server):
     before = _moved(cluster, "unavailable")
+    decode = [w for w in cluster.workers if w.startswith("decode")]
+    local = {w: _resumed(cluster, "local", but=w) for w in decode}
+    remote = {w: _resumed(cluster, "remote", but=w) for w in decode}
     results, victim = _disturbed(cluster, lambda v, _outs: cluster.workers[v].kill())
     assert results == undisturbed
-    assert _moved(cluster, "unavailable") > before  # streams really moved
+    moved = _moved(cluster, "unavailable") - before
+    assert moved > 0  # streams really moved
+    # prompt and outputs prefilled as a new prompt is: on the prefill worker where the placement
+    # says so (--disagg-threshold 8 uncached tokens), the moved stream going on from there exactly
+    on_prefill = _resumed(cluster, "remote", but=victim) - remote[victim]
+    assert on_prefill > 0
+    assert _resumed(cluster, "local", but=victim) - local[victim] + on_prefill == moved
     cluster.assert_released(redis_server.url, idle_timeout=LEASE * 4, records_timeout=LEASE * 4)
     cluster.workers[victim].start()
     cluster.wait_ready([victim])
@@ -272,7 +283,7 @@ def test_a_drain_hands_streams_off_instead_of_waiting_for_them(cluster, undistur
         took["thread"].start()
 
     before = _moved(cluster, "draining")
-    pulled, recomputed = _resumed(cluster, "handoff_pull"), _resumed(cluster, "resumed")
+    pulled, recomputed = _resumed(cluster, "handoff_pull"), _resumed(cluster, "local")
     sent = {w: _kv_sent(cluster, w) for w in cluster.workers if w.startswith("decode")}
     results, victim = _disturbed(cluster, drain)
     took["thread"].join(60)
@@ -282,7 +293,7 @@ def test_a_drain_hands_streams_off_instead_of_waiting_for_them(cluster, undistur
     assert moved > 0
     # the drained worker's K/V went to the new workers, which recomputed none of the moved streams
     assert _resumed(cluster, "handoff_pull") - pulled == moved
-    assert _resumed(cluster, "resumed") == recomputed
+    assert _resumed(cluster, "local") == recomputed
     assert _kv_sent(cluster, victim) > sent[victim]
     # the drain ended once its streams were handed off (--drain-handoff) and their K/V pulled, not
     # when the longest ended
@@ -313,7 +324,7 @@ def test_handed_off_streams_whose_kv_cannot_be_pulled_are_recomputed_exactly(
             out: dict = {}
             _run(c.url, path, body, out)
             alone.append(_collect(_parsed(out)))
-        pulled, recomputed = _resumed(c, "handoff_pull"), _resumed(c, "resumed")
+        pulled, recomputed = _resumed(c, "handoff_pull"), _resumed(c, "local")
         drained: dict = {}
 
         def drain(victim: str) -> None:
@@ -335,7 +346,7 @@ def test_handed_off_streams_whose_kv_cannot_be_pulled_are_recomputed_exactly(
             t.join(120)
         assert [_collect(_parsed(o)) for o in outs] == alone
         assert drained["body"] == {"drained": True, "streams": 0}
-        assert _resumed(c, "resumed") > recomputed
+        assert _resumed(c, "local") > recomputed
         assert _resumed(c, "handoff_pull") == pulled
     finally:
         c.stop()
