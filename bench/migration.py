@@ -10,7 +10,8 @@ and the moved streams' tokens/s in the second before the gap and the second afte
 Drain: the same streams, and the busiest decode worker drained (`/drain`, what a pod's preStop
 calls) with the hand-off off (the worker waits for its streams, up to --drain-timeout) and on
 (`--drain-handoff`), the moved streams' K/V pulled from the draining worker (the default) or
-recomputed by the worker they moved to (`--handoff-pull-window 0`): how long the drain took,
+prefilled again where the usual placement puts a prompt (`--handoff-pull-window 0`: the worker
+they moved to, or the prefill worker): how long the drain took,
 beside how long the streams still ran, and the pause the moved streams and the streams already
 on the receiving worker saw (p50/p99 of each stream's longest gap after the drain began).
 
@@ -233,10 +234,10 @@ def main(argv=None) -> int:
     print("\ndrain of the busiest decode worker:")
     waited, _ = drain_phase(args, args.drain_timeout, "waiting")
     handed, pulled_pause = drain_phase(args, args.drain_handoff, "handoff, pull")
-    _, replayed_pause = drain_phase(args, args.drain_handoff, "handoff, recompute", pull_window=0.0)
+    _, replayed_pause = drain_phase(args, args.drain_handoff, "handoff, prefill", pull_window=0.0)
     print(f"  the hand-off drains in {handed / waited:.2f}x the time of waiting for the streams; the moved "
           f"streams' p50 pause with their K/V pulled is {pulled_pause / replayed_pause:.2f}x that with it "
-          "recomputed")  # fmt: skip
+          "prefilled again")  # fmt: skip
     return 0
 
 
