@@ -23,6 +23,14 @@ With `--serve N`, each pair is also served: llama-server (`--parallel N`, contin
 client sends N different prompts at once (greedy, `ignore_eos`, `--serve-gen` new tokens each) and
 the generated tokens per second are compared.
 
+Decode is also printed over its floor (`/floor`): its time per token over the time a copy of
+the weight bytes one step reads takes (read + written, `memory_floor.CopyProbe` sampled just
+before each run; below 1 is possible, since decode only reads them). Prompt processing is also
+printed as GFLOP/s (the products of a prompt token: the layers'
+matmuls and causal attention over the prompt, 2 FLOPs a multiply-accumulate) and as a share of
+the float32 FMA peak of the threads used (`simd_throughput.py`'s probe on one core, times the
+threads): a float32 pair cannot pass that peak, whatever the engine.
+
 AMX is reported as this process may use it (`cpu_native.amx_usable`: granted by the kernel and
 probed), not as /proc/cpuinfo lists it.
 """
@@ -47,8 +55,15 @@ from disagg.kernels import cpu_native
 from disagg.worker.model.forward_batch import ForwardBatch
 from disagg.worker.model.loader import load_model
 from disagg.worker.model.pretrained import require_default_model
+from disagg.worker.model.quantization import decode_weight_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import memory_floor  # noqa: E402
+from machine import cpu_name  # noqa: E402
+from simd_throughput import fp32_fma_peak_gflops  # noqa: E402
+
 BLOCK = 16
 
 
@@ -131,6 +146,7 @@ class Ours:
     def __init__(self, path: Path, pair: Pair, threads: int, prompt: int, gen: int):
         torch.set_num_threads(threads)
         self.model, config = load_model(path, dtype=pair.dtype, quantization_setting=pair.quantization)
+        self.config = config
         self.prompt, self.gen = prompt, gen
         g = torch.Generator().manual_seed(0)
         self.ids = torch.randint(10, config.vocab_size, (prompt,), generator=g).tolist()
@@ -154,13 +170,33 @@ class Ours:
         return self.gen / (time.perf_counter() - start)
 
 
-def ours_figures(ours: Ours, reps: int) -> tuple[float, float, float, float]:
-    """Median prompt tokens/s, the load after it, median decode tokens/s, the load after it."""
+def ours_figures(
+    ours: Ours, reps: int, probe: memory_floor.CopyProbe
+) -> tuple[float, float, float, float, float]:
+    """Median prompt tokens/s, the load after it, median decode tokens/s, the load after it, and
+    the median of decode's time per token over the copy floor of the weights it reads (their
+    bytes read + written at the bandwidth `probe` samples just before each decode run)."""
     ours.prompt_tps(), ours.decode_tps()  # warm: kernels built, weights paged in
     pp = statistics.median(ours.prompt_tps() for _ in range(reps))
     pp_load = load()
-    tg = statistics.median(ours.decode_tps() for _ in range(reps))
-    return pp, pp_load, tg, load()
+    weight_bytes = decode_weight_bytes(ours.model.weights)
+    tgs, over_floor = [], []
+    for _ in range(reps):
+        floor = weight_bytes * probe.seconds_per_byte()
+        tgs.append(ours.decode_tps())
+        over_floor.append(1 / tgs[-1] / floor)
+    return pp, pp_load, statistics.median(tgs), load(), statistics.median(over_floor)
+
+
+def prompt_token_flops(config, prompt: int) -> float:
+    """FLOPs of one token of a `prompt`-token prompt processed at once: every layer's matmuls, and
+    attention's two products over its causal context (the prompt's mean: (prompt + 1) / 2)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    matmul = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
+    attention = 2 * heads * head_dim * (prompt + 1) / 2
+    return 2.0 * config.num_hidden_layers * (matmul + attention)
 
 
 # ---- llama.cpp --------------------------------------------------------------------------------
@@ -314,23 +350,39 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--serve needs --llama-server PATH")
     src = args.model or require_default_model()
     files = {name: weights_for(src, args.out, PAIRS[name].gguf_type) for name in args.pairs}
-    print(f"cpu: {os.cpu_count()} cores, {args.threads} threads; native kernels {cpu_native.available()}, "
-          f"AMX usable here: {cpu_native.amx_usable()}")  # fmt: skip
+    print(f"cpu: {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads; native kernels "
+          f"{cpu_native.available()}, AMX usable here: {cpu_native.amx_usable()}")  # fmt: skip
+    peak, probe = fp32_fma_peak_gflops(args.threads)
+    print(f"float32 FMA peak of {args.threads} threads: {peak:.0f} GFLOP/s ({probe}, one core x {args.threads}; "
+          f"load {load():.2f})")  # fmt: skip
     print(
-        f"pp{args.prompt}: one {args.prompt}-token prompt; tg{args.gen}: {args.gen} batch-1 decode steps; tok/s"
+        f"pp{args.prompt}: one {args.prompt}-token prompt; tg{args.gen}: {args.gen} batch-1 decode steps; tok/s; "
+        "pp GFLOP/s and its share of that peak"
     )
+
+    probe = memory_floor.CopyProbe()
+
+    def compute(tps: float, flops: float) -> str:
+        return f"{tps * flops / 1e9:>9.0f}{100 * tps * flops / 1e9 / peak:>6.0f}%"
+
     for rnd in range(1, args.rounds + 1):
         print(f"\nround {rnd}")
-        head = f"{'pair':<14}{'engine':<10}{'pp tok/s':>10}{'load':>7}{'tg tok/s':>10}{'load':>7}"
+        head = (
+            f"{'pair':<14}{'engine':<10}{'pp tok/s':>10}{'load':>7}{'GFLOP/s':>9}{'peak':>7}{'tg tok/s':>10}"
+            f"{'load':>7}{'/floor':>7}"
+        )
         print(head + ("" if args.ours_only else f"{'pp ratio':>10}{'tg ratio':>10}"))
         for name in args.pairs:
             pair, path = PAIRS[name], files[name]
             ours = Ours(path, pair, args.threads, args.prompt, args.gen)
-            pp, pp_load, tg, tg_load = ours_figures(ours, args.reps)
+            pp, pp_load, tg, tg_load, over_floor = ours_figures(ours, args.reps, probe)
+            flops = prompt_token_flops(ours.config, args.prompt)
             del ours
             label = f"{name}/{pair.gguf_type}"
             print(
-                f"{label:<14}{'disagg':<10}{pp:>10.1f}{pp_load:>7.2f}{tg:>10.1f}{tg_load:>7.2f}", flush=True
+                f"{label:<14}{'disagg':<10}{pp:>10.1f}{pp_load:>7.2f}{compute(pp, flops)}{tg:>10.1f}{tg_load:>7.2f}"
+                f"{over_floor:>6.2f}x",
+                flush=True,
             )
             if args.ours_only:
                 continue
@@ -338,8 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             lpp, ltg = llama_bench(args.llama_bench, path, args.threads, args.prompt, args.gen, args.reps)
             after = load()
             print(
-                f"{'':<14}{'llama.cpp':<10}{lpp:>10.1f}{after:>7.2f}{ltg:>10.1f}{after:>7.2f}"
-                f"{pp / lpp:>10.2f}{tg / ltg:>10.2f}",
+                f"{'':<14}{'llama.cpp':<10}{lpp:>10.1f}{after:>7.2f}{compute(lpp, flops)}{ltg:>10.1f}{after:>7.2f}"
+                f"{'':>7}{pp / lpp:>10.2f}{tg / ltg:>10.2f}",
                 flush=True,
             )
             if args.serve:

@@ -46,6 +46,27 @@ def build(out_dir: Path) -> Path:
     return binary
 
 
+def measure(iterations: int = 50_000_000) -> dict[str, float | None]:
+    """MACs/ns of one core for each probe (None: not on this CPU)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = build(Path(tmp))
+        lines = subprocess.run(
+            [str(binary), str(iterations)], check=True, capture_output=True, text=True
+        ).stdout.split()
+    return {
+        name: None if value == "-" else float(value)
+        for name, _isa, value in zip(lines[0::3], lines[1::3], lines[2::3], strict=True)
+    }
+
+
+def fp32_fma_peak_gflops(threads: int, iterations: int = 20_000_000) -> tuple[float, str]:
+    """The float32 FMA peak of `threads` cores (the widest vectors this CPU has, one core's rate
+    times `threads`), GFLOP/s (2 per multiply-accumulate), and the probe it came from."""
+    rates = measure(iterations)
+    name = "fma_f32_512" if rates.get("fma_f32_512") else "fma_f32_256"
+    return 2 * (rates.get(name) or 0.0) * threads, name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -57,15 +78,8 @@ def main() -> None:
     if args.iterations <= 0:
         parser.error("--iterations: must be > 0")
     load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        binary = build(Path(tmp))
-        print("probing (each: a warm-up and the best of 3 runs) ...", file=sys.stderr, flush=True)
-        lines = subprocess.run(
-            [str(binary), str(args.iterations)], check=True, capture_output=True, text=True
-        ).stdout.split()
-    rates: dict[str, float | None] = {}
-    for name, _isa, value in zip(lines[0::3], lines[1::3], lines[2::3], strict=True):
-        rates[name] = None if value == "-" else float(value)
+    print("probing (each: a warm-up and the best of 3 runs) ...", file=sys.stderr, flush=True)
+    rates = measure(args.iterations)
     print(
         f"\nSIMD multiply-accumulate throughput, one core; "
         f"1-min load average {load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end"
