@@ -183,10 +183,11 @@ def undisturbed(cluster) -> list[dict]:
     return results
 
 
-def _disturbed(cluster: Cluster, fault) -> tuple[list[dict], str]:
-    """Every request at once; `fault(victim, outs)` hits the decode worker serving the most of
-    them once each stream has sent a few events (or ended). Returns the results and the victim."""
-    requests = _requests(cluster.model_name)
+def _disturbed(cluster: Cluster, fault, requests: list | None = None) -> tuple[list[dict], str]:
+    """Every request (default: `_requests`) at once; `fault(victim, outs)` hits the decode worker
+    serving the most of them once each stream has sent a few events (or ended). Returns the
+    results and the victim."""
+    requests = requests or _requests(cluster.model_name)
     outs = [{} for _ in requests]
     threads = [
         threading.Thread(target=_run, args=(cluster.url, p, b, o))
@@ -327,24 +328,12 @@ def test_handed_off_streams_whose_kv_cannot_be_pulled_are_recomputed_exactly(
         pulled, recomputed = _resumed(c, "handoff_pull"), _resumed(c, "local")
         drained: dict = {}
 
-        def drain(victim: str) -> None:
+        def drain(victim: str, _outs) -> None:
             url = c.workers[victim].health.replace("/health", "/drain")
             drained["body"] = httpx.get(url, headers=c.internal_headers, timeout=60).json()
 
-        outs = [{} for _ in requests]
-        threads = [
-            threading.Thread(target=_run, args=(c.url, p, b, o))
-            for (p, b), o in zip(requests, outs, strict=True)
-        ]
-        for t in threads:
-            t.start()
-        while not all(len(o.get("events", ())) >= 3 for o in outs):
-            time.sleep(0.005)
-        serving = [o["decode"] for o in outs]
-        drain(max(set(serving), key=serving.count))
-        for t in threads:
-            t.join(120)
-        assert [_collect(_parsed(o)) for o in outs] == alone
+        results, _victim = _disturbed(c, drain, requests)
+        assert results == alone
         assert drained["body"] == {"drained": True, "streams": 0}
         assert _resumed(c, "local") > recomputed
         assert _resumed(c, "handoff_pull") == pulled
