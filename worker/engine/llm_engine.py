@@ -398,8 +398,8 @@ class LLMEngine:
         the last prompt token is always fresh, since the prefill side computes that token to
         sample the first output token.
 
-        With `resume`, the blocks hold the prompt and the resumed outputs (a stream pulled from
-        the worker that handed it off): see `commit_remote_prefill`.
+        With `resume`, the blocks hold the prompt and the resumed outputs (a moved stream, whose
+        K/V a prefill worker or the worker that handed it off writes): see `commit_remote_prefill`.
         """
         req = self._make_request(request_id, prompt_ids, params, prefill_only=False, resume=resume)
         blocks = self.scheduler.reserve(req)

@@ -82,8 +82,8 @@ class KVReceiver:
 
     # ---- reservations and expectations -------------------------------------------------------------
     def reserve(self, request_id: str, prompt_ids: list[int], params, sink, resume=None) -> Reservation:
-        """Blocks for a remote prefill (`resume`: of a stream's prompt and outputs, pulled from the
-        worker that handed it off); the leading `num_cached_blocks` come from the prefix cache."""
+        """Blocks for a remote prefill (`resume`: of a moved stream's prompt and outputs); the
+        leading `num_cached_blocks` come from the prefix cache."""
         blocks = self.engine.reserve(request_id, prompt_ids, params, resume)
         self.reserved.add(request_id)
         self.sinks[request_id] = sink
