@@ -12,6 +12,10 @@
 #include "cpu_kernels.h"
 
 #include <stdint.h>
+/* How far ahead of its loads a row walk asks for the weight (8 KiB): the hardware prefetcher alone
+ * left whole-step decode 13-15% slower on the L3-resident weights of a 135M-parameter model. A
+ * prefetch past the weight's end is a hint and never faults. */
+#define GEMV_PREFETCH_FLOATS 2048
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -27,6 +31,8 @@ static inline __attribute__((always_inline)) void gemv_block(const float *w, int
     for (int b = 0; b < nb; b++) even[b] = odd[b] = (vnat){0};
     int64_t j = 0;
     for (; j + 2 * V <= k; j += 2 * V) {
+        __builtin_prefetch(w + j + GEMV_PREFETCH_FLOATS);
+        __builtin_prefetch(w + j + GEMV_PREFETCH_FLOATS + 16);
         const vnat w0 = load_vnat(w + j), w1 = load_vnat(w + j + V);
 #pragma GCC unroll 4
         for (int b = 0; b < nb; b++) {
