@@ -107,9 +107,9 @@ void kv_q8_quantize_head(const float *x, int64_t head_dim, int fp8, uint8_t *dst
  * shared machine, large enough that taking one (an atomic increment) costs nothing next to
  * reading the rows. */
 #define GEMV_CHUNK 32
-/* How far ahead of its loads a GEMV's row walk asks for the weight: the hardware prefetcher alone
- * left whole-step decode 13-15% slower on the L3-resident weights of a 135M-parameter model. A
- * prefetch past the weight's end is a hint and never faults. */
+/* How far ahead of its loads a GEMV's row walk asks for the weight: on weights served from a large
+ * L3, the hardware prefetcher alone leaves the row walk waiting on its loads (bench/peers.py's
+ * decode column shows it). A prefetch past the weight's end is a hint and never faults. */
 #define GEMV_PREFETCH_BYTES 8192
 
 /* Handing out a GEMV's chunks of rows inside a parallel region. Each thread owns a contiguous span
