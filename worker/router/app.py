@@ -136,7 +136,6 @@ class _Choice:
     sent_ids: list[int] = field(default_factory=list)  # tokens relayed, over every worker
     sent_chars: int = 0  # characters of their text relayed
     migrations: int = 0
-    handed_off: bool = False  # its worker handed it off (draining): that worker holds its K/V
     moved_for: str | None = None  # why it last moved, until the new worker's first token
     moved_at: float | None = None
     last_token_at: float | None = None
@@ -658,10 +657,10 @@ class Router:
         try:
             c.decode, c.call, msg = await self._start(c.req, c.decode, c.match, c.prompt_blocks, c.used)
             while True:
-                moved_for = await self._relay(c, msg, events)
-                if moved_for is None:
+                broke = await self._relay(c, msg, events)
+                if broke is None:
                     return
-                started = await self._move(c, moved_for, events)
+                started = await self._move(c, broke, events)
                 if started is None:
                     return
                 msg = started
@@ -689,16 +688,15 @@ class Router:
 
     async def _relay(self, c: _Choice, msg, events: asyncio.Queue) -> str | None:
         """Relay the current worker's messages from `msg` on. None when the stream is over (ended,
-        or failed in a way another worker cannot fix); else why it broke, for `_move`."""
+        or failed in a way another worker cannot fix); else why it broke, for `_move`: the worker's
+        error code (a key of MOVABLE_ERRORS), or `unavailable` / `unresponsive` for a broken call."""
         it = c.call.__aiter__()
         finished = False  # its last message (finish reason, usage) is relayed: nothing to move
         try:
             while msg is not None:
                 if msg.HasField("error"):
-                    reason = MOVABLE_ERRORS.get(msg.error.code)
-                    if reason is not None and c.migrations < self.config.max_migrations:
-                        c.handed_off = msg.error.code == "migrate"
-                        return reason
+                    if msg.error.code in MOVABLE_ERRORS and c.migrations < self.config.max_migrations:
+                        return msg.error.code
                     events.put_nowait((c, msg))
                     return None
                 c.relayed(msg, self.clock(), self.metrics)
@@ -729,20 +727,21 @@ class Router:
                 return "unresponsive"
             raise self._went_away(c) from None
 
-    async def _move(self, c: _Choice, reason: str, events: asyncio.Queue):
-        """Re-place a broken stream on another decode worker, resuming from what was relayed;
-        returns the new worker's first message, or None when the generation was finished here."""
+    async def _move(self, c: _Choice, broke: str, events: asyncio.Queue):
+        """Re-place a stream broken for `broke` (what `_relay` said) on another decode worker,
+        resuming from what was relayed; returns the new worker's first message, or None when the
+        generation was finished here."""
+        reason = MOVABLE_ERRORS.get(broke, broke)
         old = c.decode
         if c.call is not None:
             c.call.cancel()
         asyncio.ensure_future(self._abort(old, c.req.request_id))  # a frozen worker gets it later
         c.migrations += 1
-        holder = None
-        if c.handed_off and worth_pulling(
+        holder = None  # a worker that handed the stream off (draining) still holds its K/V
+        if broke == "migrate" and worth_pulling(
             len(c.req.prompt_token_ids) + len(c.sent_ids), self.config.block_size
         ):
             holder = worker_pb2.PrefillTarget(worker_id=old.worker_id, address=old.address)
-        c.handed_off = False
         req = resumed_request(c.req, c.original_id, c.migrations, c.sent_ids, c.sent_chars, holder)
         params = req.params
         done = (params.max_tokens and len(c.sent_ids) >= params.max_tokens) or (
