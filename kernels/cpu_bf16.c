@@ -42,8 +42,7 @@ static inline __attribute__((always_inline)) void dot_block_dp(const bf16 *w, in
     for (int b = 0; b < nb; b++) even[b] = odd[b] = _mm512_setzero_ps();
     int64_t j = 0;
     for (; j + 64 <= k; j += 64) {
-        __builtin_prefetch(w + j + GEMV_PREFETCH_BYTES / 2);  /* as cpu_gemv.c: 8 KiB ahead */
-        __builtin_prefetch(w + j + GEMV_PREFETCH_BYTES / 2 + 32);
+        gemv_prefetch_ahead(w + j);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + j), w1 = (__m512bh)_mm512_loadu_si512(w + j + 32);
 #pragma GCC unroll 4
         for (int b = 0; b < nb; b++) {

@@ -12,7 +12,6 @@
 #include "cpu_kernels.h"
 
 #include <stdint.h>
-#define GEMV_PREFETCH_FLOATS (GEMV_PREFETCH_BYTES / 4)
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -28,8 +27,7 @@ static inline __attribute__((always_inline)) void gemv_block(const float *w, int
     for (int b = 0; b < nb; b++) even[b] = odd[b] = (vnat){0};
     int64_t j = 0;
     for (; j + 2 * V <= k; j += 2 * V) {
-        __builtin_prefetch(w + j + GEMV_PREFETCH_FLOATS);
-        __builtin_prefetch(w + j + GEMV_PREFETCH_FLOATS + 16);
+        gemv_prefetch_ahead(w + j);
         const vnat w0 = load_vnat(w + j), w1 = load_vnat(w + j + V);
 #pragma GCC unroll 4
         for (int b = 0; b < nb; b++) {

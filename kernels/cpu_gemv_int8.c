@@ -85,8 +85,7 @@ static inline __attribute__((always_inline)) void gemv_block_i8(const int8_t *w,
     for (int b = 0; b < nb; b++) acc[b][0] = acc[b][1] = acc[b][2] = acc[b][3] = _mm512_setzero_si512();
     int64_t j = 0;
     for (; j + 128 <= k; j += 128) {
-        __builtin_prefetch(w + j + GEMV_PREFETCH_BYTES);  /* as cpu_gemv.c: 8 KiB ahead */
-        __builtin_prefetch(w + j + GEMV_PREFETCH_BYTES + 64);
+        gemv_prefetch_ahead(w + j);
         __m512i wv[4];
 #pragma GCC unroll 4
         for (int u = 0; u < 4; u++) wv[u] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + j + 32 * u)));

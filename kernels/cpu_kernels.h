@@ -112,6 +112,13 @@ void kv_q8_quantize_head(const float *x, int64_t head_dim, int fp8, uint8_t *dst
  * decode column shows it). A prefetch past the weight's end is a hint and never faults. */
 #define GEMV_PREFETCH_BYTES 8192
 
+/* The prefetch of one step of a GEMV's row walk, which reads up to 128 bytes of the weight from `p`
+ * on: the 128 bytes GEMV_PREFETCH_BYTES past `p`. */
+static inline __attribute__((always_inline)) void gemv_prefetch_ahead(const void *p) {
+    __builtin_prefetch((const char *)p + GEMV_PREFETCH_BYTES);
+    __builtin_prefetch((const char *)p + GEMV_PREFETCH_BYTES + 64);
+}
+
 /* Handing out a GEMV's chunks of rows inside a parallel region. Each thread owns a contiguous span
  * of chunks and takes them front to back, so that its reads are one sequential stream; a thread
  * done with its own span takes chunks from the back of the others', so that a thread the machine
