@@ -198,8 +198,9 @@ class Cluster:
         one, or None for none)."""
         from disagg.worker.serving.auth import InternalAuth, TLSFiles
 
-        tls_dir = self.env.get("DISAGG_GRPC_TLS_DIR")
-        tls = TLSFiles.load(tls_dir, self.env.get("DISAGG_GRPC_TLS_SERVER_NAME")) if tls_dir else None
+        env = self.router.env or self.env  # the router's certificate, where each process has its own
+        tls_dir = env.get("DISAGG_GRPC_TLS_DIR")
+        tls = TLSFiles.load(tls_dir, env.get("DISAGG_GRPC_TLS_SERVER_NAME")) if tls_dir else None
         addr = self.workers[name].grpc_address
         if addr not in self._channels:
             self._channels[addr] = InternalAuth(None, tls).channel(addr)

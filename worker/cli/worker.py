@@ -45,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deployment", default=_env("DEPLOYMENT", "default"), help="namespace of the Redis keys")
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     auth.add_cli_args(p)
+    auth.add_peer_identity_arg(p)
     ServingArgs.add_cli_args(p, env=True)
     EngineArgs.add_cli_args(p, env=True)
 
@@ -77,6 +78,11 @@ def config_from_args(args):
         )
     # resolved here so that every later reader (KV layout, handshake, logs) sees the real values
     engine = dataclasses.replace(engine, dtype=engine.resolved_dtype(), device=engine.resolved_device())
+    internal = auth.from_cli_args(args, "disagg worker")
+    if internal.peer_identity == "certificate":
+        from disagg.worker.serving.peer_identity import check_own_certificate
+
+        check_own_certificate(args.grpc_tls_dir, worker_id)
     return WorkerConfig(
         engine=engine,
         role=args.role,
@@ -88,7 +94,7 @@ def config_from_args(args):
         metrics_port=args.metrics_port,
         redis_url=args.redis_url,
         redis_password=_password(args),
-        auth=auth.from_cli_args(args, "disagg worker"),
+        auth=internal,
         deployment=args.deployment,
         serving=serving,
     )

@@ -12,7 +12,6 @@ The receiver's address travels in its handshake payload (`advertise_address`), a
 from __future__ import annotations
 
 import logging
-import uuid
 import warnings
 
 import grpc
@@ -23,8 +22,9 @@ from disagg.proto import kv_transfer_pb2 as pb
 from disagg.proto import kv_transfer_pb2_grpc as pb_grpc
 from disagg.worker.kv_transfer.base import KVTransport
 from disagg.worker.kv_transfer.handle import TransferHandle
-from disagg.worker.kv_transfer.handshake import decode_handshake, encode_handshake
+from disagg.worker.kv_transfer.handshake import agent_name, decode_handshake, encode_handshake, worker_of
 from disagg.worker.kv_transfer.layout import KVLayout
+from disagg.worker.kv_transfer.metrics import TRANSFER_REFUSED
 from disagg.worker.kv_transfer.region_runs import block_runs
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class GrpcTransport(KVTransport):
             raise ValueError(
                 f"chunk_bytes: {chunk_bytes} is smaller than one block ({layout.block_bytes} bytes)"
             )
-        self.agent_name = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.agent_name = agent_name(name)
         self.advertise_address = advertise_address
         self.blocks_per_chunk = chunk_bytes // layout.block_bytes
         self._regions = _RegionBytes(kv_cache, layout)
@@ -148,9 +148,11 @@ class GrpcTransport(KVTransport):
         self._connect, self._wrap_stub = connect, wrap_stub
         self.reserved_only = reserved_only
 
-    def servicer(self) -> KVTransferServicer:
-        """Mount on the worker's gRPC server: pb_grpc.add_KVTransferServicer_to_server(t.servicer(), server)."""
-        return KVTransferServicer(self)
+    def servicer(self, caller_check=None) -> KVTransferServicer:
+        """Mount on the worker's gRPC server: pb_grpc.add_KVTransferServicer_to_server(t.servicer(), server).
+        caller_check(context, worker_id) -> why a push claiming to come from that worker is refused
+        (None: accepted)."""
+        return KVTransferServicer(self, caller_check)
 
     def handshake_payload(self) -> bytes:
         return encode_handshake(
@@ -213,8 +215,9 @@ class GrpcTransport(KVTransport):
 class KVTransferServicer(pb_grpc.KVTransferServicer):
     """Receiving end: writes pushed blocks into the transport's tensor (called from server threads)."""
 
-    def __init__(self, transport: GrpcTransport):
+    def __init__(self, transport: GrpcTransport, caller_check=None):
         self._t = transport
+        self._caller_check = caller_check
 
     def PushBlocks(self, request_iterator, context):
         layout = self._t.layout
@@ -224,14 +227,18 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
         try:
             for chunk in request_iterator:
                 if not transfer_id:
-                    if chunk.compat_hash != layout.compat_hash():
-                        context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                      f"KV compatibility hash differs: receiver {layout.compat_hash()}, "
-                                      f"sender {chunk.compat_hash or '(none)'}")  # fmt: skip
                     if not chunk.request_id or not chunk.sender:
                         context.abort(
                             grpc.StatusCode.INVALID_ARGUMENT, "first chunk lacks request_id or sender"
                         )
+                    denied = self._caller_check and self._caller_check(context, worker_of(chunk.sender))
+                    if denied:
+                        TRANSFER_REFUSED.labels(self._t.backend).inc()
+                        context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
+                    if chunk.compat_hash != layout.compat_hash():
+                        context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                      f"KV compatibility hash differs: receiver {layout.compat_hash()}, "
+                                      f"sender {chunk.compat_hash or '(none)'}")  # fmt: skip
                     sender, transfer_id = chunk.sender, chunk.request_id
                 error = self._check_chunk(chunk, layout)
                 if error:
@@ -270,5 +277,8 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
     def Notify(self, request, context):
         if not request.sender or not request.request_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "notice lacks sender or request_id")
+        denied = self._caller_check and self._caller_check(context, worker_of(request.sender))
+        if denied:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
         self._t._on_notice(request.sender, request)
         return pb.KVPushAck()

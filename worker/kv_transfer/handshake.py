@@ -6,6 +6,8 @@ proto/kv_transfer.proto.
 
 from __future__ import annotations
 
+import uuid
+
 from google.protobuf.message import DecodeError
 
 from disagg.proto import kv_transfer_pb2 as pb
@@ -16,6 +18,17 @@ _COMPAT_FIELDS = (
     "model_id", "dtype", "kv_cache_dtype", "weight_quantization", "num_layers", "num_kv_heads", "head_dim",
     "block_size",
 )  # fmt: skip
+
+
+def agent_name(worker_id: str) -> str:
+    """A transport's name on the wire: its worker's id, and a fresh suffix per process so that a
+    restarted worker is not confused with its old self."""
+    return f"{worker_id}-{uuid.uuid4().hex[:8]}"
+
+
+def worker_of(name: str) -> str:
+    """The worker id an `agent_name` was made from."""
+    return name.rsplit("-", 1)[0]
 
 
 def layout_to_proto(layout: KVLayout) -> pb.KVLayoutSpec:

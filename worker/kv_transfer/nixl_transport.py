@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import uuid
 
 import numpy as np
 import torch
@@ -25,7 +24,12 @@ from disagg.proto import kv_transfer_pb2 as pb
 from disagg.worker.kv_transfer.base import KVTransport
 from disagg.worker.kv_transfer.errors import IncompatiblePeer
 from disagg.worker.kv_transfer.handle import TransferHandle, all_of, finished_handle
-from disagg.worker.kv_transfer.handshake import decode_handshake, encode_handshake, parse_handshake
+from disagg.worker.kv_transfer.handshake import (
+    agent_name,
+    decode_handshake,
+    encode_handshake,
+    parse_handshake,
+)
 from disagg.worker.kv_transfer.layout import KVLayout
 from disagg.worker.kv_transfer.region_runs import find_runs, run_descriptors, segment_descriptors
 from disagg.worker.kv_transfer.tp_layout import TPLayout, block_segments, head_copies
@@ -182,8 +186,7 @@ class NixlTransport(KVTransport):
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         from nixl._api import nixl_agent, nixl_agent_config
 
-        # A fresh suffix per process: a restarted worker must not be confused with its old self.
-        self.agent_name = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.agent_name = agent_name(name)
         self.agent = nixl_agent(
             self.agent_name,
             nixl_agent_config(enable_prog_thread=False, backends=["UCX"], num_threads=threads),

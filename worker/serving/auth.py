@@ -6,6 +6,10 @@ constant time by a server interceptor; optionally gRPC over TLS with cert-manage
 certificate it signed). The token comes from the environment (a `secretKeyRef`) or a file (a
 mounted Secret), never from the command line. Without a token a process refuses to start unless
 told `--insecure-internal` (development only). See docs/security.md.
+
+The TLS files are re-read when they change (cert-manager renews them in place): new connections,
+served or made, use the renewed certificate. With `--peer-identity certificate` each worker holds
+its own certificate, whose common name is its worker id (`worker/serving/peer_identity.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ TOKEN_FILE_ENV = "DISAGG_INTERNAL_TOKEN_FILE"
 TLS_DIR_ENV = "DISAGG_GRPC_TLS_DIR"
 TLS_SERVER_NAME_ENV = "DISAGG_GRPC_TLS_SERVER_NAME"
 INSECURE_ENV = "DISAGG_INSECURE_INTERNAL"
+PEER_IDENTITY_ENV = "DISAGG_PEER_IDENTITY"
+# token: one credential for the whole deployment; certificate: each worker's own TLS certificate
+PEER_IDENTITIES = ("token", "certificate")
 METADATA_KEY = "authorization"
 
 REFUSED = Counter(
@@ -58,15 +65,58 @@ class TLSFiles:
         return cls(cert, key, ca, server_name or None)
 
 
+class TLSDirectory:
+    """The TLS files of one directory, read again whenever one of them changed: cert-manager
+    (its csi-driver, or a Secret volume) renews a certificate in place, long before a pod ends."""
+
+    NAMES = ("tls.crt", "tls.key", "ca.crt")
+
+    def __init__(self, directory: str, server_name: str | None = None):
+        self.directory = Path(directory)
+        self.server_name = server_name or None
+        self._stamp = self._stat()
+        self._files = TLSFiles.load(directory, server_name)
+
+    def _stat(self) -> tuple:
+        out = []
+        for name in self.NAMES:
+            try:
+                st = (self.directory / name).stat()  # follows the volume's ..data symlink
+                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def current(self) -> TLSFiles:
+        """The files as they are now (the same object while nothing changed). A renewal caught half
+        written keeps the previous files until the next call reads a whole set."""
+        stamp = self._stat()
+        if stamp != self._stamp:
+            try:
+                self._files = TLSFiles.load(str(self.directory), self.server_name)
+                self._stamp = stamp
+                log.info("gRPC TLS files in %s changed: new connections use them", self.directory)
+            except MissingCredential as e:
+                log.warning("gRPC TLS files in %s changed but could not be read (%s): keeping the "
+                            "previous ones", self.directory, e)  # fmt: skip
+        return self._files
+
+
 @dataclass(frozen=True)
 class InternalAuth:
     """token None means insecure (explicit development opt-out)."""
 
     token: str | None
-    tls: TLSFiles | None = None
+    tls: TLSFiles | TLSDirectory | None = None
+    peer_identity: str = "token"  # one of PEER_IDENTITIES
 
     def __repr__(self) -> str:  # never print the token
-        return f"InternalAuth(token={'set' if self.token else None}, tls={self.tls is not None})"
+        return (f"InternalAuth(token={'set' if self.token else None}, tls={self.tls is not None}, "
+                f"peer_identity={self.peer_identity})")  # fmt: skip
+
+    def tls_files(self) -> TLSFiles | None:
+        """The TLS files new connections use now."""
+        return self.tls.current() if isinstance(self.tls, TLSDirectory) else self.tls
 
     # ---- checks -----------------------------------------------------------------------------
     def check(self, presented: str | None) -> bool:
@@ -89,37 +139,49 @@ class InternalAuth:
         return [] if self.token is None else [_TokenInterceptor(self)]
 
     def add_port(self, server, address: str) -> int:
-        if self.tls is None:
+        files = self.tls_files()
+        if files is None:
             return server.add_insecure_port(address)
-        creds = grpc.ssl_server_credentials(
-            [(self.tls.key, self.tls.cert)],
-            root_certificates=self.tls.ca,
-            require_client_auth=self.tls.ca is not None,
+        served = [files]
+
+        def renewed():  # gRPC asks before each new connection's handshake
+            now = self.tls_files()
+            if now is served[0]:
+                return None
+            served[0] = now
+            return _server_configuration(now)
+
+        creds = grpc.dynamic_ssl_server_credentials(
+            _server_configuration(files), renewed, require_client_authentication=files.ca is not None
         )
         return server.add_secure_port(address, creds)
 
-    def _channel_args(self, options):
+    @staticmethod
+    def _channel_args(files: TLSFiles | None, options):
         options = list(options or [])
-        if self.tls is not None and self.tls.server_name:
-            options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+        if files is not None and files.server_name:
+            options.append(("grpc.ssl_target_name_override", files.server_name))
         return options
 
-    def _channel_credentials(self):
+    @staticmethod
+    def _channel_credentials(files: TLSFiles):
         return grpc.ssl_channel_credentials(
-            root_certificates=self.tls.ca, private_key=self.tls.key, certificate_chain=self.tls.cert
+            root_certificates=files.ca, private_key=files.key, certificate_chain=files.cert
         )
 
     def aio_channel(self, address: str, options=None) -> grpc.aio.Channel:
-        options = self._channel_args(options)
-        if self.tls is None:
+        files = self.tls_files()
+        options = self._channel_args(files, options)
+        if files is None:
             return grpc.aio.insecure_channel(address, options=options)
-        return grpc.aio.secure_channel(address, self._channel_credentials(), options=options)
+        return grpc.aio.secure_channel(address, self._channel_credentials(files), options=options)
 
     def channel(self, address: str, options=None) -> grpc.Channel:
-        options = self._channel_args(options)
-        if self.tls is None:
+        files = self.tls_files()
+        options = self._channel_args(files, options)
+        if files is None:
             return grpc.insecure_channel(address, options=options)
-        return grpc.secure_channel(address, self._channel_credentials(), options=options)
+        return grpc.secure_channel(address, self._channel_credentials(files), options=options)
 
     def wrap(self, stub):
         """`stub` whose every call carries the credential (sync and asyncio stubs alike)."""
@@ -127,6 +189,10 @@ class InternalAuth:
 
 
 INSECURE = InternalAuth(None)
+
+
+def _server_configuration(files: TLSFiles):
+    return grpc.ssl_server_certificate_configuration([(files.key, files.cert)], root_certificates=files.ca)
 
 
 class _Method:
@@ -202,6 +268,16 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
                    help="development only: accept and send internal calls without a credential")  # fmt: skip
 
 
+def add_peer_identity_arg(p: argparse.ArgumentParser) -> None:
+    """A worker's setting only: the router serves no gRPC, it only calls workers."""
+    p.add_argument("--peer-identity", choices=PEER_IDENTITIES,
+                   default=os.environ.get(PEER_IDENTITY_ENV) or PEER_IDENTITIES[0],
+                   help="token: every holder of the internal credential may act for any worker; "
+                        "certificate: each worker holds its own certificate (common name = its worker "
+                        "id, --grpc-tls-dir with ca.crt) and a worker writes KV only into the blocks of "
+                        "the worker whose certificate called it")  # fmt: skip
+
+
 def read_token(token_file: str | None, prog: str) -> str | None:
     """The credential from `token_file` (a mounted Secret) or DISAGG_INTERNAL_TOKEN; None without."""
     if token_file:
@@ -218,7 +294,13 @@ def read_token(token_file: str | None, prog: str) -> str | None:
 def from_cli_args(args, prog: str) -> InternalAuth:
     """The credential from --internal-token-file or DISAGG_INTERNAL_TOKEN; a clear exit without one."""
     token = read_token(args.internal_token_file, prog)
-    tls = TLSFiles.load(args.grpc_tls_dir, args.grpc_tls_server_name) if args.grpc_tls_dir else None
+    tls = TLSDirectory(args.grpc_tls_dir, args.grpc_tls_server_name) if args.grpc_tls_dir else None
+    identity = getattr(args, "peer_identity", PEER_IDENTITIES[0])
+    if identity == "certificate" and (tls is None or tls.current().ca is None):
+        raise MissingCredential(
+            f"{prog}: --peer-identity certificate needs --grpc-tls-dir ({TLS_DIR_ENV}) holding ca.crt: "
+            "a caller is known by the certificate it presents, which only mutual TLS checks"
+        )
     if token is None:
         if not args.insecure_internal:
             raise MissingCredential(
@@ -229,4 +311,4 @@ def from_cli_args(args, prog: str) -> InternalAuth:
         log.warning(
             "internal authentication is OFF (--insecure-internal): anyone who reaches the ports is trusted"
         )
-    return InternalAuth(token, tls)
+    return InternalAuth(token, tls, identity)

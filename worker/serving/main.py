@@ -264,7 +264,11 @@ class WorkerProcess:
         if holder["transport"] is not None and hasattr(holder["transport"], "servicer"):
             from disagg.proto import kv_transfer_pb2_grpc
 
-            kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(holder["transport"].servicer(), self.server)
+            identity = self.service.identity
+            servicer = holder["transport"].servicer(
+                lambda ctx, worker: identity.refusal(ctx, worker, "PushBlocks")
+            )
+            kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(servicer, self.server)
         await self.server.start()
         await self.state.register()
         self.state.start(

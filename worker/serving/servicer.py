@@ -27,6 +27,7 @@ from disagg.worker.serving.core import WorkerCore
 from disagg.worker.serving.engine_loop import EngineLoop
 from disagg.worker.serving.metrics import ServingMetrics
 from disagg.worker.serving.output_stream import OutputStream, count_prefix
+from disagg.worker.serving.peer_identity import PeerIdentity
 from disagg.worker.serving.prefill_job import PrefillJob, PrefillResult
 from disagg.worker.serving.remote_prefill import RemotePrefill
 from disagg.worker.serving.state_link import StateLink
@@ -90,6 +91,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         # request id of each stream a drain handed off -> when: their new workers may pull its K/V
         self.handed_off: dict[str, float] = {}
         self._stubs = WorkerStubs(auth)
+        self.identity = PeerIdentity(auth.peer_identity)
         # a colocated worker's targets hold a longer prefix than it does: it pulls one only when the
         # priced trip is cheaper than computing that prefix itself, whatever the placement mode
         args = (
@@ -205,6 +207,10 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     # ---- Prefill (prefill / both) ----------------------------------------------------------------
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        # the KV goes into the blocks of the decode worker the request names: only that worker may ask
+        denied = self.identity.refusal(context, request.decode_worker_id, "Prefill")
+        if denied is not None:
+            return pb.PrefillResponse(error=error("permission_denied", denied))
         refused = self._refuse_prefill(request)
         if refused is not None:
             return pb.PrefillResponse(error=refused)
@@ -263,14 +269,20 @@ class WorkerService(pb_grpc.WorkerServicer):
         return refused
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
+        # the payload says where this worker's KV writes for request.worker_id go
+        denied = self.identity.refusal(context, request.worker_id, "Handshake")
+        if denied is not None:
+            return pb.HandshakeResponse(
+                worker_id=self.opts.worker_id, error=error("permission_denied", denied)
+            )
         if not self.ready:
             return pb.HandshakeResponse(error=error("unavailable", "not ready"))
         try:
             await self._call(self.core.sender.add_peer, request.worker_id, bytes(request.payload))
-            payload = await self._call(self.core.transport.handshake_payload)
         except Exception as e:  # IncompatiblePeer, bad payload
             return pb.HandshakeResponse(worker_id=self.opts.worker_id, error=error("invalid_request", str(e)))
-        return pb.HandshakeResponse(worker_id=self.opts.worker_id, payload=payload)
+        # our own payload is not sent back: only the peers we write to need theirs
+        return pb.HandshakeResponse(worker_id=self.opts.worker_id)
 
     # ---- control ----------------------------------------------------------------------------------
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:

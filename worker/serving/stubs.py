@@ -30,23 +30,29 @@ GRPC_OPTIONS = [
 
 class WorkerStubs:
     def __init__(self, auth: InternalAuth = INSECURE) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[str, tuple[grpc.aio.Channel, object]] = {}  # address -> channel, its TLS files
+        self._retired: list[grpc.aio.Channel] = []
         self._auth = auth
 
     def stub(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        """A stub whose calls carry the deployment's internal credential."""
-        ch = self._channels.get(address)
-        if ch is None:
+        """A stub whose calls carry the deployment's internal credential. After the TLS files were
+        renewed, a new channel presents the new certificate; calls still on the old one finish there."""
+        ch, files = self._channels.get(address, (None, None))
+        current = self._auth.tls_files()
+        if ch is None or files is not current:
+            if ch is not None:
+                self._retired.append(ch)
             ch = self._auth.aio_channel(address, options=GRPC_OPTIONS)
-            self._channels[address] = ch
+            self._channels[address] = (ch, current)
         return self._auth.wrap(worker_pb2_grpc.WorkerStub(ch))
 
     async def drop(self, address: str) -> None:
-        ch = self._channels.pop(address, None)
+        ch, _ = self._channels.pop(address, (None, None))
         if ch is not None:
             await ch.close()
 
     async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
+        channels = [ch for ch, _ in self._channels.values()] + self._retired
+        self._channels, self._retired = {}, []
         for ch in channels:
             await ch.close()

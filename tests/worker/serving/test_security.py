@@ -23,6 +23,7 @@ from disagg.proto import kv_transfer_pb2_grpc as kv_grpc
 from disagg.proto import worker_pb2 as pb
 from disagg.proto import worker_pb2_grpc as pb_grpc
 
+from ..certificates import SERVER_NAME, issue, make_ca
 from ..cluster import Cluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -229,37 +230,10 @@ def test_no_secret_in_any_command_line_or_log(cluster, secure_redis):
             assert secret not in text, f"a secret is in the log of {proc.name}"
 
 
-def _certificates(directory: Path) -> Path:
-    """A CA and one certificate (cert-manager's layout: tls.crt, tls.key, ca.crt) for every worker."""
-    directory.mkdir()
-
-    def ssl(*args):
-        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
-
-    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
-        "-days", "1", "-subj", "/CN=disagg-test-ca")  # fmt: skip
-    ssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "tls.key",
-        "-out",
-        "tls.csr",
-        "-subj",
-        "/CN=disagg-internal",
-    )
-    (directory / "ext.cnf").write_text("subjectAltName=DNS:disagg-internal\n")
-    ssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "tls.crt", "-days", "1", "-extfile", "ext.cnf")  # fmt: skip
-    return directory
-
-
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_grpc_over_mutual_tls(tiny_model, tmp_path, redis_server):
-    tls = _certificates(tmp_path / "tls")
-    env = {"DISAGG_GRPC_TLS_DIR": str(tls), "DISAGG_GRPC_TLS_SERVER_NAME": "disagg-internal"}
+    tls = issue(make_ca(tmp_path / "ca"), tmp_path / "tls", SERVER_NAME)
+    env = {"DISAGG_GRPC_TLS_DIR": str(tls), "DISAGG_GRPC_TLS_SERVER_NAME": SERVER_NAME}
     c = Cluster(tiny_model, tmp_path, redis_url=redis_server.url, kv_transfer="grpc",
                 worker_args=("--prefill-placement", "threshold", "--disagg-threshold", "8"), deployment="tls", env=env)  # fmt: skip
     try:
@@ -276,7 +250,7 @@ def test_grpc_over_mutual_tls(tiny_model, tmp_path, redis_server):
         assert c.stub("decode-0").Load(pb.LoadRequest(), timeout=5).worker_id == "decode-0"  # over TLS
         # TLS without a client certificate signed by the CA is refused too
         creds = grpc.ssl_channel_credentials(root_certificates=(tls / "ca.crt").read_bytes())
-        options = [("grpc.ssl_target_name_override", "disagg-internal")]
+        options = [("grpc.ssl_target_name_override", SERVER_NAME)]
         with grpc.secure_channel(c.workers["decode-0"].grpc_address, creds, options=options) as ch:
             with pytest.raises(grpc.RpcError):
                 pb_grpc.WorkerStub(ch).Load(
