@@ -95,6 +95,19 @@ RULES: tuple[Rule, ...] = (
         ".disk",
     ),
     Rule(
+        "spec.grpcTLS",
+        "has(self.secretName) != has(self.perPodIssuer)",
+        lambda t: _has(t, "secretName") != _has(t, "perPodIssuer"),
+        "set exactly one of secretName and perPodIssuer",
+    ),
+    Rule(
+        "spec.grpcTLS",
+        "!has(self.perPodIssuer) || has(self.serverName)",
+        lambda t: not _has(t, "perPodIssuer") or _has(t, "serverName"),
+        "perPodIssuer needs serverName, the DNS name each pod's certificate carries for its peers to check",
+        ".serverName",
+    ),
+    Rule(
         "spec.redis",
         "has(self.managed) != has(self.external)",
         lambda r: _has(r, "managed") != _has(r, "external"),

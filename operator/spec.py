@@ -222,8 +222,22 @@ class Speculative:
 
 
 @dataclass(frozen=True)
+class PerPodIssuer:
+    """cert-manager's issuer of one certificate per pod (its csi-driver)."""
+
+    name: str
+    kind: str = "Issuer"
+    group: str = "cert-manager.io"
+    duration: str = "24h"
+
+
+ISSUER_KINDS = ("Issuer", "ClusterIssuer")
+
+
+@dataclass(frozen=True)
 class GrpcTLS:
-    secret_name: str
+    secret_name: str | None = None  # one certificate for every pod
+    per_pod: PerPodIssuer | None = None  # or one per pod: each worker's own identity
     server_name: str | None = None
 
 
@@ -375,8 +389,19 @@ def _grpc_tls(spec: dict) -> GrpcTLS | None:
     tls = _section(spec, "grpcTLS", "spec")
     if not tls:
         return None
+    issuer = _section(tls, "perPodIssuer", "spec.grpcTLS")
+    per_pod = None
+    if issuer:
+        path = "spec.grpcTLS.perPodIssuer"
+        per_pod = PerPodIssuer(
+            name=_get(issuer, "name", path, str, required=True),
+            kind=_choice(issuer, "kind", path, ISSUER_KINDS, PerPodIssuer.kind),
+            group=_get(issuer, "group", path, str, PerPodIssuer.group),
+            duration=_get(issuer, "duration", path, str, PerPodIssuer.duration),
+        )
     return GrpcTLS(
-        secret_name=_get(tls, "secretName", "spec.grpcTLS", str, required=True),
+        secret_name=_get(tls, "secretName", "spec.grpcTLS", str, None),
+        per_pod=per_pod,
         server_name=_get(tls, "serverName", "spec.grpcTLS", str, None),
     )
 

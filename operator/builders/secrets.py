@@ -9,13 +9,14 @@ deployment.
 
 from __future__ import annotations
 
-from disagg.operator.builders import common
-from disagg.operator.spec import InferenceDeployment
+from disagg.operator.builders import common, hardening
+from disagg.operator.spec import GrpcTLS, InferenceDeployment
 
 INTERNAL_TOKEN_KEY = "internal-token"
 REDIS_PASSWORD_KEY = "redis-password"
 TLS_DIR = "/etc/disagg/grpc-tls"
 TLS_VOLUME = "grpc-tls"
+PEER_IDENTITY_ENV = "DISAGG_PEER_IDENTITY"  # worker/serving/auth.py reads it
 
 
 def credentials_name(idep: InferenceDeployment) -> str:
@@ -66,8 +67,36 @@ def tls_volumes(idep: InferenceDeployment) -> list[dict]:
     tls = idep.spec.grpc_tls
     if tls is None:
         return []
+    if tls.per_pod is not None:
+        return [per_pod_certificate_volume(tls)]
     # 0440 with the pods' fsGroup: the key is readable by the serving process and no one else.
     return [{"name": TLS_VOLUME, "secret": {"secretName": tls.secret_name, "defaultMode": 0o440}}]
+
+
+def per_pod_certificate_volume(tls: GrpcTLS) -> dict:
+    """cert-manager's csi-driver: a key made on the node, never leaving it, and a certificate
+    naming the pod (a worker's id is its pod's name), in the same file layout as a TLS Secret."""
+    issuer = tls.per_pod
+    attributes = {
+        "csi.cert-manager.io/issuer-name": issuer.name,
+        "csi.cert-manager.io/issuer-kind": issuer.kind,
+        "csi.cert-manager.io/issuer-group": issuer.group,
+        "csi.cert-manager.io/common-name": "${POD_NAME}",  # the driver's variable, not a shell's
+        "csi.cert-manager.io/dns-names": tls.server_name,
+        "csi.cert-manager.io/duration": issuer.duration,
+        "csi.cert-manager.io/fs-group": str(hardening.USER),  # the key readable by the serving user
+    }
+    return {"name": TLS_VOLUME, "csi": {"driver": "csi.cert-manager.io", "readOnly": True,
+                                        "volumeAttributes": attributes}}  # fmt: skip
+
+
+def worker_identity_env(idep: InferenceDeployment) -> list[dict]:
+    """With a certificate per pod, each worker acts only for itself (a worker setting: the router
+    serves no gRPC)."""
+    tls = idep.spec.grpc_tls
+    if tls is None or tls.per_pod is None:
+        return []
+    return [{"name": PEER_IDENTITY_ENV, "value": "certificate"}]
 
 
 def tls_mounts(idep: InferenceDeployment) -> list[dict]:

@@ -219,6 +219,7 @@ def env(idep: InferenceDeployment, role: Role) -> list[dict]:
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         *secrets.serving_env(idep),
+        *secrets.worker_identity_env(idep),
         *hardening.scratch_env(cache=True),
     ]
     transports = idep.spec.kv_transfer.ucx_transports

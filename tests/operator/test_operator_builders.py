@@ -215,11 +215,50 @@ def test_external_redis_password_comes_from_a_secret():
     } in main["env"]
 
 
+def test_per_pod_certificates_give_each_worker_its_own_identity():
+    body = load_example("cpu-tiny.yaml")
+    body["spec"]["grpcTLS"] = {
+        "perPodIssuer": {"name": "mesh-ca", "kind": "ClusterIssuer"},
+        "serverName": "tiny.disagg",
+    }
+    kids = children(body)
+    router = kids["Deployment", "tiny-router"]["spec"]["template"]["spec"]
+    for pod in (
+        kids["StatefulSet", f"tiny-{role}"]["spec"]["template"]["spec"] for role in ("prefill", "decode")
+    ):
+        main = pod["containers"][0]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "grpc-tls"]
+        assert volume["csi"]["driver"] == "csi.cert-manager.io" and volume["csi"]["readOnly"]
+        attributes = volume["csi"]["volumeAttributes"]
+        # the certificate names the pod, and the worker's id is its pod's name
+        assert attributes["csi.cert-manager.io/common-name"] == "${POD_NAME}"
+        assert main["args"][main["args"].index("--worker-id") + 1] == "$(POD_NAME)"
+        assert attributes["csi.cert-manager.io/issuer-name"] == "mesh-ca"
+        assert attributes["csi.cert-manager.io/issuer-kind"] == "ClusterIssuer"
+        assert attributes["csi.cert-manager.io/dns-names"] == "tiny.disagg"
+        assert attributes["csi.cert-manager.io/duration"] == "24h"
+        assert attributes["csi.cert-manager.io/fs-group"] == str(pod["securityContext"]["fsGroup"])
+        assert {"name": "DISAGG_PEER_IDENTITY", "value": "certificate"} in main["env"]
+        assert {"name": "DISAGG_GRPC_TLS_SERVER_NAME", "value": "tiny.disagg"} in main["env"]
+    # the router presents a certificate of its own too, and has no worker setting
+    (volume,) = [v for v in router["volumes"] if v["name"] == "grpc-tls"]
+    assert volume["csi"]["volumeAttributes"]["csi.cert-manager.io/common-name"] == "${POD_NAME}"
+    assert all(e["name"] != "DISAGG_PEER_IDENTITY" for e in router["containers"][0]["env"])
+    # one certificate for the whole deployment: no per-worker identity
+    body["spec"]["grpcTLS"] = {"secretName": "grpc-tls"}
+    main = worker(children(body), "tiny", "decode")
+    assert all(e["name"] != "DISAGG_PEER_IDENTITY" for e in main["env"])
+
+
 @pytest.mark.parametrize(
     ("mutate", "path"),
     [
         (
             lambda s: s["decode"].update(env=[{"name": "DISAGG_ROLE", "value": "prefill"}]),
+            "spec.decode.env[0].name",
+        ),
+        (
+            lambda s: s["decode"].update(env=[{"name": "DISAGG_PEER_IDENTITY", "value": "token"}]),
             "spec.decode.env[0].name",
         ),
         (

@@ -268,6 +268,17 @@ CEL_BAD = [
         "spec.redis",
         "set exactly one of managed and external",
     ),
+    (lambda s: s.update(grpcTLS={"serverName": "disagg"}), "spec.grpcTLS", "set exactly one of secretName"),
+    (
+        lambda s: s.update(grpcTLS={"secretName": "tls", "perPodIssuer": {"name": "ca"}, "serverName": "d"}),
+        "spec.grpcTLS",
+        "set exactly one of secretName and perPodIssuer",
+    ),
+    (
+        lambda s: s.update(grpcTLS={"perPodIssuer": {"name": "ca"}}),
+        "spec.grpcTLS.serverName",
+        "perPodIssuer needs serverName",
+    ),
 ]
 
 CEL_GOOD = [
@@ -280,6 +291,8 @@ CEL_GOOD = [
     lambda s: s.update(redis={"external": {"url": "redis://cache:6379"}}),
     lambda s: s["model"].update(source={"hostPath": {"path": "/models/tiny"}}),
     lambda s: s["decode"].setdefault("kvCache", {}).update(host={"memory": "1Gi"}, disk={"size": "20Gi"}),
+    lambda s: s.update(grpcTLS={"secretName": "tls"}),
+    lambda s: s.update(grpcTLS={"perPodIssuer": {"name": "ca", "kind": "ClusterIssuer"}, "serverName": "d"}),
 ]
 
 

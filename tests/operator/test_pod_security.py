@@ -26,6 +26,10 @@ def _tls_and_keys(spec):
     spec["router"]["apiKeySecret"] = {"name": "keys"}
 
 
+def _per_pod_certificates(spec):
+    spec["grpcTLS"] = {"perPodIssuer": {"name": "ca-issuer"}, "serverName": "disagg.internal"}
+
+
 def _pvc(spec):
     spec["model"]["source"] = {"pvc": {"claimName": "models"}}
 
@@ -37,6 +41,7 @@ def _external_redis(spec):
 VARIANTS = {
     "hugging-face": _hf,
     "tls-and-api-keys": _tls_and_keys,
+    "per-pod-certificates": _per_pod_certificates,
     "pvc": _pvc,
     "external-redis": _external_redis,
 }
