@@ -551,6 +551,26 @@ async def test_kv_tiers_reach_the_statefulset_and_a_disk_without_host_is_refused
     await _dry_run_pod(kube, ns, "tiers-pod", template)
 
 
+async def test_per_pod_certificates_need_a_server_name_and_their_pods_are_restricted(kube, ns):
+    body = example("certs", ns)
+    body["spec"]["grpcTLS"] = {"perPodIssuer": {"name": "mesh-ca"}}
+    with pytest.raises(KubeError) as err:  # the API server's CEL rule
+        await create(kube, body)
+    assert err.value.status == 422 and "perPodIssuer needs serverName" in str(err.value)
+
+    body["spec"]["grpcTLS"]["serverName"] = "certs.disagg"
+    await create(kube, body)
+    decode = await eventually(lambda: sts(kube, ns, "certs-decode"), 30, "the decode StatefulSet")
+    template = decode["spec"]["template"]
+    (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == "grpc-tls"]
+    assert volume["csi"]["volumeAttributes"]["csi.cert-manager.io/issuer-kind"] == "Issuer"  # CRD default
+    assert {"name": "DISAGG_PEER_IDENTITY", "value": "certificate"} in template["spec"]["containers"][0][
+        "env"
+    ]
+    # a csi volume is among the volume types `restricted` allows
+    await _dry_run_pod(kube, ns, "certs-pod", template)
+
+
 LWS = ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")
 LWS_CRD = yaml.safe_load((pathlib.Path(__file__).parent / "leaderworkerset-crd.yaml").read_text())
 
