@@ -143,7 +143,7 @@ class Threshold:
 def thresholds(quantized, cpu_native, cpu_bf16) -> list[Threshold]:
     """Every row threshold with the kernels on its two sides on this CPU."""
     wide, narrow = cpu_native.gemm_vector_floats() >= 16, cpu_native.narrow_tiles()
-    vnni, bf16_dot = cpu_native.gemm_int8_is_fast(), cpu_bf16.dot_native()
+    vnni, bf16_dot, amx = cpu_native.gemm_int8_is_fast(), cpu_bf16.dot_native(), cpu_native.amx_usable()
     no_avx2_build = "the kernels are built for AVX-512 here (DISAGG_CPU_NATIVE_ARCH=x86-64-v3: AVX2)"
     q = quantized
     return [
@@ -152,9 +152,15 @@ def thresholds(quantized, cpu_native, cpu_bf16) -> list[Threshold]:
         Threshold("GEMM_NATIVE_MAX_ROWS_AVX2", q.GEMM_NATIVE_MAX_ROWS_AVX2, "float32", "native_gemm",
                   "packed_gemm", None if narrow else no_avx2_build),
         Threshold("BF16_GEMV_MAX_ROWS", q.BF16_GEMV_MAX_ROWS, "bfloat16", "bf16_gemv",
-                  "torch_gemm" if bf16_dot else "bf16_gemm"),
-        Threshold("W8A8_MIN_ROWS", q.W8A8_MIN_ROWS - 1, "int8", "int8_gemv", "int8_gemm",
+                  "torch_gemm" if bf16_dot else "bf16_gemm", "AMX is usable here: BF16_AMX_* apply" if amx else None),
+        Threshold("BF16_AMX_MIN_ROWS", q.BF16_AMX_MIN_ROWS - 1, "bfloat16", "bf16_gemv", "bf16_amx",
+                  None if amx else "needs AMX (granted and probed)"),
+        Threshold("BF16_AMX_MAX_ROWS", q.BF16_AMX_MAX_ROWS, "bfloat16", "bf16_amx", "torch_gemm",
+                  None if amx else "needs AMX (granted and probed)"),
+        Threshold("W8A8_MIN_ROWS", q.W8A8_MIN_ROWS - 1, "int8", "int8_gemv", "int8_amx" if amx else "int8_gemm",
                   None if vnni else "needs AVX-512 VNNI"),
+        Threshold("INT8_AMX_MAX_ROWS", q.INT8_AMX_MAX_ROWS, "int8", "int8_amx", "bf16_product",
+                  None if amx else "needs AMX (granted and probed)"),
         Threshold("BF16_PRODUCT_MIN_ROWS", q.BF16_PRODUCT_MIN_ROWS - 1, "int8",
                   "int8_gemm" if vnni else "int8_gemv", "bf16_product",
                   None if bf16_dot else "needs bf16 products (AVX-512 BF16)"),

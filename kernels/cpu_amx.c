@@ -1,4 +1,16 @@
-/* y[M][N] = (x[M][K] . W[N][K]^T) * scale[N] (+ bias[N]) on AMX: 8-bit weights (int8 or
+/* AMX matrix products: TDPBF16PS (bf16 pairs, float32 sums) and TDPBSSD/TDPBSUD (int8, int32 sums).
+ *
+ * gemm_bf16_amx: y[M][N] = x[M][K] . W[N][K]^T (+ bias[N]) for bf16 x and W, y rounded to bf16
+ * once. W is never repacked: 16 of its rows by 32 values, as they lie in memory (stride K), are
+ * the left tile of TDPBF16PS, and the inputs, packed once per call as the right tile (pairs of K
+ * values side by side, 16 inputs to a tile row), are what the weight rows multiply; each sum tile
+ * holds y^T for 16 weight rows by 16 inputs. So the weights stream from memory once for up to 32
+ * inputs, with no copy: batched decode and prompt chunks alike.
+ *
+ * gemm_i8_amx: int8 weights read in place the same way against 16-bit inputs as two byte
+ * planes (below): the VNNI GEMM's W8A16 numbers, the weights streamed once per 16 inputs.
+ *
+ * gemm_w8_amx: y[M][N] = (x[M][K] . W[N][K]^T) * scale[N] (+ bias[N]) on AMX: 8-bit weights (int8 or
  * float8_e4m3fn) times float32 inputs rounded to bf16, float32 sums (TDPBF16PS), float32 out.
  *
  * What quantized.scaled_linear_bf16 computes through torch's bf16 GEMM, in one call: the inputs
@@ -15,6 +27,7 @@
  * has not been granted. */
 #include "cpu_kernels.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,7 +39,7 @@ int64_t amx_usable(void);
 
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")
+#pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512bf16")
 #include <immintrin.h>
 #define HAVE_AMX_BUILD 1
 
@@ -215,8 +228,270 @@ int gemm_w8_amx(const void *w, int fp8, const float *scale, const float *bias, c
     free(xb);
     return failed ? -1 : 0;
 }
+/* The right tiles of 16 inputs: b[ks][r][i][2] = x[i][32 ks + 2 r + {0, 1}], zeros past m and k. */
+static void pack_inputs(const bf16 *x, int64_t m, int64_t k, int64_t ksteps, bf16 *b) {
+    for (int64_t ks = 0; ks < ksteps; ks++) {
+        __m512i r[16];
+        const int64_t j = ks * KSTEP, left = k - j < KSTEP ? k - j : KSTEP;
+        const __mmask32 mask = left == KSTEP ? (__mmask32)~0u : (__mmask32)((1u << left) - 1u);
+        for (int i = 0; i < 16; i++)
+            r[i] = i < m ? _mm512_maskz_loadu_epi16(mask, x + i * k + j) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int row = 0; row < 16; row++) _mm512_storeu_si512(b + ks * 512 + row * 32, r[row]);
+    }
+}
+
+/* Rows [n0, n0 + 16) of W as left tiles with the K tail (and rows past n) zeroed: only for the
+ * last, partial block of rows or a K that is not a multiple of 32. */
+static void copy_rows(const bf16 *w, int64_t n, int64_t k, int64_t n0, int64_t ksteps, bf16 *a) {
+    memset(a, 0, (size_t)ksteps * 512 * sizeof(bf16));
+    for (int64_t row = 0; row < 16 && n0 + row < n; row++)
+        for (int64_t j = 0; j < k; j++) a[(j / KSTEP) * 512 + row * KSTEP + j % KSTEP] = w[(n0 + row) * k + j];
+}
+
+int gemm_bf16_amx(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64_t m, int64_t n, int64_t k,
+                  int64_t num_threads) {
+    if (amx_usable() != 1) return -2;
+    const int64_t ksteps = (k + KSTEP - 1) / KSTEP, mblocks = (m + 15) / 16, nblocks = (n + NB - 1) / NB;
+    const int whole_k = k % KSTEP == 0;
+    bf16 *xb = aligned_alloc(64, (size_t)mblocks * ksteps * 512 * sizeof(bf16));
+    if (!xb) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t mb = 0; mb < mblocks; mb++) pack_inputs(x + mb * 16 * k, m - mb * 16, k, ksteps, xb + mb * ksteps * 512);
+        float *c = aligned_alloc(64, 4 * 256 * sizeof(float));
+        bf16 *edge = aligned_alloc(64, (size_t)2 * ksteps * 512 * sizeof(bf16)); /* rows needing zeros */
+        if (!c || !edge) failed = 1;
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) {
+            cfg.colsb[t] = 64;
+            cfg.rows[t] = 16;
+        }
+        if (!failed) _tile_loadconfig(&cfg);
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            if (failed) continue;
+            const int64_t n0 = nb * NB;
+            /* the two left tiles' rows: W itself, or a zero-padded copy at the edges */
+            const bf16 *a[2];
+            int64_t lda[2];
+            for (int t = 0; t < 2; t++) {
+                const int64_t r0 = n0 + 16 * t;
+                if (whole_k && r0 + 16 <= n) {
+                    a[t] = w + r0 * k, lda[t] = k * (int64_t)sizeof(bf16);
+                } else {
+                    if (r0 < n) copy_rows(w, n, k, r0, ksteps, edge + t * ksteps * 512);
+                    else memset(edge + t * ksteps * 512, 0, (size_t)ksteps * 512 * sizeof(bf16));
+                    a[t] = edge + t * ksteps * 512, lda[t] = -1; /* packed: tile ks at a + 512 ks */
+                }
+            }
+            for (int64_t mb = 0; mb < mblocks; mb += 2) {
+                const bf16 *b0 = xb + mb * ksteps * 512, *b1 = b0 + ksteps * 512;
+                const int two = mb + 1 < mblocks;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t ks = 0; ks < ksteps; ks++) {
+                    if (lda[0] > 0) _tile_loadd(4, a[0] + ks * KSTEP, lda[0]);
+                    else _tile_loadd(4, a[0] + ks * 512, 64);
+                    if (lda[1] > 0) _tile_loadd(5, a[1] + ks * KSTEP, lda[1]);
+                    else _tile_loadd(5, a[1] + ks * 512, 64);
+                    _tile_loadd(6, b0 + ks * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two) {
+                        _tile_loadd(7, b1 + ks * 512, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                /* c[t][j][i]: weight row n0 + 16 (t / 2) + j, input 16 (mb + t % 2) + i */
+                _tile_stored(0, c, 64);
+                _tile_stored(2, c + 512, 64);
+                if (two) {
+                    _tile_stored(1, c + 256, 64);
+                    _tile_stored(3, c + 768, 64);
+                }
+                for (int t = 0; t < 4; t++) {
+                    if (t % 2 && !two) continue;
+                    const int64_t r0 = n0 + 16 * (t / 2), i0 = 16 * (mb + t % 2);
+                    const float *sums = c + 256 * (t % 2) + 512 * (t / 2);
+                    for (int64_t i = 0; i < 16 && i0 + i < m; i++)
+                        for (int64_t j = 0; j < 16 && r0 + j < n; j++) {
+                            const float v = sums[j * 16 + i] + (bias ? bf16_widen(bias[r0 + j]) : 0.0f);
+                            y[(i0 + i) * n + r0 + j] = bf16_narrow(v);
+                        }
+                }
+            }
+        }
+        if (c && edge) _tile_release();
+        free(c);
+        free(edge);
+    }
+    free(xb);
+    return failed ? -1 : 0;
+}
+
+/* ---- int8 weights, 16-bit inputs (W8A16) on AMX-INT8 ------------------------------------------
+ * As gemm_i8 with input_bits=16 (cpu_gemm_int8.c), with the same integers: each input row
+ * rounded to q = round(x / s), s = max|x| / 32767, split as q = 256 hi + lo (hi = q >> 8 signed,
+ * lo = q & 255 unsigned); the weight's rows, read in place as left tiles (16 rows x 64 bytes),
+ * multiply the packed planes (TDPBSSD for hi, TDPBSUD for lo: int32 sums), and
+ * y = (256 hi_sum + lo_sum) * (s * scale[n]) (+ bias[n]), as there. */
+#define KSTEP8 64 /* int8 values of K per tile row */
+
+/* Input rows [0, 16) of x (m of them) rounded to 16 bits, as the right tiles of their two planes:
+ * planes[p][ks][r][i][4] = plane p of x[i][64 ks + 4 r + {0..3}], zeros past m and k; s[i] their scales. */
+static void pack_planes(const float *x, int64_t m, int64_t k, int64_t ksteps, uint8_t *hi, uint8_t *lo, float *s) {
+    uint8_t rows[2][16][KSTEP8] __attribute__((aligned(64)));
+    float inv[16];
+    for (int i = 0; i < 16 && i < m; i++) {
+        __m512 amax = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + 16 <= k; j += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i * k + j)));
+        float a = _mm512_reduce_max_ps(amax);
+        for (; j < k; j++) a = fmaxf(a, fabsf(x[i * k + j]));
+        s[i] = a > 0.0f ? a / 32767.0f : 1.0f;
+        inv[i] = 1.0f / s[i];
+    }
+    for (int64_t ks = 0; ks < ksteps; ks++) {
+        const int64_t j0 = ks * KSTEP8, left = k - j0 < KSTEP8 ? k - j0 : KSTEP8;
+        for (int i = 0; i < 16; i++)
+            for (int v = 0; v < 4; v++) {
+                const int64_t have = left - 16 * v;
+                __m512i q = _mm512_setzero_si512();
+                if (i < m && have > 0) { /* nearest, ties even: rintf under the default rounding */
+                    const __mmask16 mask = have >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << have) - 1u);
+                    const __m512 f = _mm512_maskz_loadu_ps(mask, x + i * k + j0 + 16 * v);
+                    q = _mm512_cvtps_epi32(_mm512_mul_ps(f, _mm512_set1_ps(inv[i])));
+                }
+                _mm_storeu_si128((__m128i *)(rows[0][i] + 16 * v), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));
+                _mm_storeu_si128((__m128i *)(rows[1][i] + 16 * v),
+                                 _mm512_cvtepi32_epi8(_mm512_and_si512(q, _mm512_set1_epi32(255))));
+            }
+        for (int p = 0; p < 2; p++) {
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(rows[p][i]);
+            transpose16(r);
+            uint8_t *dst = (p ? lo : hi) + ks * 1024;
+            for (int row = 0; row < 16; row++) _mm512_storeu_si512(dst + row * 64, r[row]);
+        }
+    }
+}
+
+/* Rows [n0, n0 + 16) of int8 W as left tiles with the K tail (and rows past n) zeroed. */
+static void copy_rows_i8(const int8_t *w, int64_t n, int64_t k, int64_t n0, int64_t ksteps, int8_t *a) {
+    memset(a, 0, (size_t)ksteps * 1024);
+    for (int64_t row = 0; row < 16 && n0 + row < n; row++)
+        for (int64_t j = 0; j < k; j++) a[(j / KSTEP8) * 1024 + row * KSTEP8 + j % KSTEP8] = w[(n0 + row) * k + j];
+}
+
+int gemm_i8_amx(const int8_t *w, const float *scale, const float *bias, const float *x, float *y, int64_t m,
+                int64_t n, int64_t k, int64_t num_threads) {
+    if (amx_usable() != 1) return -2;
+    const int64_t ksteps = (k + KSTEP8 - 1) / KSTEP8, mblocks = (m + 15) / 16, nblocks = (n + NB - 1) / NB;
+    const int whole_k = k % KSTEP8 == 0;
+    const size_t plane = (size_t)ksteps * 1024; /* one 16-input block's plane */
+    uint8_t *xb = aligned_alloc(64, 2 * plane * mblocks + 64 * ((mblocks * 16 * sizeof(float) + 63) / 64));
+    if (!xb) return -1;
+    float *sx = (float *)(xb + 2 * plane * mblocks);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t mb = 0; mb < mblocks; mb++)
+            pack_planes(x + mb * 16 * k, m - mb * 16, k, ksteps, xb + 2 * plane * mb, xb + 2 * plane * mb + plane,
+                        sx + mb * 16);
+        int32_t *c = aligned_alloc(64, 4 * 256 * sizeof(int32_t));
+        int8_t *edge = aligned_alloc(64, 2 * (size_t)ksteps * 1024);
+        if (!c || !edge) failed = 1;
+        tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) {
+            cfg.colsb[t] = 64;
+            cfg.rows[t] = 16;
+        }
+        if (!failed) _tile_loadconfig(&cfg);
+#pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < nblocks; nb++) {
+            if (failed) continue;
+            const int64_t n0 = nb * NB;
+            const int8_t *a[2];
+            int64_t lda[2];
+            for (int t = 0; t < 2; t++) {
+                const int64_t r0 = n0 + 16 * t;
+                if (whole_k && r0 + 16 <= n) {
+                    a[t] = w + r0 * k, lda[t] = k;
+                } else {
+                    copy_rows_i8(w, n, k, r0, ksteps, edge + t * ksteps * 1024);
+                    a[t] = edge + t * ksteps * 1024, lda[t] = -1;
+                }
+            }
+            for (int64_t mb = 0; mb < mblocks; mb++) {
+                const uint8_t *bh = xb + 2 * plane * mb, *bl = bh + plane;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t ks = 0; ks < ksteps; ks++) {
+                    if (lda[0] > 0) _tile_loadd(4, a[0] + ks * KSTEP8, lda[0]);
+                    else _tile_loadd(4, a[0] + ks * 1024, 64);
+                    if (lda[1] > 0) _tile_loadd(5, a[1] + ks * KSTEP8, lda[1]);
+                    else _tile_loadd(5, a[1] + ks * 1024, 64);
+                    _tile_loadd(6, bh + ks * 1024, 64);
+                    _tile_loadd(7, bl + ks * 1024, 64);
+                    _tile_dpbssd(0, 4, 6);
+                    _tile_dpbsud(1, 4, 7);
+                    _tile_dpbssd(2, 5, 6);
+                    _tile_dpbsud(3, 5, 7);
+                }
+                /* c[t]: t / 2 = the plane (hi, lo), t % 2 = the 16 weight rows; [row][input] */
+                _tile_stored(0, c, 64);
+                _tile_stored(1, c + 512, 64);
+                _tile_stored(2, c + 256, 64);
+                _tile_stored(3, c + 768, 64);
+                for (int t = 0; t < 2; t++) {
+                    const int64_t r0 = n0 + 16 * t, i0 = 16 * mb;
+                    const int32_t *his = c + 256 * t, *los = c + 512 + 256 * t;
+                    for (int64_t i = 0; i < 16 && i0 + i < m; i++)
+                        for (int64_t j = 0; j < 16 && r0 + j < n; j++) {
+                            const float dot = (float)his[j * 16 + i] * 256.0f + (float)los[j * 16 + i];
+                            float v = dot * (sx[i0 + i] * scale[r0 + j]);
+                            __asm__("" : "+v"(v)); /* rounded before the bias, as gemm_i8: no fused add */
+                            if (bias) v += bias[r0 + j];
+                            y[(i0 + i) * n + r0 + j] = v;
+                        }
+                }
+            }
+        }
+        if (c && edge) _tile_release();
+        free(c);
+        free(edge);
+    }
+    free(xb);
+    return failed ? -1 : 0;
+}
+
 #pragma GCC pop_options
 #else
+int gemm_i8_amx(const int8_t *w, const float *scale, const float *bias, const float *x, float *y, int64_t m,
+                int64_t n, int64_t k, int64_t num_threads) {
+    (void)w, (void)scale, (void)bias, (void)x, (void)y, (void)m, (void)n, (void)k, (void)num_threads;
+    return -2;
+}
+
+int gemm_bf16_amx(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64_t m, int64_t n, int64_t k,
+                  int64_t num_threads) {
+    (void)w, (void)bias, (void)x, (void)y, (void)m, (void)n, (void)k, (void)num_threads;
+    return -2;
+}
+
 int gemm_w8_amx(const void *w, int fp8, const float *scale, const float *bias, const float *x, float *y, int64_t m,
                 int64_t n, int64_t k, int64_t num_threads) {
     (void)w, (void)fp8, (void)scale, (void)bias, (void)x, (void)y, (void)m, (void)n, (void)k, (void)num_threads;

@@ -33,6 +33,7 @@ def _lib() -> ctypes.CDLL:
                 "gemv_bf16": ([p, p, p, p, i64, i64, i64, i64], None),
                 "gemv_bf16_portable": ([p, p, p, p, i64, i64, i64, i64], None),
                 "gemm_bf16w": ([p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
+                "gemm_bf16_amx": ([p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
                 "i8_to_bf16": ([p, p, i64, i64], None),
                 "fp8_to_bf16": ([p, p, i64, i64], None),
                 "bf16_scale_cols": ([p, p, p, p, i64, i64, i64], None),
@@ -97,6 +98,26 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         torch.get_num_threads(),
     ):  # fmt: skip
         raise MemoryError("gemm (bf16): no memory for the widened inputs")
+    return y
+
+
+def gemm_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for bf16 x [M, K] and weight [N, K] on AMX (cpu_amx.c): the
+    weight's rows are read in place as tiles (no repacked copy), the inputs packed once, float32
+    sums, each output rounded to bf16 once. Only where `cpu_native.amx_usable()`."""
+    _check_bf16(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
+    (m, k), n = x.shape, weight.shape[0]
+    if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: shapes do not match")
+    y = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = _lib().gemm_bf16_amx(
+        weight.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == -2:
+        raise RuntimeError("AMX is not usable in this process (amx_usable() is False)")
+    if rc:
+        raise MemoryError("gemm_amx (bf16): no memory for the packed inputs")
     return y
 
 

@@ -227,6 +227,7 @@ def _load() -> ctypes.CDLL:
         "gemm_vector_floats": ([], i64),
         "amx_usable": ([], i64),
         "gemm_w8_amx": ([p, ctypes.c_int, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
+        "gemm_i8_amx": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemm_packed": ([p, i64, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
         "gemv_silu_i8": ([p, p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
@@ -409,7 +410,8 @@ def amx_usable() -> bool:
     enabled its state (XCR0), granted it to this process (arch_prctl ARCH_REQ_XCOMP_PERM, asked
     here), and a probe ran in a forked child without dying. /proc/cpuinfo alone is not enough: on
     some hosts it lists AMX and the first tile instruction is an illegal instruction. The native
-    kernels do not use AMX (built with it off); torch's oneDNN GEMMs do where this holds."""
+    kernels are built with AMX off; cpu_amx.c's GEMMs turn it on for themselves, and the matmul
+    plans pick them only where this holds (as torch's oneDNN GEMMs use it)."""
     return available() and bool(_require().amx_usable())
 
 
@@ -434,6 +436,26 @@ def gemm_8bit_amx(
         raise RuntimeError("AMX is not usable in this process (amx_usable() is False)")
     if rc:
         raise MemoryError("gemm_8bit_amx: no memory for its buffers")
+    return y
+
+
+def gemm_int8_amx(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`gemm_int8(..., input_bits=16)` on AMX (cpu_amx.c): the same rounded inputs and integer sums,
+    so the same floats, with the int8 weight's rows read in place as tiles. Only where
+    `amx_usable()`."""
+    _check_int8_weight(x, weight, scale, bias, 1)
+    (m, k), n = x.shape, weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = _require().gemm_i8_amx(
+        weight.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(),
+        y.data_ptr(), m, n, k, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == -2:
+        raise RuntimeError("AMX is not usable in this process (amx_usable() is False)")
+    if rc:
+        raise MemoryError("gemm_int8_amx: no memory for the rounded inputs")
     return y
 
 

@@ -15,11 +15,16 @@ takes x and bias, else the plan's fallback. The tiers, in order (`plan_for`):
 
   plain float32: the native GEMM up to `GEMM_NATIVE_MAX_ROWS` rows (`GEMM_NATIVE_MAX_ROWS_AVX2`
     without AVX-512); beyond, torch's GEMM, or without AVX-512 the packed-panel GEMM.
-  plain bf16: the native bf16 GEMV up to `BF16_GEMV_MAX_ROWS`; beyond, torch's bf16 GEMM, or on a
-    CPU without bf16 products the native bf16 GEMM.
+  plain bf16: where AMX is usable, the native bf16 GEMV below `BF16_AMX_MIN_ROWS` rows, the AMX
+    GEMM (the weight's rows read in place as tiles) up to `BF16_AMX_MAX_ROWS`, torch's bf16 GEMM
+    beyond; elsewhere the native bf16 GEMV up to `BF16_GEMV_MAX_ROWS`, beyond, torch's bf16 GEMM,
+    or on a CPU without bf16 products the native bf16 GEMM.
   int8 or fp8, float32 inputs, on a CPU with bf16 products (AVX-512 BF16): from
     `BF16_PRODUCT_MIN_ROWS` rows `scaled_linear_bf16` (inputs rounded to bf16, the weight widened
     exactly; AMX where granted, else torch's bf16 GEMM).
+  int8, where AMX is usable: from `W8A8_MIN_ROWS` up to `INT8_AMX_MAX_ROWS` rows (16-bit inputs,
+    unless W8A8 is asked) the AMX GEMM, the same integers and floats as the VNNI GEMM's W8A16 with
+    the weight's rows read in place as tiles; other rows as below.
   int8: with AVX-512 VNNI the native VNNI GEMM from `W8A8_MIN_ROWS` up to `GEMM_INT8_MAX_ROWS` rows,
     its rows rounded to 16 bits or, if the caller asks (`w8a8=True`), to int8 with their own scale
     (W8A8; beyond that GEMM's rows, its torch twin `scaled_linear_w8a8_torch`); below, the native
@@ -58,6 +63,9 @@ GEMM_NATIVE_MAX_ROWS_AVX2 = cpu_native.NARROW_TILES_MAX_ROWS  # the same on AVX2
 GEMM_PACKED_MIN_ROWS = GEMM_NATIVE_MAX_ROWS_AVX2 + 1  # AVX2: float32, bf16-widened and int8 alike
 GEMV_INT8_MAX_ROWS_NO_VNNI = 1024  # int8 GEMV without VNNI, then the packed GEMM (AVX2) or the twin
 BF16_GEMV_MAX_ROWS = 8  # bf16 GEMV, then torch's bf16 GEMM (the native bf16 GEMM without bf16 products)
+BF16_AMX_MIN_ROWS = 2  # bf16 where AMX is usable: the GEMV below, the AMX GEMM from here
+BF16_AMX_MAX_ROWS = 64  # ... up to here (the weights stream once per 32 rows), then torch's bf16 GEMM
+INT8_AMX_MAX_ROWS = 128  # int8 where AMX is usable: the AMX GEMM from W8A8_MIN_ROWS up to here
 ROWS_UNBOUNDED = 1 << 62
 
 
@@ -220,6 +228,10 @@ def bf16_gemv(x, w, bias, w8a8):
     return cpu_bf16.gemv(x.contiguous(), w, bias)
 
 
+def bf16_amx(x, w, bias, w8a8):
+    return cpu_bf16.gemm_amx(x.contiguous(), w, bias)
+
+
 def bf16_gemm(x, w, bias, w8a8):
     return cpu_bf16.gemm(x.contiguous(), w, bias)
 
@@ -231,6 +243,10 @@ def bf16_product(x, w, bias, w8a8):
 def int8_gemm(x, w, bias, w8a8):
     bits = 8 if w8a8 else 16
     return cpu_native.gemm_int8(x.contiguous(), w.data, w.scale, w.row_sums, bias, input_bits=bits)
+
+
+def int8_amx(x, w, bias, w8a8):
+    return cpu_native.gemm_int8_amx(x.contiguous(), w.data, w.scale, bias)
 
 
 def w8a8_twin(x, w, bias, w8a8):
@@ -306,6 +322,10 @@ def _w8a8_asked(x, bias, w8a8) -> bool:
     return w8a8 and _contiguous_float32_bias(x, bias, w8a8)
 
 
+def _16bit_inputs(x, bias, w8a8) -> bool:
+    return not w8a8 and _contiguous_float32_bias(x, bias, w8a8)
+
+
 def plan_for(w: torch.Tensor | QuantizedWeight) -> MatmulPlan:
     """The plan of products with `w` on this machine as it is now (see the module text)."""
     if isinstance(w, QuantizedWeight):
@@ -321,6 +341,12 @@ def plan_for(w: torch.Tensor | QuantizedWeight) -> MatmulPlan:
         if cpu_native.narrow_tiles():
             tiers.append(Tier(limit + 1, ROWS_UNBOUNDED, packed_gemm))
         return MatmulPlan(tuple(tiers), torch_gemm, _float32_plain_rows, native)
+    if cpu_native.amx_usable():
+        tiers = [
+            Tier(0, BF16_AMX_MIN_ROWS - 1, bf16_gemv),
+            Tier(BF16_AMX_MIN_ROWS, BF16_AMX_MAX_ROWS, bf16_amx),
+        ]
+        return MatmulPlan(tuple(tiers), torch_gemm, _bf16_plain_rows, native)
     tiers = [Tier(0, BF16_GEMV_MAX_ROWS, bf16_gemv)]
     if not cpu_bf16.dot_native():  # torch's bf16 GEMM converts as it goes there
         tiers.append(Tier(BF16_GEMV_MAX_ROWS + 1, ROWS_UNBOUNDED, bf16_gemm))
@@ -335,6 +361,8 @@ def _quantized_plan(w: QuantizedWeight) -> MatmulPlan:
     if not cpu_native.available():
         return MatmulPlan((), twin, native=False)
     tiers = []
+    if w.scheme == "int8" and cpu_native.amx_usable():
+        tiers.append(Tier(W8A8_MIN_ROWS, INT8_AMX_MAX_ROWS, int8_amx, _16bit_inputs))
     if cpu_bf16.dot_native():
         tiers.append(Tier(BF16_PRODUCT_MIN_ROWS, ROWS_UNBOUNDED, bf16_product, _float32_bias_no_grad))
     narrow = cpu_native.narrow_tiles()

@@ -55,13 +55,16 @@ def test_amx_split_over_threads_equals_one_thread(monkeypatch):
     assert torch.equal(cpu_native.gemm_8bit_amx(x, q.data, q.scale), one)
 
 
-def test_linear_takes_amx_from_its_row_threshold():
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_linear_takes_amx_from_its_row_threshold(scheme):
+    """fp8 from BF16_PRODUCT_MIN_ROWS; int8 after its own AMX GEMM's rows (16-bit inputs, exact)."""
     g = torch.Generator().manual_seed(4)
-    q = quantization.quantize(torch.randn(64, 1536, generator=g), "int8")
-    for rows in (quantized.BF16_PRODUCT_MIN_ROWS - 1, quantized.BF16_PRODUCT_MIN_ROWS):
+    q = quantization.quantize(torch.randn(64, 1536, generator=g), scheme)
+    first = quantized.BF16_PRODUCT_MIN_ROWS if scheme == "fp8" else quantized.INT8_AMX_MAX_ROWS + 1
+    for rows in (first - 1, first):
         x = torch.randn(rows, 1536, generator=g)
         amx = cpu_native.gemm_8bit_amx(x, q.data, q.scale)
-        assert torch.equal(quantized.linear(x, q), amx) == (rows >= quantized.BF16_PRODUCT_MIN_ROWS)
+        assert torch.equal(quantized.linear(x, q), amx) == (rows >= first)
 
 
 def test_bad_inputs_are_refused():

@@ -103,7 +103,52 @@ def test_gemm_refuses_bad_inputs():
         cpu_bf16.gemm(x.float(), w)
 
 
+needs_amx = pytest.mark.skipif(not cpu_native.amx_usable(), reason="needs AMX (granted and probed)")
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [
+        (1, 16, 32),
+        (2, 32, 64),
+        (16, 96, 576),
+        (17, 40, 48),
+        (33, 77, 40),
+        (64, 33, 100),
+        (5, 3, 7),
+        (130, 50, 64),
+    ],
+)
+def test_the_amx_gemm_equals_float32_products_rounded_once(m, n, k):
+    """Whole and partial tiles: rows of W past a 16- or 32-row block, K not a multiple of 32, inputs
+    past a 16- or 32-row block; with and without bias. float32 sums: within one bf16 rounding."""
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    w, bias, x = _bf16(n, k, gen=gen), _bf16(n, gen=gen), _bf16(m, k, gen=gen)
+    for b in (None, bias):
+        want = F.linear(x.float(), w.float(), None if b is None else b.float())
+        got = cpu_bf16.gemm_amx(x, w, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3)
+
+
+@needs_amx
+def test_linear_takes_the_amx_gemm_between_its_row_limits():
+    gen = torch.Generator().manual_seed(5)
+    w, bias = _bf16(40, 48, gen=gen), _bf16(40, gen=gen)
+    lo, hi = quantized.BF16_AMX_MIN_ROWS, quantized.BF16_AMX_MAX_ROWS
+    for m, want in (
+        (lo - 1, cpu_bf16.gemv),
+        (lo, cpu_bf16.gemm_amx),
+        (hi, cpu_bf16.gemm_amx),
+        (hi + 1, F.linear),
+    ):
+        x = _bf16(m, 48, gen=gen)
+        assert torch.equal(quantized.linear(x, w, bias), want(x, w, bias)), m
+
+
 def test_linear_takes_the_bf16_gemv_up_to_its_row_limit(monkeypatch):
+    monkeypatch.setattr(cpu_native, "amx_usable", lambda: False)  # where AMX is, BF16_AMX_* apply
     limit = quantized.BF16_GEMV_MAX_ROWS
     gen = torch.Generator().manual_seed(3)
     w, bias, x = _bf16(40, 48, gen=gen), _bf16(40, gen=gen), _bf16(limit + 1, 48, gen=gen)

@@ -94,7 +94,10 @@ def decode_both_ways(
 ):
     """Prefill num_seqs prompts, then decode `steps` tokens each through the whole-step kernel and
     through the torch path (`per_op`: the per-layer native kernels), each with its own cache;
-    returns both paths' logits per step, and the caches."""
+    returns both paths' logits per step, and the caches. The per-layer kernels are the GEMVs the
+    whole step runs: where AMX is usable, the plans would multiply 2+ rows on it (other sums)."""
+    if per_op:
+        monkeypatch.setattr(cpu_native, "amx_usable", lambda: False)  # before the load resolves the plans
     model, config = load_model(model_dir, dtype=dtype)
     whole_step = model._whole_step_native
     assert whole_step

@@ -118,7 +118,39 @@ def test_bad_inputs_are_refused():
         _native(x, w, input_bits=4)
 
 
+needs_amx = pytest.mark.skipif(not cpu_native.amx_usable(), reason="needs AMX (granted and probed)")
+
+
+@needs_amx
+@pytest.mark.parametrize("k", [5, 64, 65, 781], ids=case_id)
+@pytest.mark.parametrize("n", [1, 3, 33, 130], ids=case_id)
+def test_the_amx_gemm_gives_the_vnni_gemms_w8a16_numbers(n, k):
+    """The same rounded inputs and integer sums, so the same floats: equal, not close. Rows of W
+    past a 16- or 32-row block and K past a 64-byte step take the zero-padded copies."""
+    for m in (1, 5, 16, 17, 40):
+        x, w, bias = _operands(m, n, k, seed=m * 1000 + n * 10 + k)
+        for b in (None, bias):
+            want = _native(x, w, b, input_bits=16)
+            assert torch.equal(cpu_native.gemm_int8_amx(x, w.data, w.scale, b), want), (m, b is None)
+
+
+@needs_amx
+def test_linear_takes_the_amx_gemm_between_its_row_limits():
+    x, w, bias = _operands(quantized.INT8_AMX_MAX_ROWS + 1, 40, 48, seed=6)
+    low, high = quantized.W8A8_MIN_ROWS, quantized.INT8_AMX_MAX_ROWS
+    for rows in (low, high):
+        got = quantized.linear(x[:rows], w, bias)
+        assert torch.equal(got, cpu_native.gemm_int8_amx(x[:rows], w.data, w.scale, bias))
+    if cpu_native.gemm_int8_is_fast():  # W8A8 when asked: the VNNI GEMM's 8-bit rows
+        assert torch.equal(quantized.linear(x[:low], w, bias, w8a8=True), _native(x[:low], w, bias))
+    beyond = quantized.linear(x, w, bias)
+    assert not torch.equal(beyond, cpu_native.gemm_int8_amx(x, w.data, w.scale, bias))
+    if cpu_bf16.dot_native():  # bf16 products beyond
+        assert torch.equal(beyond, quantized.scaled_linear_bf16(x, w, bias))
+
+
 def test_linear_takes_the_int8_gemm_from_its_row_threshold(monkeypatch):
+    monkeypatch.setattr(cpu_native, "amx_usable", lambda: False)  # where AMX is, INT8_AMX_MAX_ROWS applies
     x, w, bias = _operands(quantized.GEMV_INT8_MAX_ROWS_NO_VNNI + 1, 40, 48, seed=3)
     low, high = quantized.W8A8_MIN_ROWS, quantized.GEMM_INT8_MAX_ROWS
     # below the threshold: the W8A16 GEMV
