@@ -110,6 +110,8 @@ def gemm_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}: shapes do not match")
     y = torch.empty(m, n, dtype=torch.bfloat16)
+    if m == 0:
+        return y
     rc = _lib().gemm_bf16_amx(
         weight.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k,
         torch.get_num_threads(),

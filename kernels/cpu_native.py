@@ -448,6 +448,8 @@ def gemm_int8_amx(
     _check_int8_weight(x, weight, scale, bias, 1)
     (m, k), n = x.shape, weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
+    if m == 0:
+        return y
     rc = _require().gemm_i8_amx(
         weight.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(),
         y.data_ptr(), m, n, k, torch.get_num_threads(),

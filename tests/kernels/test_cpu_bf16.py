@@ -130,6 +130,17 @@ def test_the_amx_gemm_equals_float32_products_rounded_once(m, n, k):
         got = cpu_bf16.gemm_amx(x, w, b)
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3)
+    assert cpu_bf16.gemm_amx(x[:0], w).shape == (0, n)
+
+
+@needs_amx
+def test_the_amx_gemm_over_threads_equals_one_thread(monkeypatch):
+    gen = torch.Generator().manual_seed(6)
+    w, x = _bf16(200, 96, gen=gen), _bf16(40, 96, gen=gen)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    one = cpu_bf16.gemm_amx(x, w)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert torch.equal(cpu_bf16.gemm_amx(x, w), one)
 
 
 @needs_amx
