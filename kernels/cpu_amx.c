@@ -138,6 +138,34 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
+/* Every kernel here: eight tiles of 16 rows x 64 bytes. */
+static void configure_tiles(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* A left tile's source for W's rows [r0, r0 + 16), rows of row_bytes: W itself (tile ks at
+ * w + 64 ks, rows row_bytes apart) where the 16 rows exist and row_bytes is a multiple of 64, else
+ * a zero-padded copy in `edge` (tile ks at edge + 1024 ks, rows 64 bytes apart). */
+typedef struct {
+    const uint8_t *base;
+    int64_t stride, step;
+} left_tiles;
+
+static left_tiles left_rows(const uint8_t *w, int64_t n, int64_t row_bytes, int64_t r0, int64_t ksteps, uint8_t *edge) {
+    if (row_bytes % 64 == 0 && r0 + 16 <= n) return (left_tiles){w + r0 * row_bytes, row_bytes, 64};
+    memset(edge, 0, (size_t)ksteps * 1024);
+    for (int64_t row = 0; row < 16 && r0 + row < n; row++)
+        for (int64_t j = 0; j < row_bytes; j++) edge[(j / 64) * 1024 + row * 64 + j % 64] = w[(r0 + row) * row_bytes + j];
+    return (left_tiles){edge, 64, 1024};
+}
+
 int gemm_w8_amx(const void *w, int fp8, const float *scale, const float *bias, const float *x, float *y, int64_t m,
                 int64_t n, int64_t k, int64_t num_threads) {
     if (amx_usable() != 1) return -2;
@@ -172,14 +200,7 @@ int gemm_w8_amx(const void *w, int fp8, const float *scale, const float *bias, c
         bf16 *panel = aligned_alloc(64, (size_t)GROUP * ksteps * NB * KSTEP * sizeof(bf16));
         float *c = aligned_alloc(64, MB * NB * sizeof(float));
         if (!panel || !c) failed = 1;
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            cfg.colsb[t] = 64;
-            cfg.rows[t] = 16;
-        }
-        if (!failed) _tile_loadconfig(&cfg);
+        if (!failed) configure_tiles();
         const int64_t panel_size = ksteps * NB * KSTEP;
 #pragma omp for schedule(static)
         for (int64_t grp = 0; grp < ngroups; grp++) {
@@ -241,19 +262,10 @@ static void pack_inputs(const bf16 *x, int64_t m, int64_t k, int64_t ksteps, bf1
     }
 }
 
-/* Rows [n0, n0 + 16) of W as left tiles with the K tail (and rows past n) zeroed: only for the
- * last, partial block of rows or a K that is not a multiple of 32. */
-static void copy_rows(const bf16 *w, int64_t n, int64_t k, int64_t n0, int64_t ksteps, bf16 *a) {
-    memset(a, 0, (size_t)ksteps * 512 * sizeof(bf16));
-    for (int64_t row = 0; row < 16 && n0 + row < n; row++)
-        for (int64_t j = 0; j < k; j++) a[(j / KSTEP) * 512 + row * KSTEP + j % KSTEP] = w[(n0 + row) * k + j];
-}
-
 int gemm_bf16_amx(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64_t m, int64_t n, int64_t k,
                   int64_t num_threads) {
     if (amx_usable() != 1) return -2;
     const int64_t ksteps = (k + KSTEP - 1) / KSTEP, mblocks = (m + 15) / 16, nblocks = (n + NB - 1) / NB;
-    const int whole_k = k % KSTEP == 0;
     bf16 *xb = aligned_alloc(64, (size_t)mblocks * ksteps * 512 * sizeof(bf16));
     if (!xb) return -1;
     int failed = 0;
@@ -262,33 +274,15 @@ int gemm_bf16_amx(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64
 #pragma omp for schedule(static)
         for (int64_t mb = 0; mb < mblocks; mb++) pack_inputs(x + mb * 16 * k, m - mb * 16, k, ksteps, xb + mb * ksteps * 512);
         float *c = aligned_alloc(64, 4 * 256 * sizeof(float));
-        bf16 *edge = aligned_alloc(64, (size_t)2 * ksteps * 512 * sizeof(bf16)); /* rows needing zeros */
+        uint8_t *edge = aligned_alloc(64, (size_t)2 * ksteps * 1024); /* rows needing zeros */
         if (!c || !edge) failed = 1;
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            cfg.colsb[t] = 64;
-            cfg.rows[t] = 16;
-        }
-        if (!failed) _tile_loadconfig(&cfg);
+        if (!failed) configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < nblocks; nb++) {
             if (failed) continue;
             const int64_t n0 = nb * NB;
-            /* the two left tiles' rows: W itself, or a zero-padded copy at the edges */
-            const bf16 *a[2];
-            int64_t lda[2];
-            for (int t = 0; t < 2; t++) {
-                const int64_t r0 = n0 + 16 * t;
-                if (whole_k && r0 + 16 <= n) {
-                    a[t] = w + r0 * k, lda[t] = k * (int64_t)sizeof(bf16);
-                } else {
-                    if (r0 < n) copy_rows(w, n, k, r0, ksteps, edge + t * ksteps * 512);
-                    else memset(edge + t * ksteps * 512, 0, (size_t)ksteps * 512 * sizeof(bf16));
-                    a[t] = edge + t * ksteps * 512, lda[t] = -1; /* packed: tile ks at a + 512 ks */
-                }
-            }
+            const left_tiles a0 = left_rows((const uint8_t *)w, n, k * 2, n0, ksteps, edge),
+                             a1 = left_rows((const uint8_t *)w, n, k * 2, n0 + 16, ksteps, edge + ksteps * 1024);
             for (int64_t mb = 0; mb < mblocks; mb += 2) {
                 const bf16 *b0 = xb + mb * ksteps * 512, *b1 = b0 + ksteps * 512;
                 const int two = mb + 1 < mblocks;
@@ -297,10 +291,8 @@ int gemm_bf16_amx(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64
                 _tile_zero(2);
                 _tile_zero(3);
                 for (int64_t ks = 0; ks < ksteps; ks++) {
-                    if (lda[0] > 0) _tile_loadd(4, a[0] + ks * KSTEP, lda[0]);
-                    else _tile_loadd(4, a[0] + ks * 512, 64);
-                    if (lda[1] > 0) _tile_loadd(5, a[1] + ks * KSTEP, lda[1]);
-                    else _tile_loadd(5, a[1] + ks * 512, 64);
+                    _tile_loadd(4, a0.base + ks * a0.step, a0.stride);
+                    _tile_loadd(5, a1.base + ks * a1.step, a1.stride);
                     _tile_loadd(6, b0 + ks * 512, 64);
                     _tile_dpbf16ps(0, 4, 6);
                     _tile_dpbf16ps(2, 5, 6);
@@ -384,18 +376,10 @@ static void pack_planes(const float *x, int64_t m, int64_t k, int64_t ksteps, ui
     }
 }
 
-/* Rows [n0, n0 + 16) of int8 W as left tiles with the K tail (and rows past n) zeroed. */
-static void copy_rows_i8(const int8_t *w, int64_t n, int64_t k, int64_t n0, int64_t ksteps, int8_t *a) {
-    memset(a, 0, (size_t)ksteps * 1024);
-    for (int64_t row = 0; row < 16 && n0 + row < n; row++)
-        for (int64_t j = 0; j < k; j++) a[(j / KSTEP8) * 1024 + row * KSTEP8 + j % KSTEP8] = w[(n0 + row) * k + j];
-}
-
 int gemm_i8_amx(const int8_t *w, const float *scale, const float *bias, const float *x, float *y, int64_t m,
                 int64_t n, int64_t k, int64_t num_threads) {
     if (amx_usable() != 1) return -2;
     const int64_t ksteps = (k + KSTEP8 - 1) / KSTEP8, mblocks = (m + 15) / 16, nblocks = (n + NB - 1) / NB;
-    const int whole_k = k % KSTEP8 == 0;
     const size_t plane = (size_t)ksteps * 1024; /* one 16-input block's plane */
     uint8_t *xb = aligned_alloc(64, 2 * plane * mblocks + 64 * ((mblocks * 16 * sizeof(float) + 63) / 64));
     if (!xb) return -1;
@@ -408,31 +392,15 @@ int gemm_i8_amx(const int8_t *w, const float *scale, const float *bias, const fl
             pack_planes(x + mb * 16 * k, m - mb * 16, k, ksteps, xb + 2 * plane * mb, xb + 2 * plane * mb + plane,
                         sx + mb * 16);
         int32_t *c = aligned_alloc(64, 4 * 256 * sizeof(int32_t));
-        int8_t *edge = aligned_alloc(64, 2 * (size_t)ksteps * 1024);
+        uint8_t *edge = aligned_alloc(64, (size_t)2 * ksteps * 1024); /* rows needing zeros */
         if (!c || !edge) failed = 1;
-        tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            cfg.colsb[t] = 64;
-            cfg.rows[t] = 16;
-        }
-        if (!failed) _tile_loadconfig(&cfg);
+        if (!failed) configure_tiles();
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < nblocks; nb++) {
             if (failed) continue;
             const int64_t n0 = nb * NB;
-            const int8_t *a[2];
-            int64_t lda[2];
-            for (int t = 0; t < 2; t++) {
-                const int64_t r0 = n0 + 16 * t;
-                if (whole_k && r0 + 16 <= n) {
-                    a[t] = w + r0 * k, lda[t] = k;
-                } else {
-                    copy_rows_i8(w, n, k, r0, ksteps, edge + t * ksteps * 1024);
-                    a[t] = edge + t * ksteps * 1024, lda[t] = -1;
-                }
-            }
+            const left_tiles a0 = left_rows((const uint8_t *)w, n, k, n0, ksteps, edge),
+                             a1 = left_rows((const uint8_t *)w, n, k, n0 + 16, ksteps, edge + ksteps * 1024);
             for (int64_t mb = 0; mb < mblocks; mb++) {
                 const uint8_t *bh = xb + 2 * plane * mb, *bl = bh + plane;
                 _tile_zero(0);
@@ -440,10 +408,8 @@ int gemm_i8_amx(const int8_t *w, const float *scale, const float *bias, const fl
                 _tile_zero(2);
                 _tile_zero(3);
                 for (int64_t ks = 0; ks < ksteps; ks++) {
-                    if (lda[0] > 0) _tile_loadd(4, a[0] + ks * KSTEP8, lda[0]);
-                    else _tile_loadd(4, a[0] + ks * 1024, 64);
-                    if (lda[1] > 0) _tile_loadd(5, a[1] + ks * KSTEP8, lda[1]);
-                    else _tile_loadd(5, a[1] + ks * 1024, 64);
+                    _tile_loadd(4, a0.base + ks * a0.step, a0.stride);
+                    _tile_loadd(5, a1.base + ks * a1.step, a1.stride);
                     _tile_loadd(6, bh + ks * 1024, 64);
                     _tile_loadd(7, bl + ks * 1024, 64);
                     _tile_dpbssd(0, 4, 6);
