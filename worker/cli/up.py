@@ -39,6 +39,7 @@ from disagg.worker.model import pretrained
 from disagg.worker.model.gguf_checkpoint import served_name
 from disagg.worker.router.args import RouterArgs
 from disagg.worker.serving.args import ServingArgs
+from disagg.worker.serving.auth import PEER_IDENTITIES
 
 
 def redis_command(port: int, data_dir: Path | None = None, config: Path | None = None) -> list[str]:
@@ -103,6 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "unless either flag is given")  # fmt: skip
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for everything to be ready")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker")
+    p.add_argument("--peer-identity", choices=PEER_IDENTITIES, default=PEER_IDENTITIES[0],
+                   help="token: the deployment's credential alone; certificate: each child its own certificate "
+                        "from a CA made for this run (mutual TLS), and each worker acts only for itself")  # fmt: skip
     # every worker gets these; --threads defaults to cores / workers here
     EngineArgs.add_cli_args(p, model=False)
     ServingArgs.add_cli_args(p)
@@ -225,6 +229,19 @@ class Deployment:
         print(f"serving {pretrained.NAME} ({path.stat().st_size / 2**20:.0f} MiB GGUF, {path})", flush=True)
         return path
 
+    def certificates(self, workers: list[str], secrets_dir: Path) -> dict[str, dict[str, str]]:
+        """Each child's TLS environment with --peer-identity certificate (none with token)."""
+        if self.args.peer_identity != "certificate":
+            return {}
+        from disagg.worker.cli import local_certificates
+
+        dirs = local_certificates.issue(secrets_dir / "tls", [*workers, "router"])
+        tls = {name: {"DISAGG_GRPC_TLS_DIR": str(d.resolve()),
+                      "DISAGG_GRPC_TLS_SERVER_NAME": local_certificates.SERVER_NAME} for name, d in dirs.items()}  # fmt: skip
+        for name in workers:
+            tls[name]["DISAGG_PEER_IDENTITY"] = "certificate"
+        return tls
+
     def plan(self) -> None:
         a = self.args
         if a.prefill < 0 or a.decode < 0 or a.both < 0:
@@ -250,6 +267,9 @@ class Deployment:
         # file paths, not values, in the environment: the values stay in the 0600 files
         secret_env = {"DISAGG_INTERNAL_TOKEN_FILE": str(token_file.resolve()),
                       "DISAGG_REDIS_PASSWORD_FILE": str(password_file.resolve())}  # fmt: skip
+        names = [f"{role}-{i}" for role, count in (("prefill", a.prefill), ("decode", a.decode), ("both", a.both))
+                 for i in range(count)]  # fmt: skip
+        identities = self.certificates(names, secrets_dir)
         serving, router = serving_args(a), router_args(a)
         engine = EngineArgs.from_cli_args(a, model=str(model))
         ranks = role_ranks(a, engine.tensor_parallel_size)
@@ -275,7 +295,7 @@ class Deployment:
                         cmd,
                         self.run_dir / f"{name}.log",
                         f"http://127.0.0.1:{mport}/health",
-                        env=secret_env,
+                        env={**secret_env, **identities.get(name, {})},
                     )  # fmt: skip
                 )
         self.router_url = f"http://127.0.0.1:{a.port}"
@@ -285,7 +305,13 @@ class Deployment:
             *dataclasses.replace(router, block_size=engine.block_size, max_model_len=engine.max_model_len).to_cli_args(),
         ]  # fmt: skip
         self.children.append(
-            Child("router", cmd, self.run_dir / "router.log", f"{self.router_url}/health", env=secret_env)
+            Child(
+                "router",
+                cmd,
+                self.run_dir / "router.log",
+                f"{self.router_url}/health",
+                env={**secret_env, **identities.get("router", {})},
+            )  # fmt: skip
         )
 
     def start(self) -> None:

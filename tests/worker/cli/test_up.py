@@ -171,3 +171,38 @@ def test_up_runs_prefill_and_decode_at_different_tensor_parallel_sizes(tiny_mode
     finally:
         up.send_signal(signal.SIGTERM)
         assert up.wait(60) == 0, log.read_text()[-3000:]
+
+
+def test_up_gives_each_child_its_own_certificate(tiny_model, tmp_path):
+    """`--peer-identity certificate`: a CA for the run, a certificate per child naming it (keys
+    0600), mutual TLS between all of them, and the P/D path works with each worker acting only for
+    itself."""
+    run_dir, port = tmp_path / "run", free_port()
+    log = tmp_path / "up.log"
+    cmd = [sys.executable, "-m", "disagg.worker.cli", "up", "--model", str(tiny_model), "--port", str(port),
+           "--run-dir", str(run_dir), "--threads", "1", "--num-gpu-blocks", "256", "--peer-identity", "certificate",
+           "--prefill-placement", "threshold", "--disagg-threshold", "8", "--timeout", "150"]  # fmt: skip
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}, "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as out:
+        up = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while "ready: OpenAI-compatible endpoint" not in log.read_text():
+            assert up.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        tls = run_dir / "secrets" / "tls"
+        assert stat.S_IMODE((tls / "ca.key").stat().st_mode) == 0o600
+        for name in ("prefill-0", "decode-0", "router"):
+            assert stat.S_IMODE((tls / name).stat().st_mode) == 0o700
+            assert stat.S_IMODE((tls / name / "tls.key").stat().st_mode) == 0o600
+            subject = subprocess.run(["openssl", "x509", "-noout", "-subject", "-in", str(tls / name / "tls.crt")],
+                                     capture_output=True, text=True, check=True).stdout  # fmt: skip
+            assert subject.strip().endswith(f"CN = {name}"), subject
+        body = {"model": tiny_model.name, "prompt": list(range(5, 60)), "max_tokens": 4, "temperature": 0}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        # prefilled on prefill-0: a refused Prefill would have been prefilled on decode-0 instead
+        assert r.headers["X-Disagg-Prefill-Worker"] == "prefill-0"
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0, log.read_text()[-3000:]
