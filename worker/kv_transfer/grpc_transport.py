@@ -150,8 +150,8 @@ class GrpcTransport(KVTransport):
 
     def servicer(self, caller_check=None) -> KVTransferServicer:
         """Mount on the worker's gRPC server: pb_grpc.add_KVTransferServicer_to_server(t.servicer(), server).
-        caller_check(context, worker_id) -> why a push claiming to come from that worker is refused
-        (None: accepted)."""
+        caller_check(context, worker_id, method) -> why a call claiming to come from that worker is
+        refused (None: accepted)."""
         return KVTransferServicer(self, caller_check)
 
     def handshake_payload(self) -> bytes:
@@ -231,7 +231,9 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
                         context.abort(
                             grpc.StatusCode.INVALID_ARGUMENT, "first chunk lacks request_id or sender"
                         )
-                    denied = self._caller_check and self._caller_check(context, worker_of(chunk.sender))
+                    denied = self._caller_check and self._caller_check(
+                        context, worker_of(chunk.sender), "PushBlocks"
+                    )
                     if denied:
                         TRANSFER_REFUSED.labels(self._t.backend).inc()
                         context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
@@ -277,7 +279,7 @@ class KVTransferServicer(pb_grpc.KVTransferServicer):
     def Notify(self, request, context):
         if not request.sender or not request.request_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "notice lacks sender or request_id")
-        denied = self._caller_check and self._caller_check(context, worker_of(request.sender))
+        denied = self._caller_check and self._caller_check(context, worker_of(request.sender), "Notify")
         if denied:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, denied)
         self._t._on_notice(request.sender, request)

@@ -264,10 +264,7 @@ class WorkerProcess:
         if holder["transport"] is not None and hasattr(holder["transport"], "servicer"):
             from disagg.proto import kv_transfer_pb2_grpc
 
-            identity = self.service.identity
-            servicer = holder["transport"].servicer(
-                lambda ctx, worker: identity.refusal(ctx, worker, "PushBlocks")
-            )
+            servicer = holder["transport"].servicer(self.service.identity.refusal)
             kv_transfer_pb2_grpc.add_KVTransferServicer_to_server(servicer, self.server)
         await self.server.start()
         await self.state.register()
