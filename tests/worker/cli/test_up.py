@@ -3,6 +3,7 @@ that refuses clients without the password, and a child that dies is restarted, n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -53,21 +54,31 @@ def _sees(url: str, token: str) -> set[str]:
         return set()
 
 
-def test_up_keeps_its_secrets_private_and_restarts_a_dead_child(tiny_model, tmp_path):
+@contextlib.contextmanager
+def _up(tiny_model: Path, tmp_path: Path, *flags: str):
+    """`disagg up` on the tiny model with `flags`, ready to serve: (process, router URL, run dir,
+    its log); stopped with SIGTERM after, which must end it cleanly."""
     run_dir, port = tmp_path / "run", free_port()
     log = tmp_path / "up.log"
-    cmd = [sys.executable, "-m", "disagg.worker.cli", "up", "--model", str(tiny_model), "--prefill", "1",
-           "--decode", "1", "--port", str(port), "--run-dir", str(run_dir), "--threads", "1",
-           "--num-gpu-blocks", "256", "--timeout", "150"]  # fmt: skip
+    cmd = [sys.executable, "-m", "disagg.worker.cli", "up", "--model", str(tiny_model), "--port", str(port),
+           "--run-dir", str(run_dir), "--num-gpu-blocks", "256", "--timeout", "150", *flags]  # fmt: skip
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}, "OMP_NUM_THREADS": "1"}
     with open(log, "wb") as out:
         up = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
         while "ready: OpenAI-compatible endpoint" not in log.read_text():
             assert up.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
+        yield up, f"http://127.0.0.1:{port}", run_dir, log
+    finally:
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0, log.read_text()[-3000:]
+
+
+def test_up_keeps_its_secrets_private_and_restarts_a_dead_child(tiny_model, tmp_path):
+    with _up(tiny_model, tmp_path, "--prefill", "1", "--decode", "1", "--threads", "1") as running:
+        up, url, run_dir, log = running
         secrets_dir = run_dir / "secrets"
         assert stat.S_IMODE(secrets_dir.stat().st_mode) == 0o700
         for name in ("internal-token", "redis-password", "redis.conf"):
@@ -109,9 +120,6 @@ def test_up_keeps_its_secrets_private_and_restarts_a_dead_child(tiny_model, tmp_
         for child_log in run_dir.glob("*.log"):
             text = child_log.read_text(errors="replace")
             assert token not in text and password not in text, child_log
-    finally:
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(60) == 0, log.read_text()[-3000:]
 
 
 def test_role_ranks_come_from_the_role_flags_else_the_engine_setting():
@@ -146,50 +154,35 @@ def test_each_worker_gets_its_own_kv_disk_directory_and_prefill_no_draft():
 
 @pytest.mark.slow
 def test_up_runs_prefill_and_decode_at_different_tensor_parallel_sizes(tiny_model, tmp_path):
-    run_dir, port = tmp_path / "run", free_port()
-    log = tmp_path / "up.log"
-    cmd = [sys.executable, "-m", "disagg.worker.cli", "up", "--model", str(tiny_model), "--prefill-tp", "2",
-           "--decode-tp", "1", "--port", str(port), "--run-dir", str(run_dir), "--num-gpu-blocks", "256",
-           "--prefill-placement", "threshold", "--disagg-threshold", "8", "--timeout", "150"]  # fmt: skip
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}, "OMP_NUM_THREADS": "1"}
-    with open(log, "wb") as out:
-        up = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 180
-        while "ready: OpenAI-compatible endpoint" not in log.read_text():
-            assert up.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+    flags = (
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "1",
+        "--prefill-placement",
+        "threshold",
+        "--disagg-threshold",
+        "8",
+    )
+    with _up(tiny_model, tmp_path, *flags) as (up, url, _, _):
         # the prefill worker started its second rank, the decode worker none
         assert any(
             "disagg.worker.model.tp_rank" in _cmdline(c) for c in _children(_worker_pid(up, "prefill-0"))
         )
         assert _children(_worker_pid(up, "decode-0")) == []
         body = {"model": tiny_model.name, "prompt": list(range(5, 60)), "max_tokens": 4, "temperature": 0}
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.headers["X-Disagg-Prefill-Worker"] == "prefill-0"
-    finally:
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(60) == 0, log.read_text()[-3000:]
 
 
 def test_up_gives_each_child_its_own_certificate(tiny_model, tmp_path):
     """`--peer-identity certificate`: a CA for the run, a certificate per child naming it (keys
     0600), mutual TLS between all of them, and the P/D path works with each worker acting only for
     itself."""
-    run_dir, port = tmp_path / "run", free_port()
-    log = tmp_path / "up.log"
-    cmd = [sys.executable, "-m", "disagg.worker.cli", "up", "--model", str(tiny_model), "--port", str(port),
-           "--run-dir", str(run_dir), "--threads", "1", "--num-gpu-blocks", "256", "--peer-identity", "certificate",
-           "--prefill-placement", "threshold", "--disagg-threshold", "8", "--timeout", "150"]  # fmt: skip
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}, "OMP_NUM_THREADS": "1"}
-    with open(log, "wb") as out:
-        up = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 180
-        while "ready: OpenAI-compatible endpoint" not in log.read_text():
-            assert up.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+    flags = ("--threads", "1", "--peer-identity", "certificate", "--prefill-placement", "threshold",
+             "--disagg-threshold", "8")  # fmt: skip
+    with _up(tiny_model, tmp_path, *flags) as (_, url, run_dir, _):
         tls = run_dir / "secrets" / "tls"
         assert stat.S_IMODE((tls / "ca.key").stat().st_mode) == 0o600
         for name in ("prefill-0", "decode-0", "router"):
@@ -199,10 +192,7 @@ def test_up_gives_each_child_its_own_certificate(tiny_model, tmp_path):
                                      capture_output=True, text=True, check=True).stdout  # fmt: skip
             assert subject.strip().endswith(f"CN = {name}"), subject
         body = {"model": tiny_model.name, "prompt": list(range(5, 60)), "max_tokens": 4, "temperature": 0}
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         # prefilled on prefill-0: a refused Prefill would have been prefilled on decode-0 instead
         assert r.headers["X-Disagg-Prefill-Worker"] == "prefill-0"
-    finally:
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(60) == 0, log.read_text()[-3000:]
