@@ -249,6 +249,7 @@ int gemm_w8_amx(const void *w, int fp8, const float *scale, const float *bias, c
     free(xb);
     return failed ? -1 : 0;
 }
+
 /* The right tiles of 16 inputs: b[ks][r][i][2] = x[i][32 ks + 2 r + {0, 1}], zeros past m and k. */
 static void pack_inputs(const bf16 *x, int64_t m, int64_t k, int64_t ksteps, bf16 *b) {
     for (int64_t ks = 0; ks < ksteps; ks++) {

@@ -116,10 +116,7 @@ def gemm_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
         weight.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k,
         torch.get_num_threads(),
     )  # fmt: skip
-    if rc == -2:
-        raise RuntimeError("AMX is not usable in this process (amx_usable() is False)")
-    if rc:
-        raise MemoryError("gemm_amx (bf16): no memory for the packed inputs")
+    cpu_native.raise_for_amx(rc, "gemm_amx (bf16)")
     return y
 
 

@@ -415,6 +415,14 @@ def amx_usable() -> bool:
     return available() and bool(_require().amx_usable())
 
 
+def raise_for_amx(rc: int, what: str) -> None:
+    """The return code of a cpu_amx.c GEMM as an exception (0: none)."""
+    if rc == -2:
+        raise RuntimeError("AMX is not usable in this process (amx_usable() is False)")
+    if rc:
+        raise MemoryError(f"{what}: no memory for its buffers")
+
+
 def gemm_8bit_amx(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -432,10 +440,7 @@ def gemm_8bit_amx(
         weight.data_ptr(), int(weight.dtype == torch.float8_e4m3fn), scale.data_ptr(),
         None if bias is None else bias.data_ptr(), x.data_ptr(), y.data_ptr(), m, n, k, torch.get_num_threads(),
     )  # fmt: skip
-    if rc == -2:
-        raise RuntimeError("AMX is not usable in this process (amx_usable() is False)")
-    if rc:
-        raise MemoryError("gemm_8bit_amx: no memory for its buffers")
+    raise_for_amx(rc, "gemm_8bit_amx")
     return y
 
 
@@ -454,10 +459,7 @@ def gemm_int8_amx(
         weight.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(), x.data_ptr(),
         y.data_ptr(), m, n, k, torch.get_num_threads(),
     )  # fmt: skip
-    if rc == -2:
-        raise RuntimeError("AMX is not usable in this process (amx_usable() is False)")
-    if rc:
-        raise MemoryError("gemm_int8_amx: no memory for the rounded inputs")
+    raise_for_amx(rc, "gemm_int8_amx")
     return y
 
 
