@@ -267,37 +267,34 @@ class Deployment:
         # file paths, not values, in the environment: the values stay in the 0600 files
         secret_env = {"DISAGG_INTERNAL_TOKEN_FILE": str(token_file.resolve()),
                       "DISAGG_REDIS_PASSWORD_FILE": str(password_file.resolve())}  # fmt: skip
-        names = [f"{role}-{i}" for role, count in (("prefill", a.prefill), ("decode", a.decode), ("both", a.both))
-                 for i in range(count)]  # fmt: skip
-        identities = self.certificates(names, secrets_dir)
+        counts = (("prefill", a.prefill), ("decode", a.decode), ("both", a.both))
+        workers = [(role, f"{role}-{i}") for role, count in counts for i in range(count)]
+        identities = self.certificates([name for _, name in workers], secrets_dir)
         serving, router = serving_args(a), router_args(a)
         engine = EngineArgs.from_cli_args(a, model=str(model))
         ranks = role_ranks(a, engine.tensor_parallel_size)
         if engine.threads is None:  # per rank: every rank of every worker shares this machine
-            total = sum(ranks[role] * count for role, count in (("prefill", a.prefill), ("decode", a.decode),
-                                                                ("both", a.both)))  # fmt: skip
+            total = sum(ranks[role] * count for role, count in counts)
             engine.threads = max(1, (os.cpu_count() or 1) // total)
         py = [sys.executable, "-m", "disagg.worker.cli"]
-        for role, count in (("prefill", a.prefill), ("decode", a.decode), ("both", a.both)):
-            for i in range(count):
-                port, mport = free_port(), free_port()
-                name = f"{role}-{i}"
-                cmd = py + [
-                    "worker", "--role", role, "--model", str(model), "--worker-id", name,
-                    "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport),
-                    "--redis-url", self.redis_url, "--deployment", "local", *serving.to_cli_args(),
-                    *worker_engine_args(engine, role, name).to_cli_args(),
-                    "--tensor-parallel-size", str(ranks[role]), *a.worker_arg,
-                ]  # fmt: skip
-                self.children.append(
-                    Child(
-                        name,
-                        cmd,
-                        self.run_dir / f"{name}.log",
-                        f"http://127.0.0.1:{mport}/health",
-                        env={**secret_env, **identities.get(name, {})},
-                    )  # fmt: skip
-                )
+        for role, name in workers:
+            port, mport = free_port(), free_port()
+            cmd = py + [
+                "worker", "--role", role, "--model", str(model), "--worker-id", name,
+                "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport),
+                "--redis-url", self.redis_url, "--deployment", "local", *serving.to_cli_args(),
+                *worker_engine_args(engine, role, name).to_cli_args(),
+                "--tensor-parallel-size", str(ranks[role]), *a.worker_arg,
+            ]  # fmt: skip
+            self.children.append(
+                Child(
+                    name,
+                    cmd,
+                    self.run_dir / f"{name}.log",
+                    f"http://127.0.0.1:{mport}/health",
+                    env={**secret_env, **identities.get(name, {})},
+                )  # fmt: skip
+            )
         self.router_url = f"http://127.0.0.1:{a.port}"
         cmd = py + [
             "router", "--host", "127.0.0.1", "--port", str(a.port), "--model", str(model),
