@@ -51,13 +51,18 @@ def test_gemv_matches_float32_on_ragged_shapes(n, k):
             )
 
 
-def test_gemv_split_over_threads_equals_one_thread(monkeypatch):
+needs_amx = pytest.mark.skipif(not cpu_native.amx_usable(), reason="needs AMX (granted and probed)")
+
+
+@pytest.mark.parametrize(("kernel", "rows"), [("gemv", 3), pytest.param("gemm_amx", 40, marks=needs_amx)])
+def test_split_over_threads_equals_one_thread(monkeypatch, kernel, rows):
     gen = torch.Generator().manual_seed(1)
-    w, x = _bf16(300, 96, gen=gen), _bf16(3, 96, gen=gen)
+    w, x = _bf16(300, 96, gen=gen), _bf16(rows, 96, gen=gen)
+    product = getattr(cpu_bf16, kernel)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    one = cpu_bf16.gemv(x, w)
+    one = product(x, w)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    assert torch.equal(cpu_bf16.gemv(x, w), one)
+    assert torch.equal(product(x, w), one)
 
 
 def test_gemv_refuses_bad_inputs():
@@ -103,9 +108,6 @@ def test_gemm_refuses_bad_inputs():
         cpu_bf16.gemm(x.float(), w)
 
 
-needs_amx = pytest.mark.skipif(not cpu_native.amx_usable(), reason="needs AMX (granted and probed)")
-
-
 @needs_amx
 @pytest.mark.parametrize(
     ("m", "n", "k"),
@@ -131,16 +133,6 @@ def test_the_amx_gemm_equals_float32_products_rounded_once(m, n, k):
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3)
     assert cpu_bf16.gemm_amx(x[:0], w).shape == (0, n)
-
-
-@needs_amx
-def test_the_amx_gemm_over_threads_equals_one_thread(monkeypatch):
-    gen = torch.Generator().manual_seed(6)
-    w, x = _bf16(200, 96, gen=gen), _bf16(40, 96, gen=gen)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    one = cpu_bf16.gemm_amx(x, w)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    assert torch.equal(cpu_bf16.gemm_amx(x, w), one)
 
 
 @needs_amx
