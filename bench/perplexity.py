@@ -65,12 +65,15 @@ def one_sequence_prefill(ids: list[int]) -> ForwardBatch:
     )
 
 
-def log_probs(model_path: str, ids: list[int], dtype: str, quantization: str, kv: str) -> torch.Tensor:
+def log_probs(
+    model_path: str, ids: list[int], dtype: str, quantization: str, kv: str, device: str = "cpu"
+) -> torch.Tensor:
     """[len(ids) - 1, vocab] float32 log-probabilities of each next token under one setting."""
-    model, _ = load_model(model_path, dtype=dtype, quantization_setting=quantization)
+    model, _ = load_model(model_path, dtype=dtype, device=device, quantization_setting=quantization)
     model.use_kv_cache_dtype(kv)
     cache = model.allocate_kv_cache(math.ceil(len(ids) / BLOCK), BLOCK)
-    logits = model.forward(one_sequence_prefill(ids), cache)
+    with torch.inference_mode():
+        logits = model.forward(one_sequence_prefill(ids).to(device), cache)
     return F.log_softmax(logits[:-1].float(), dim=-1)
 
 

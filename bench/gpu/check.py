@@ -46,6 +46,7 @@ STEPS = (
     Step("roofline", "decode step vs HBM floor (B=1, 64); 2048-token prefill vs bf16 matmul peak", 100, "step_roofline"),
     Step("spec_kvq", "speculative decoding and the 8-bit KV cache on the GPU", 80, "step_spec_kvq"),
     Step("kv_tiers", "KV tiers: VRAM -> pinned host -> disk and back bit for bit; copy rates", 120, "step_kv_tiers"),
+    Step("real_model", "SmolLM2 GGUF: greedy = transformers, perplexity per precision, throughput", 240, "step_real_model"),
 )  # fmt: skip
 
 
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="list the steps, run none")
     p.add_argument("--smoke", action="store_true", help="run the steps on this machine's CPU at tiny shapes")
     p.add_argument(
-        "--deadline", type=float, default=450.0, help="seconds for all steps (default: %(default)s)"
+        "--deadline", type=float, default=560.0, help="seconds for all steps (default: %(default)s)"
     )
     p.add_argument(
         "--budget-scale", type=float, default=1.0, help="multiply every step's budget (default: %(default)s)"

@@ -47,6 +47,7 @@ WHEELS = {
     "protobuf": "7.36.2",
     "nixl": "1.5.1",
     "nixl-cu13": "1.5.1",
+    "gguf": "0.19.0",
 }
 # Kept from nixl-cu13 besides what they need: the Python package, the core, UCX and its modules.
 NIXL_ROOTS = (
