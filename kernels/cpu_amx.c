@@ -147,6 +147,8 @@ static void configure_tiles(void) {
         cfg.colsb[t] = 64;
         cfg.rows[t] = 16;
     }
+    /* GCC does not see LDTILECFG read the struct and may drop the stores above: make them happen */
+    __asm__ volatile("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 
@@ -263,6 +265,59 @@ static void pack_inputs(const bf16 *x, int64_t m, int64_t k, int64_t ksteps, bf1
     }
 }
 
+/* Weight rows [n0, min(n0 + 32, r_end)) of y = x . W^T (+ bias) for the m inputs `xb` packed by
+ * pack_inputs (blocks of 16), into y[i * y_stride + r - n0] rounded to bf16 once, or (y_f32) into
+ * y_f32 at the same place as that rounded value widened. W has n rows of k values; the caller has
+ * configured the tiles. c: 1024 floats; edge: 2 ksteps KiB. */
+static void rows_bf16(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int64_t ksteps, const bf16 *xb,
+                      int64_t m, int64_t n0, int64_t r_end, bf16 *y, float *y_f32, int64_t y_stride, float *c,
+                      uint8_t *edge) {
+    const int64_t mblocks = (m + 15) / 16;
+    const left_tiles a0 = left_rows((const uint8_t *)w, n, k * 2, n0, ksteps, edge),
+                     a1 = left_rows((const uint8_t *)w, n, k * 2, n0 + 16, ksteps, edge + ksteps * 1024);
+    for (int64_t mb = 0; mb < mblocks; mb += 2) {
+        const bf16 *b0 = xb + mb * ksteps * 512, *b1 = b0 + ksteps * 512;
+        const int two = mb + 1 < mblocks;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t ks = 0; ks < ksteps; ks++) {
+            _tile_loadd(4, a0.base + ks * a0.step, a0.stride);
+            _tile_loadd(5, a1.base + ks * a1.step, a1.stride);
+            _tile_loadd(6, b0 + ks * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) {
+                _tile_loadd(7, b1 + ks * 512, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        /* c[t][j][i]: weight row n0 + 16 (t / 2) + j, input 16 (mb + t % 2) + i */
+        _tile_stored(0, c, 64);
+        _tile_stored(2, c + 512, 64);
+        if (two) {
+            _tile_stored(1, c + 256, 64);
+            _tile_stored(3, c + 768, 64);
+        }
+        for (int t = 0; t < 4; t++) {
+            if (t % 2 && !two) continue;
+            const int64_t r0 = n0 + 16 * (t / 2), i0 = 16 * (mb + t % 2);
+            const float *sums = c + 256 * (t % 2) + 512 * (t / 2);
+            for (int64_t i = 0; i < 16 && i0 + i < m; i++)
+                for (int64_t j = 0; j < 16 && r0 + j < r_end; j++) {
+                    const bf16 v = bf16_narrow(sums[j * 16 + i] + (bias ? bf16_widen(bias[r0 + j]) : 0.0f));
+                    const int64_t at = (i0 + i) * y_stride + r0 + j - n0;
+                    if (y_f32)
+                        y_f32[at] = bf16_widen(v);
+                    else
+                        y[at] = v;
+                }
+        }
+    }
+}
+
 int gemm_bf16_amx(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64_t m, int64_t n, int64_t k,
                   int64_t num_threads) {
     if (amx_usable() != 1) return -2;
@@ -279,55 +334,55 @@ int gemm_bf16_amx(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64
         if (!c || !edge) failed = 1;
         if (!failed) configure_tiles();
 #pragma omp for schedule(static)
-        for (int64_t nb = 0; nb < nblocks; nb++) {
-            if (failed) continue;
-            const int64_t n0 = nb * NB;
-            const left_tiles a0 = left_rows((const uint8_t *)w, n, k * 2, n0, ksteps, edge),
-                             a1 = left_rows((const uint8_t *)w, n, k * 2, n0 + 16, ksteps, edge + ksteps * 1024);
-            for (int64_t mb = 0; mb < mblocks; mb += 2) {
-                const bf16 *b0 = xb + mb * ksteps * 512, *b1 = b0 + ksteps * 512;
-                const int two = mb + 1 < mblocks;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t ks = 0; ks < ksteps; ks++) {
-                    _tile_loadd(4, a0.base + ks * a0.step, a0.stride);
-                    _tile_loadd(5, a1.base + ks * a1.step, a1.stride);
-                    _tile_loadd(6, b0 + ks * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (two) {
-                        _tile_loadd(7, b1 + ks * 512, 64);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                /* c[t][j][i]: weight row n0 + 16 (t / 2) + j, input 16 (mb + t % 2) + i */
-                _tile_stored(0, c, 64);
-                _tile_stored(2, c + 512, 64);
-                if (two) {
-                    _tile_stored(1, c + 256, 64);
-                    _tile_stored(3, c + 768, 64);
-                }
-                for (int t = 0; t < 4; t++) {
-                    if (t % 2 && !two) continue;
-                    const int64_t r0 = n0 + 16 * (t / 2), i0 = 16 * (mb + t % 2);
-                    const float *sums = c + 256 * (t % 2) + 512 * (t / 2);
-                    for (int64_t i = 0; i < 16 && i0 + i < m; i++)
-                        for (int64_t j = 0; j < 16 && r0 + j < n; j++) {
-                            const float v = sums[j * 16 + i] + (bias ? bf16_widen(bias[r0 + j]) : 0.0f);
-                            y[(i0 + i) * n + r0 + j] = bf16_narrow(v);
-                        }
-                }
-            }
-        }
+        for (int64_t nb = 0; nb < nblocks; nb++)
+            if (!failed) rows_bf16(w, bias, n, k, ksteps, xb, m, nb * NB, n, y + nb * NB, 0, n, c, edge);
         if (c && edge) _tile_release();
         free(c);
         free(edge);
     }
     free(xb);
     return failed ? -1 : 0;
+}
+
+/* ---- the bf16 GEMM's pieces for a caller's own parallel region (cpu_decode_step.c) ---------
+ * Each thread of the region calls amx_tiles_begin once (0, or -2 where AMX is not usable), packs
+ * the inputs it multiplies into its own scratch (amx_pack_bf16), computes its share of rows
+ * (amx_rows_bf16, any rows: blocks of 32 from r0) and calls amx_tiles_end before the region ends.
+ * The same tiles and arithmetic as gemm_bf16_amx, so the same numbers. */
+int64_t amx_tiles_begin(void) {
+    if (amx_usable() != 1) return -2;
+    configure_tiles();
+    return 0;
+}
+
+void amx_tiles_end(void) { _tile_release(); }
+
+/* Bytes of one thread's scratch for up to m inputs of up to k values: the packed inputs, then the
+ * sums (c) and the edge rows, each 64-byte aligned. */
+int64_t amx_scratch_bytes(int64_t m, int64_t k) {
+    const int64_t ksteps = (k + KSTEP - 1) / KSTEP;
+    return ((m + 15) / 16) * ksteps * 1024 + 4096 + 2 * ksteps * 1024;
+}
+
+static bf16 *scratch_inputs(void *scratch) { return (bf16 *)scratch; }
+
+void amx_pack_bf16(const bf16 *x, int64_t m, int64_t k, void *scratch) {
+    const int64_t ksteps = (k + KSTEP - 1) / KSTEP;
+    for (int64_t mb = 0; mb < (m + 15) / 16; mb++)
+        pack_inputs(x + mb * 16 * k, m - mb * 16, k, ksteps, scratch_inputs(scratch) + mb * ksteps * 512);
+}
+
+/* y = x . W^T (+ bias) for W's rows [r0, r1) and the m inputs amx_pack_bf16 packed (k values each)
+ * into `scratch`, sized by amx_scratch_bytes(m_max, k_max): y[i * y_stride + r - r0] in bf16, or
+ * (y_f32) the bf16-rounded value widened. */
+void amx_rows_bf16(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int64_t m, int64_t r0, int64_t r1,
+                   bf16 *y, float *y_f32, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max) {
+    const int64_t ksteps = (k + KSTEP - 1) / KSTEP, room = ((m_max + 15) / 16) * ((k_max + KSTEP - 1) / KSTEP) * 1024;
+    float *c = (float *)((uint8_t *)scratch + room);
+    uint8_t *edge = (uint8_t *)c + 4096;
+    for (int64_t n0 = r0; n0 < r1; n0 += NB)
+        rows_bf16(w, bias, n, k, ksteps, scratch_inputs(scratch), m, n0, r1, y ? y + (n0 - r0) : 0,
+                  y_f32 ? y_f32 + (n0 - r0) : 0, y_stride, c, edge);
 }
 
 /* ---- int8 weights, 16-bit inputs (W8A16) on AMX-INT8 ------------------------------------------
@@ -463,5 +518,15 @@ int gemm_w8_amx(const void *w, int fp8, const float *scale, const float *bias, c
                 int64_t n, int64_t k, int64_t num_threads) {
     (void)w, (void)fp8, (void)scale, (void)bias, (void)x, (void)y, (void)m, (void)n, (void)k, (void)num_threads;
     return -2;
+}
+
+int64_t amx_tiles_begin(void) { return -2; }
+void amx_tiles_end(void) {}
+int64_t amx_scratch_bytes(int64_t m, int64_t k) { return (void)m, (void)k, 0; }
+void amx_pack_bf16(const bf16 *x, int64_t m, int64_t k, void *scratch) { (void)x, (void)m, (void)k, (void)scratch; }
+void amx_rows_bf16(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int64_t m, int64_t r0, int64_t r1,
+                   bf16 *y, float *y_f32, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max) {
+    (void)w, (void)bias, (void)n, (void)k, (void)m, (void)r0, (void)r1, (void)y, (void)y_f32, (void)y_stride;
+    (void)scratch, (void)m_max, (void)k_max;
 }
 #endif

@@ -237,6 +237,16 @@ void gemv_rows_bf16(const bf16 *w, const bf16 *bias, int64_t k, const bf16 *x, i
  * bf16 before the SiLU as the per-op path rounds its gate_up output. */
 void gemv_silu_rows_bf16(const bf16 *w, const bf16 *bias, int64_t k, int64_t inter, const bf16 *x, bf16 *out,
                          int64_t batch, int64_t i0, int64_t i1);
+/* The AMX bf16 GEMM in pieces, for a whole-step decode's own parallel region (cpu_amx.c): per
+ * thread, amx_tiles_begin (-2: AMX not usable), then amx_pack_bf16 of the inputs into that thread's
+ * scratch (amx_scratch_bytes(m_max, k_max)) and amx_rows_bf16 for its rows (y[i][r - r0], bf16, or
+ * the bf16-rounded value widened into y_f32), then amx_tiles_end. */
+int64_t amx_tiles_begin(void);
+void amx_tiles_end(void);
+int64_t amx_scratch_bytes(int64_t m, int64_t k);
+void amx_pack_bf16(const bf16 *x, int64_t m, int64_t k, void *scratch);
+void amx_rows_bf16(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int64_t m, int64_t r0, int64_t r1,
+                   bf16 *y, float *y_f32, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max);
 /* Decode attention of one sequence and one KV head of a bf16 cache (q, out: the group's heads, bf16);
  * scratch holds group * (len + 2 D) floats. */
 void decode_attention_head_bf16(const bf16 *q, const bf16 *kv, const int32_t *table, int64_t len, int64_t group,
