@@ -83,7 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from disagg.kernels import cpu_decode_step
     from disagg.kernels.cpu_decode_step import PHASES
     from disagg.worker import LLM, SamplingParams
     from disagg.worker.tools.make_model import make_model
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.steps):  # prefill and warm-up
         engine.step()
     if args.per_op:
-        cpu_decode_step.MAX_BATCH = 0
+        engine.runner.model._whole_step_native = False
     instrument(engine)
     phases = None
     model = engine.runner.model

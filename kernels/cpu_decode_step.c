@@ -35,7 +35,10 @@ typedef struct {
     const float *cos_sin;       /* float32 in every model */
     const float *lm_head_scale; /* as the layers' scales */
     int64_t weight_kind;        /* WEIGHTS_BF16 (the whole model), else that of the scaled weights */
+    int64_t amx_min_batch;      /* a bf16 model's matmuls on AMX tiles from this many rows (0: never) */
 } decode_model;
+
+int64_t amx_usable(void);
 
 enum { WEIGHTS_INT8 = 1, WEIGHTS_FP8 = 2, WEIGHTS_BF16 = 3 };
 
@@ -95,6 +98,19 @@ static inline double clock_now(void) {
 #define FOR_EACH_CHUNK(c, n)                                                                              \
     for (chunk_walk walk_ = chunk_walk_start(spans, NUM_CHUNKS(n), thread, threads, &walks); \
          chunk_walk_next(&walk_, &c);)
+/* y = x W^T (+ bias) over n rows of k values (x: batch rows of k): on AMX tiles, each thread packing
+ * the inputs into its own scratch first (no barrier: every thread reads x whole), else the GEMVs;
+ * y_f32: float32 logits. A barrier follows at the call site. */
+#define MATMUL(w_, scale_, bias_, k_, x_, n_, y_, y_stride_, y_f32_)                                                  \
+    if (amx) {                                                                                                     \
+        amx_pack_bf16((const bf16 *)(x_), batch, k_, amx_mine);                                                    \
+        FOR_EACH_CHUNK(c, n_) {                                                                                    \
+            const int64_t r0_ = c * GEMV_CHUNK, r1_ = r0_ + GEMV_CHUNK < (n_) ? r0_ + GEMV_CHUNK : (n_);          \
+            amx_rows_bf16(w_, bias_, n_, k_, batch, r0_, r1_, (y_f32_) ? 0 : (bf16 *)(y_) + r0_,                 \
+                          (y_f32_) ? (float *)(y_) + r0_ : 0, y_stride_, amx_mine, batch, k_max);                   \
+        }                                                                                                          \
+    } else                                                                                                         \
+        FOR_EACH_CHUNK(c, n_) gemv_rows(m, w_, scale_, bias_, k_, x_, k_, y_, y_stride_, batch, CHUNK_ROWS(c, n_), y_f32_);
 
 /* normed[b] = rms_norm(res[b] + add[b]) * weight, with the sum also stored into res_out[b] when
  * res_out is not NULL. Every thread runs it on its own copy of the normed rows (no barrier to
@@ -222,6 +238,12 @@ static int decode_step(const decode_model *m, void *residual, int64_t batch, con
     /* the GEMVs' chunk spans, one cache line per thread, after the threads' scratch */
     uint64_t *spans = (uint64_t *)(((uintptr_t)(per_thread + num_threads * per_thread_floats) + 63) & ~(uintptr_t)63);
     memset(spans, 0, num_threads * CHUNK_SPAN_STRIDE * sizeof(uint64_t));
+    /* AMX: each thread's scratch for packed inputs, after the spans */
+    const int amx = bf && m->amx_min_batch > 0 && batch >= m->amx_min_batch;
+    if (amx && amx_usable() != 1) return -3;
+    const int64_t k_max = h > q_width ? (h > inter ? h : inter) : (q_width > inter ? q_width : inter);
+    const int64_t amx_stride = amx ? (amx_scratch_bytes(batch, k_max) + 63) / 64 * 64 : 0;
+    uint8_t *amx_base = (uint8_t *)(spans + num_threads * CHUNK_SPAN_STRIDE);
 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
@@ -233,6 +255,8 @@ static int decode_step(const decode_model *m, void *residual, int64_t batch, con
         int64_t walks = 0, c; /* walks: GEMVs begun, the same count in every thread; c: a chunk */
         float *normed = per_thread + thread * per_thread_floats, *scores = normed + batch * h;
         const int timer = timed && thread == 0;
+        void *amx_mine = amx ? amx_base + thread * amx_stride : 0;
+        if (amx) amx_tiles_begin();
         double mark = timer ? clock_now() : 0.0;
         void *res = residual, *res_next = spare;
 #define NEXT_RESIDUAL(add, weight)                                                                      \
@@ -257,9 +281,7 @@ static int decode_step(const decode_model *m, void *residual, int64_t batch, con
             } else
                 NEXT_RESIDUAL(out, w->input_norm)
             MARK(PH_NORM)
-            FOR_EACH_CHUNK(c, qkv_width)
-                gemv_rows(m, w->qkv, w->qkv_scale, w->qkv_bias, h, normed, h, qkv, qkv_width, batch,
-                          CHUNK_ROWS(c, qkv_width), 0);
+            MATMUL(w->qkv, w->qkv_scale, w->qkv_bias, h, normed, qkv_width, qkv, qkv_width, 0)
 #pragma omp barrier
             MARK(PH_QKV)
             /* every row's K/V is written before any row attends: rows of one sequence at consecutive
@@ -290,31 +312,42 @@ static int decode_step(const decode_model *m, void *residual, int64_t batch, con
                                               block_size, m->scale, scores, dst);
             }
             MARK(PH_ATTENTION)
-            FOR_EACH_CHUNK(c, h)
-                gemv_rows(m, w->o, w->o_scale, w->o_bias, q_width, attn, q_width, out, h, batch, CHUNK_ROWS(c, h), 0);
+            MATMUL(w->o, w->o_scale, w->o_bias, q_width, attn, h, out, h, 0)
 #pragma omp barrier
             MARK(PH_O)
             NEXT_RESIDUAL(out, w->post_norm)
             MARK(PH_NORM)
-            FOR_EACH_CHUNK(c, inter)
-                gemv_silu_rows(m, w->gate_up, w->gate_up_scale, w->gate_up_bias, h, inter, normed, act, batch,
-                               CHUNK_ROWS(c, inter));
+            if (amx) {
+                amx_pack_bf16((const bf16 *)normed, batch, h, amx_mine);
+                FOR_EACH_CHUNK(c, inter) {
+                    const int64_t i0 = c * GEMV_CHUNK, i1 = i0 + GEMV_CHUNK < inter ? i0 + GEMV_CHUNK : inter;
+                    bf16 gate[batch * GEMV_CHUNK], up[batch * GEMV_CHUNK];
+                    amx_rows_bf16(w->gate_up, w->gate_up_bias, 2 * inter, h, batch, i0, i1, gate, 0, GEMV_CHUNK,
+                                  amx_mine, batch, k_max);
+                    amx_rows_bf16(w->gate_up, w->gate_up_bias, 2 * inter, h, batch, inter + i0, inter + i1, up, 0,
+                                  GEMV_CHUNK, amx_mine, batch, k_max);
+                    for (int64_t b = 0; b < batch; b++)
+                        for (int64_t t = 0; t < i1 - i0; t++)
+                            ((bf16 *)act)[b * inter + i0 + t] = bf16_narrow(
+                                silu_mul(bf16_widen(gate[b * GEMV_CHUNK + t]), bf16_widen(up[b * GEMV_CHUNK + t])));
+                }
+            } else
+                FOR_EACH_CHUNK(c, inter)
+                    gemv_silu_rows(m, w->gate_up, w->gate_up_scale, w->gate_up_bias, h, inter, normed, act, batch,
+                                   CHUNK_ROWS(c, inter));
 #pragma omp barrier
             MARK(PH_GATE_UP_SILU)
-            FOR_EACH_CHUNK(c, h)
-                gemv_rows(m, w->down, w->down_scale, w->down_bias, inter, act, inter, out, h, batch, CHUNK_ROWS(c, h),
-                          0);
+            MATMUL(w->down, w->down_scale, w->down_bias, inter, act, h, out, h, 0)
 #pragma omp barrier
             MARK(PH_DOWN)
         }
         NEXT_RESIDUAL(out, m->final_norm)
 #undef NEXT_RESIDUAL
         MARK(PH_NORM)
-        FOR_EACH_CHUNK(c, m->vocab)
-            gemv_rows(m, m->lm_head, m->lm_head_scale, 0, h, normed, h, logits, m->vocab, batch,
-                      CHUNK_ROWS(c, m->vocab), 1);
+        MATMUL(m->lm_head, m->lm_head_scale, 0, h, normed, m->vocab, logits, m->vocab, 1)
 #pragma omp barrier
         MARK(PH_LM_HEAD)
+        if (amx) amx_tiles_end();
         /* the stream ends in `res` of thread 0; the caller's buffer holds it either way */
         if (thread == 0 && res != residual) memcpy(residual, res, batch * h * (bf ? sizeof(bf16) : sizeof(float)));
     }
@@ -358,7 +391,12 @@ int decode_step_bf16(const decode_model *m, bf16 *residual, int64_t batch, const
 int64_t decode_step_work_floats(const decode_model *m, int64_t batch, int64_t max_len, int64_t num_threads) {
     const int64_t h = m->hidden, d = m->head_dim, qkv_width = (m->num_q_heads + 2 * m->num_kv_heads) * d;
     const int64_t group = m->num_q_heads / m->num_kv_heads;
+    const int64_t k_max = h > m->num_q_heads * d ? (h > m->inter ? h : m->inter)
+                                                 : (m->num_q_heads * d > m->inter ? m->num_q_heads * d : m->inter);
+    const int64_t amx = m->weight_kind == WEIGHTS_BF16 && m->amx_min_batch > 0 && batch >= m->amx_min_batch
+                            ? num_threads * ((amx_scratch_bytes(batch, k_max) + 63) / 64 * 16)
+                            : 0;
     return batch * (qkv_width + m->num_q_heads * d + m->inter + 2 * h) +
            num_threads * (batch * h + group * (max_len + 2 * d)) + 16 /* alignment */ +
-           num_threads * CHUNK_SPAN_STRIDE * 2 /* the chunk spans */;
+           num_threads * CHUNK_SPAN_STRIDE * 2 /* the chunk spans */ + amx /* AMX scratch, in floats */;
 }

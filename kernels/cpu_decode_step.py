@@ -3,9 +3,12 @@ whose four matmuls per layer and LM head take float32 or 8-bit weights (`Quantiz
 fp8 e4m3, one kind per model), or bfloat16 throughout (weights, activations and cache; the same
 rounding as the per-op bf16 kernels, `cpu_bf16.c`).
 
-For small batches only: there a step is bound by reading the weights once, and the per-layer
+For small batches: there a step is bound by reading the weights once, and the per-layer
 torch matmuls and small ops cost more than the reading (dispatch, temporaries, threads idling
-between ops). Larger batches are matrix-matrix work, better left to torch's GEMM.
+between ops). Larger batches are matrix-matrix work, better left to torch's GEMM; except where AMX
+is usable, where a bf16 model's step multiplies on its tiles (the per-op path's own GEMM, so the
+same numbers) and takes as many rows as that GEMM does: the dispatch and small ops it saves are
+then a third of a 16-sequence step.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 
 from disagg.kernels import cpu_native
 from disagg.kernels.kv_quant import KVQuantFormat
-from disagg.kernels.quantized import QuantizedWeight
+from disagg.kernels.quantized import BF16_AMX_MAX_ROWS, BF16_AMX_MIN_ROWS, QuantizedWeight
 
 # Up to here the kernel beats torch's GEMM clearly (one thread, small preset: 2.8x at 2 sequences,
 # 1.6x at 4, par at 8) and the per-layer path around the native GEMM too: its float32 matmuls
@@ -52,6 +55,7 @@ class _Model(ctypes.Structure):
         ("cos_sin", ctypes.c_void_p),
         ("lm_head_scale", ctypes.c_void_p),
         ("weight_kind", ctypes.c_int64),
+        ("amx_min_batch", ctypes.c_int64),
     ]  # fmt: skip
 
 
@@ -111,6 +115,17 @@ def _flatten(t: torch.Tensor | QuantizedWeight, dense: str = "f32") -> list[tupl
             raise ValueError("8-bit weights must be contiguous CPU tensors")
         return [("f32", t.scale), (t.scheme, t.data)]
     return [(dense, t)]
+
+
+def uses_amx(dtype: torch.dtype) -> bool:
+    """Whether a `dtype` model's step multiplies on AMX tiles: bf16 where AMX is usable (the per-op
+    path's GEMM, in pieces: cpu_amx.c), from BF16_AMX_MIN_ROWS rows."""
+    return dtype == torch.bfloat16 and cpu_native.amx_usable()
+
+
+def max_batch(dtype: torch.dtype) -> int:
+    """The most sequences a `dtype` model's native step takes: with AMX, what its GEMM takes."""
+    return BF16_AMX_MAX_ROWS if uses_amx(dtype) else MAX_BATCH
 
 
 class NativeDecodeStep:
@@ -183,7 +198,9 @@ class NativeDecodeStep:
             len(layers), hidden, inter, num_q_heads, num_kv_heads, head_dim, lm_head.shape[0], eps, scale,
             self._layers, final_norm.data_ptr(), _ptr(lm_head), cos_sin_cache.data_ptr(), _scale_ptr(lm_head),
             _BF16_MODEL if dense == "bf16" else _WEIGHT_KINDS.get(next(iter(kinds), ""), 0),
+            BF16_AMX_MIN_ROWS if uses_amx(self.dtype) else 0,
         )  # fmt: skip
+        self.max_batch = max_batch(self.dtype)
         self.vocab_size = lm_head.shape[0]
         self.hidden = hidden
         self.max_positions = cos_sin_cache.shape[0]
@@ -208,8 +225,8 @@ class NativeDecodeStep:
         block_tables [B, W] and seq_lens [B] as for decode attention (any int dtype)."""
         cpu_native.check_cpu(self.dtype, hidden=hidden)
         b = hidden.shape[0]
-        if hidden.shape[1] != self.hidden or not 0 < b <= MAX_BATCH:
-            raise ValueError(f"hidden {tuple(hidden.shape)}: need [1..{MAX_BATCH}, {self.hidden}]")
+        if hidden.shape[1] != self.hidden or not 0 < b <= self.max_batch:
+            raise ValueError(f"hidden {tuple(hidden.shape)}: need [1..{self.max_batch}, {self.hidden}]")
         m = self._model
         if kv_format is not None and self.dtype != torch.float32:
             raise ValueError("a quantized KV cache needs a float32 model in the native decode step")
@@ -265,6 +282,8 @@ class NativeDecodeStep:
                 *head, kv_caches.data_ptr(), kv_caches.stride(0), block_size, kv_format.region_bytes,
                 int(kv_format.name == "fp8"), *tail,
             )  # fmt: skip
+        if code == -3:
+            raise RuntimeError("AMX is not usable in this process (amx_usable() is False)")
         if code:
             raise ValueError(f"seq_lens: every length must be in [1, {max_len}]")
         return logits

@@ -91,12 +91,14 @@ def decode_both_ways(
     block: int = 4,
     dtype="float32",
     per_op=False,
+    amx=False,
 ):
     """Prefill num_seqs prompts, then decode `steps` tokens each through the whole-step kernel and
     through the torch path (`per_op`: the per-layer native kernels), each with its own cache;
     returns both paths' logits per step, and the caches. The per-layer kernels are the GEMVs the
-    whole step runs: where AMX is usable, the plans would multiply 2+ rows on it (other sums)."""
-    if per_op:
+    whole step runs: where AMX is usable, the plans would multiply 2+ rows on it (other sums), so
+    AMX is turned off unless `amx` (then both paths multiply on it)."""
+    if per_op and not amx:
         monkeypatch.setattr(cpu_native, "amx_usable", lambda: False)  # before the load resolves the plans
     model, config = load_model(model_dir, dtype=dtype)
     whole_step = model._whole_step_native
@@ -105,7 +107,8 @@ def decode_both_ways(
     prompts = [
         torch.randint(10, config.vocab_size, (3 + 5 * i,), generator=g).tolist() for i in range(num_seqs)
     ]
-    caches = [model.allocate_kv_cache(num_blocks=64, block_size=block) for _ in range(2)]
+    blocks = max(64, sum(-(-(len(p) + steps) // block) for p in prompts))
+    caches = [model.allocate_kv_cache(num_blocks=blocks, block_size=block) for _ in range(2)]
     seqs = [paged(block), paged(block)]
     monkeypatch.setenv("DISAGG_CPU_NATIVE", "0")
     logits = model.forward(seqs[1].prefill(list(enumerate(prompts))), caches[1])
@@ -155,6 +158,21 @@ def test_bf16_decode_step_rounds_where_the_per_op_bf16_kernels_do(
     )
     for native, per_op in steps:
         assert native.dtype == torch.float32
+        assert torch.equal(native, per_op)
+    assert torch.equal(caches[0], caches[1])
+
+
+@pytest.mark.skipif(not cpu_native.amx_usable(), reason="AMX is not usable on this CPU")
+@pytest.mark.parametrize("num_seqs", [2, 7, 16, 33], ids=case_id)
+def test_bf16_decode_step_on_amx_equals_the_per_op_amx_gemm(tiny_model_dir, paged, monkeypatch, num_seqs):
+    """Where AMX is usable a bf16 model's whole step multiplies on its tiles from two rows, in the
+    per-op GEMM's own pieces (cpu_amx.c), and takes batches up to that GEMM's limit: logits and
+    cache equal to the per-op path's, bit for bit, past one and two blocks of 16 inputs."""
+    steps, caches, model = decode_both_ways(
+        tiny_model_dir, paged, monkeypatch, num_seqs, dtype="bfloat16", per_op=True, amx=True
+    )
+    assert model.native_decode_step().max_batch > cpu_decode_step.MAX_BATCH
+    for native, per_op in steps:
         assert torch.equal(native, per_op)
     assert torch.equal(caches[0], caches[1])
 

@@ -265,15 +265,15 @@ class LlamaForCausalLM:
     def _whole_step_ok(
         self, batch: ForwardBatch, kv_caches: torch.Tensor, layer_hook: Callable[[int], None] | None
     ) -> bool:
-        """A decode step of at most `cpu_decode_step.MAX_BATCH` sequences the native whole-step
-        decode takes (no layer hook, no collectives: it runs every layer in one call)."""
+        """A decode step of at most `cpu_decode_step.max_batch` sequences (no layer hook, no
+        collectives: the native whole-step decode runs every layer in one call)."""
         return (
             not batch.is_prefill
             and self.tp is None
             and layer_hook is None
             and self._whole_step_native
-            and batch.input_ids.shape[0] <= cpu_decode_step.MAX_BATCH
             and self._native_ok(kv_caches)
+            and batch.input_ids.shape[0] <= cpu_decode_step.max_batch(self.dtype)
         )
 
     def _forward_whole_step(self, batch: ForwardBatch, kv_caches: torch.Tensor) -> torch.Tensor:

@@ -109,7 +109,7 @@ def test_whole_step_native_decode_over_a_quantized_cache(tiny_dir, kv_dtype, mon
     """Decode steps of a few sequences run whole in one native call over the quantized cache too
     (rotary + quantizing write and attention over 8-bit K/V inside it); against the per-op native
     kernels the logits differ as in the test above (other matmul kernels, same K/V kernels)."""
-    from disagg.kernels import cpu_decode_step, cpu_native
+    from disagg.kernels import cpu_native
 
     if not cpu_native.available():
         pytest.skip("needs a C compiler (cc)")
@@ -124,7 +124,7 @@ def test_whole_step_native_decode_over_a_quantized_cache(tiny_dir, kv_dtype, mon
     with pytest.raises(ValueError, match="kv_caches: expected contiguous uint8"):
         step(torch.zeros(1, step.hidden), one, one, torch.zeros(2, 3, dtype=torch.uint8), one.view(1, 1), one + 1,
              model.kv_format)  # fmt: skip
-    monkeypatch.setattr(cpu_decode_step, "MAX_BATCH", 0)  # the per-op kernels take every step
+    monkeypatch.setattr(model, "_whole_step_native", False)  # the per-op kernels take every step
     per_op, _ = ragged_logits(model, config.vocab_size)
     assert len(calls) == 4
     diff = (whole - per_op).abs()
