@@ -267,7 +267,7 @@ def test_rotary_write_kv_matches_float32(q_heads, kv_heads, d):
 
 @pytest.mark.parametrize("page", [16, 32], ids=case_id)
 @pytest.mark.parametrize("head_dim", [64, 128, 80], ids=case_id)
-@pytest.mark.parametrize("q_heads,kv_heads", [(8, 8), (8, 2), (8, 1)], ids=case_id)
+@pytest.mark.parametrize("q_heads,kv_heads", [(8, 8), (8, 2), (8, 1), (9, 3)], ids=case_id)
 def test_decode_attention_matches_float32(page, head_dim, q_heads, kv_heads):
     # lengths of 1, on and one past a block boundary, and a long one, in one ragged batch
     seq_lens = [1, page, page + 1, 3 * page - 1, 5 * page + 7]
