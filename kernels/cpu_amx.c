@@ -432,6 +432,50 @@ static void pack_planes(const float *x, int64_t m, int64_t k, int64_t ksteps, ui
     }
 }
 
+/* Weight rows [n0, min(n0 + 32, r_end)) of the W8A16 product for the m inputs packed by pack_planes
+ * (blocks of 16: the hi plane, then the lo plane, `plane` bytes each; sx their scales), into
+ * y[i * y_stride + r - n0]. The caller has configured the tiles. c: 1024 int32; edge: 2 ksteps KiB. */
+static void rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t n, int64_t k, int64_t ksteps,
+                    const uint8_t *xb, size_t plane, const float *sx, int64_t m, int64_t n0, int64_t r_end, float *y,
+                    int64_t y_stride, int32_t *c, uint8_t *edge) {
+    const left_tiles a0 = left_rows((const uint8_t *)w, n, k, n0, ksteps, edge),
+                     a1 = left_rows((const uint8_t *)w, n, k, n0 + 16, ksteps, edge + ksteps * 1024);
+    for (int64_t mb = 0; mb < (m + 15) / 16; mb++) {
+        const uint8_t *bh = xb + 2 * plane * mb, *bl = bh + plane;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t ks = 0; ks < ksteps; ks++) {
+            _tile_loadd(4, a0.base + ks * a0.step, a0.stride);
+            _tile_loadd(5, a1.base + ks * a1.step, a1.stride);
+            _tile_loadd(6, bh + ks * 1024, 64);
+            _tile_loadd(7, bl + ks * 1024, 64);
+            _tile_dpbssd(0, 4, 6);
+            _tile_dpbsud(1, 4, 7);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbsud(3, 5, 7);
+        }
+        /* c[t]: t / 2 = the plane (hi, lo), t % 2 = the 16 weight rows; [row][input] */
+        _tile_stored(0, c, 64);
+        _tile_stored(1, c + 512, 64);
+        _tile_stored(2, c + 256, 64);
+        _tile_stored(3, c + 768, 64);
+        for (int t = 0; t < 2; t++) {
+            const int64_t r0 = n0 + 16 * t, i0 = 16 * mb;
+            const int32_t *his = c + 256 * t, *los = c + 512 + 256 * t;
+            for (int64_t i = 0; i < 16 && i0 + i < m; i++)
+                for (int64_t j = 0; j < 16 && r0 + j < r_end; j++) {
+                    const float dot = (float)his[j * 16 + i] * 256.0f + (float)los[j * 16 + i];
+                    float v = dot * (sx[i0 + i] * scale[r0 + j]);
+                    __asm__("" : "+v"(v)); /* rounded before the bias, as gemm_i8: no fused add */
+                    if (bias) v += bias[r0 + j];
+                    y[(i0 + i) * y_stride + r0 + j - n0] = v;
+                }
+        }
+    }
+}
+
 int gemm_i8_amx(const int8_t *w, const float *scale, const float *bias, const float *x, float *y, int64_t m,
                 int64_t n, int64_t k, int64_t num_threads) {
     if (amx_usable() != 1) return -2;
@@ -452,52 +496,44 @@ int gemm_i8_amx(const int8_t *w, const float *scale, const float *bias, const fl
         if (!c || !edge) failed = 1;
         if (!failed) configure_tiles();
 #pragma omp for schedule(static)
-        for (int64_t nb = 0; nb < nblocks; nb++) {
-            if (failed) continue;
-            const int64_t n0 = nb * NB;
-            const left_tiles a0 = left_rows((const uint8_t *)w, n, k, n0, ksteps, edge),
-                             a1 = left_rows((const uint8_t *)w, n, k, n0 + 16, ksteps, edge + ksteps * 1024);
-            for (int64_t mb = 0; mb < mblocks; mb++) {
-                const uint8_t *bh = xb + 2 * plane * mb, *bl = bh + plane;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t ks = 0; ks < ksteps; ks++) {
-                    _tile_loadd(4, a0.base + ks * a0.step, a0.stride);
-                    _tile_loadd(5, a1.base + ks * a1.step, a1.stride);
-                    _tile_loadd(6, bh + ks * 1024, 64);
-                    _tile_loadd(7, bl + ks * 1024, 64);
-                    _tile_dpbssd(0, 4, 6);
-                    _tile_dpbsud(1, 4, 7);
-                    _tile_dpbssd(2, 5, 6);
-                    _tile_dpbsud(3, 5, 7);
-                }
-                /* c[t]: t / 2 = the plane (hi, lo), t % 2 = the 16 weight rows; [row][input] */
-                _tile_stored(0, c, 64);
-                _tile_stored(1, c + 512, 64);
-                _tile_stored(2, c + 256, 64);
-                _tile_stored(3, c + 768, 64);
-                for (int t = 0; t < 2; t++) {
-                    const int64_t r0 = n0 + 16 * t, i0 = 16 * mb;
-                    const int32_t *his = c + 256 * t, *los = c + 512 + 256 * t;
-                    for (int64_t i = 0; i < 16 && i0 + i < m; i++)
-                        for (int64_t j = 0; j < 16 && r0 + j < n; j++) {
-                            const float dot = (float)his[j * 16 + i] * 256.0f + (float)los[j * 16 + i];
-                            float v = dot * (sx[i0 + i] * scale[r0 + j]);
-                            __asm__("" : "+v"(v)); /* rounded before the bias, as gemm_i8: no fused add */
-                            if (bias) v += bias[r0 + j];
-                            y[(i0 + i) * n + r0 + j] = v;
-                        }
-                }
-            }
-        }
+        for (int64_t nb = 0; nb < nblocks; nb++)
+            if (!failed) rows_i8(w, scale, bias, n, k, ksteps, xb, plane, sx, m, nb * NB, n, y + nb * NB, n, c, edge);
         if (c && edge) _tile_release();
         free(c);
         free(edge);
     }
     free(xb);
     return failed ? -1 : 0;
+}
+
+/* The int8 GEMM in pieces, as the bf16 one's above: one thread's scratch holds the packed planes,
+ * their scales, the sums and the edge rows. */
+int64_t amx_i8_scratch_bytes(int64_t m, int64_t k) {
+    const int64_t ksteps = (k + KSTEP8 - 1) / KSTEP8, mblocks = (m + 15) / 16;
+    return 2 * mblocks * ksteps * 1024 + (mblocks * 16 * 4 + 63) / 64 * 64 + 4096 + 2 * ksteps * 1024;
+}
+
+void amx_pack_i8(const float *x, int64_t m, int64_t k, void *scratch, int64_t m_max, int64_t k_max) {
+    const int64_t ksteps = (k + KSTEP8 - 1) / KSTEP8, plane = ksteps * 1024;
+    const int64_t room = 2 * ((m_max + 15) / 16) * ((k_max + KSTEP8 - 1) / KSTEP8) * 1024;
+    uint8_t *xb = scratch;
+    float *sx = (float *)(xb + room);
+    for (int64_t mb = 0; mb < (m + 15) / 16; mb++)
+        pack_planes(x + mb * 16 * k, m - mb * 16, k, ksteps, xb + 2 * plane * mb, xb + 2 * plane * mb + plane,
+                    sx + mb * 16);
+}
+
+void amx_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t n, int64_t k, int64_t m, int64_t r0,
+                 int64_t r1, float *y, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max) {
+    const int64_t ksteps = (k + KSTEP8 - 1) / KSTEP8, mblocks_max = (m_max + 15) / 16;
+    const int64_t room = 2 * mblocks_max * ((k_max + KSTEP8 - 1) / KSTEP8) * 1024;
+    uint8_t *xb = scratch;
+    const float *sx = (const float *)(xb + room);
+    int32_t *c = (int32_t *)(xb + room + (mblocks_max * 16 * 4 + 63) / 64 * 64);
+    uint8_t *edge = (uint8_t *)c + 4096;
+    for (int64_t n0 = r0; n0 < r1; n0 += NB)
+        rows_i8(w, scale, bias, n, k, ksteps, xb, (size_t)ksteps * 1024, sx, m, n0, r1, y + (n0 - r0), y_stride, c,
+                edge);
 }
 
 #pragma GCC pop_options
@@ -527,6 +563,15 @@ void amx_pack_bf16(const bf16 *x, int64_t m, int64_t k, void *scratch) { (void)x
 void amx_rows_bf16(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int64_t m, int64_t r0, int64_t r1,
                    bf16 *y, float *y_f32, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max) {
     (void)w, (void)bias, (void)n, (void)k, (void)m, (void)r0, (void)r1, (void)y, (void)y_f32, (void)y_stride;
+    (void)scratch, (void)m_max, (void)k_max;
+}
+int64_t amx_i8_scratch_bytes(int64_t m, int64_t k) { return (void)m, (void)k, 0; }
+void amx_pack_i8(const float *x, int64_t m, int64_t k, void *scratch, int64_t m_max, int64_t k_max) {
+    (void)x, (void)m, (void)k, (void)scratch, (void)m_max, (void)k_max;
+}
+void amx_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t n, int64_t k, int64_t m, int64_t r0,
+                 int64_t r1, float *y, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max) {
+    (void)w, (void)scale, (void)bias, (void)n, (void)k, (void)m, (void)r0, (void)r1, (void)y, (void)y_stride;
     (void)scratch, (void)m_max, (void)k_max;
 }
 #endif

@@ -267,117 +267,18 @@ static inline __attribute__((always_inline)) void head_attention_bf16(
     }
 }
 
-#if defined(__x86_64__) && defined(__AVX512F__)
-#include <immintrin.h>
-/* 16 bf16 values widened to float32 (exact: the top half of the float's bits). */
-static inline __m512 widen16(const bf16 *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* out[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once (pairwise, in four halving stages;
- * the lanes come out in order). */
-static inline __m512 reduce16(const __m512 v[16]) {
-    __m512 s[8], u[4], w[2];
-    for (int i = 0; i < 8; i++)
-        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        const __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    for (int i = 0; i < 2; i++)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xdd));
-}
-
-#define PREFETCH_ROWS 8 /* cached rows ahead: a head's rows are strided, which the prefetchers miss */
-
-/* head_attention_bf16 for D a multiple of 16 up to 128 and a group of up to 8 heads, in registers:
- * each cached row widened once for the whole group; the scores of 16 tokens summed across lanes at
- * once (reduce16); the group's outputs accumulated in float32 vectors. */
-static inline __attribute__((always_inline)) void head_attention_avx512(
-    const float *q, const bf16 *kv, const int32_t *table, int64_t len, int64_t group, const int64_t D,
-    int64_t kv_head, int64_t num_kv_heads, int64_t block_size, float scale, float *scores, float *acc) {
-    const int64_t row = num_kv_heads * D, kv_block = 2 * block_size * row, C = D / 16;
-    __m512 qv[8][8], part[8][16];
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < C; c++) qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c);
-    for (int64_t j0 = 0; j0 < len; j0 += 16) {
-        const int64_t n = len - j0 < 16 ? len - j0 : 16;
-        for (int64_t i = 0; i < 16; i++) {
-            if (i >= n) {
-                for (int64_t g = 0; g < group; g++) part[g][i] = _mm512_setzero_ps();
-                continue;
-            }
-            const int64_t j = j0 + i;
-            const bf16 *k = kv + (int64_t)table[j / block_size] * kv_block + (j % block_size) * row + kv_head * D;
-            if (j + PREFETCH_ROWS < len) {
-                const int64_t f = j + PREFETCH_ROWS;
-                const char *next = (const char *)(kv + (int64_t)table[f / block_size] * kv_block + (f % block_size) * row + kv_head * D);
-                for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-            }
-            __m512 kf[8];
-            for (int64_t c = 0; c < C; c++) kf[c] = widen16(k + 16 * c);
-            for (int64_t g = 0; g < group; g++) {
-                __m512 p = _mm512_mul_ps(qv[g][0], kf[0]);
-                for (int64_t c = 1; c < C; c++) p = _mm512_fmadd_ps(qv[g][c], kf[c], p);
-                part[g][i] = p;
-            }
-        }
-        const __mmask16 keep = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-        for (int64_t g = 0; g < group; g++)
-            _mm512_mask_storeu_ps(scores + g * len + j0, keep, _mm512_mul_ps(reduce16(part[g]), _mm512_set1_ps(scale)));
-    }
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * len, m = s[0], sum = 0.0f;
-        for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < len; j++) {
-            s[j] = exp_approx(s[j] - m);
-            sum += s[j];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < len; j++) s[j] *= inv;
-    }
-    __m512 out[8][8];
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < C; c++) out[g][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; j++) {
-        const bf16 *v = kv + (int64_t)table[j / block_size] * kv_block + block_size * row + (j % block_size) * row +
-                        kv_head * D;
-        if (j + PREFETCH_ROWS < len) {
-            const int64_t f = j + PREFETCH_ROWS;
-            const char *next = (const char *)(kv + (int64_t)table[f / block_size] * kv_block + block_size * row +
-                                              (f % block_size) * row + kv_head * D);
-            for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-        }
-        __m512 vf[8];
-        for (int64_t c = 0; c < C; c++) vf[c] = widen16(v + 16 * c);
-        for (int64_t g = 0; g < group; g++) {
-            const __m512 p = _mm512_set1_ps(scores[g * len + j]);
-            for (int64_t c = 0; c < C; c++) out[g][c] = _mm512_fmadd_ps(p, vf[c], out[g][c]);
-        }
-    }
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < C; c++) _mm512_storeu_ps(acc + g * D + 16 * c, out[g][c]);
-}
-#define HAVE_ATTENTION_AVX512 1
-#else
-#define HAVE_ATTENTION_AVX512 0
-#endif
 
 static void head_attention_d64(const float *q, const bf16 *kv, const int32_t *table, int64_t len, int64_t group,
                                int64_t kv_head, int64_t hkv, int64_t bs, float scale, float *scores, float *acc) {
 #if HAVE_ATTENTION_AVX512
-    if (group <= 8) return head_attention_avx512(q, kv, table, len, group, 64, kv_head, hkv, bs, scale, scores, acc);
+    if (group <= 8) return head_attention_avx512(q, kv, 1, table, len, group, 64, kv_head, hkv, bs, scale, scores, acc);
 #endif
     head_attention_bf16(q, kv, table, len, group, 64, kv_head, hkv, bs, scale, scores, acc);
 }
 static void head_attention_d128(const float *q, const bf16 *kv, const int32_t *table, int64_t len, int64_t group,
                                 int64_t kv_head, int64_t hkv, int64_t bs, float scale, float *scores, float *acc) {
 #if HAVE_ATTENTION_AVX512
-    if (group <= 8) return head_attention_avx512(q, kv, table, len, group, 128, kv_head, hkv, bs, scale, scores, acc);
+    if (group <= 8) return head_attention_avx512(q, kv, 1, table, len, group, 128, kv_head, hkv, bs, scale, scores, acc);
 #endif
     head_attention_bf16(q, kv, table, len, group, 128, kv_head, hkv, bs, scale, scores, acc);
 }

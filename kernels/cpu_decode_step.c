@@ -35,7 +35,7 @@ typedef struct {
     const float *cos_sin;       /* float32 in every model */
     const float *lm_head_scale; /* as the layers' scales */
     int64_t weight_kind;        /* WEIGHTS_BF16 (the whole model), else that of the scaled weights */
-    int64_t amx_min_batch;      /* a bf16 model's matmuls on AMX tiles from this many rows (0: never) */
+    int64_t amx_min_batch;      /* bf16 or int8 matmuls on AMX tiles from this many rows (0: never) */
 } decode_model;
 
 int64_t amx_usable(void);
@@ -98,19 +98,35 @@ static inline double clock_now(void) {
 #define FOR_EACH_CHUNK(c, n)                                                                              \
     for (chunk_walk walk_ = chunk_walk_start(spans, NUM_CHUNKS(n), thread, threads, &walks); \
          chunk_walk_next(&walk_, &c);)
-/* y = x W^T (+ bias) over n rows of k values (x: batch rows of k): on AMX tiles, each thread packing
- * the inputs into its own scratch first (no barrier: every thread reads x whole), else the GEMVs;
- * y_f32: float32 logits. A barrier follows at the call site. */
+/* y = x W^T (+ bias) over n rows of k values (x: batch rows of k): on AMX tiles (bf16, or int8
+ * weights: those with a scale), each thread packing the inputs into its own scratch first (no
+ * barrier: every thread reads x whole), else the GEMVs; y_f32: float32 logits of a bf16 model. A
+ * barrier follows at the call site. */
 #define MATMUL(w_, scale_, bias_, k_, x_, n_, y_, y_stride_, y_f32_)                                                  \
-    if (amx) {                                                                                                     \
-        amx_pack_bf16((const bf16 *)(x_), batch, k_, amx_mine);                                                    \
+    if (amx && (bf || (scale_))) {                                                                                 \
+        if (bf)                                                                                                    \
+            amx_pack_bf16((const bf16 *)(x_), batch, k_, amx_mine);                                                \
+        else                                                                                                       \
+            amx_pack_i8((const float *)(x_), batch, k_, amx_mine, batch, k_max);                                   \
         FOR_EACH_CHUNK(c, n_) {                                                                                    \
             const int64_t r0_ = c * GEMV_CHUNK, r1_ = r0_ + GEMV_CHUNK < (n_) ? r0_ + GEMV_CHUNK : (n_);          \
-            amx_rows_bf16(w_, bias_, n_, k_, batch, r0_, r1_, (y_f32_) ? 0 : (bf16 *)(y_) + r0_,                 \
-                          (y_f32_) ? (float *)(y_) + r0_ : 0, y_stride_, amx_mine, batch, k_max);                   \
+            if (bf)                                                                                                \
+                amx_rows_bf16(w_, bias_, n_, k_, batch, r0_, r1_, (y_f32_) ? 0 : (bf16 *)(y_) + r0_,             \
+                              (y_f32_) ? (float *)(y_) + r0_ : 0, y_stride_, amx_mine, batch, k_max);               \
+            else                                                                                                   \
+                amx_rows_i8(w_, scale_, bias_, n_, k_, batch, r0_, r1_, (float *)(y_) + r0_, y_stride_, amx_mine,   \
+                            batch, k_max);                                                                         \
         }                                                                                                          \
     } else                                                                                                         \
         FOR_EACH_CHUNK(c, n_) gemv_rows(m, w_, scale_, bias_, k_, x_, k_, y_, y_stride_, batch, CHUNK_ROWS(c, n_), y_f32_);
+
+/* Bytes of one thread's AMX scratch for `batch` inputs of up to k_max values (0: no AMX). */
+static int64_t amx_thread_bytes(const decode_model *m, int64_t batch, int64_t k_max) {
+    if (!(m->amx_min_batch > 0 && batch >= m->amx_min_batch)) return 0;
+    if (m->weight_kind == WEIGHTS_BF16) return (amx_scratch_bytes(batch, k_max) + 63) / 64 * 64;
+    if (m->weight_kind == WEIGHTS_INT8) return (amx_i8_scratch_bytes(batch, k_max) + 63) / 64 * 64;
+    return 0;
+}
 
 /* normed[b] = rms_norm(res[b] + add[b]) * weight, with the sum also stored into res_out[b] when
  * res_out is not NULL. Every thread runs it on its own copy of the normed rows (no barrier to
@@ -239,10 +255,10 @@ static int decode_step(const decode_model *m, void *residual, int64_t batch, con
     uint64_t *spans = (uint64_t *)(((uintptr_t)(per_thread + num_threads * per_thread_floats) + 63) & ~(uintptr_t)63);
     memset(spans, 0, num_threads * CHUNK_SPAN_STRIDE * sizeof(uint64_t));
     /* AMX: each thread's scratch for packed inputs, after the spans */
-    const int amx = bf && m->amx_min_batch > 0 && batch >= m->amx_min_batch;
-    if (amx && amx_usable() != 1) return -3;
     const int64_t k_max = h > q_width ? (h > inter ? h : inter) : (q_width > inter ? q_width : inter);
-    const int64_t amx_stride = amx ? (amx_scratch_bytes(batch, k_max) + 63) / 64 * 64 : 0;
+    const int64_t amx_stride = amx_thread_bytes(m, batch, k_max);
+    const int amx = amx_stride > 0;
+    if (amx && amx_usable() != 1) return -3;
     uint8_t *amx_base = (uint8_t *)(spans + num_threads * CHUNK_SPAN_STRIDE);
 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
@@ -317,7 +333,7 @@ static int decode_step(const decode_model *m, void *residual, int64_t batch, con
             MARK(PH_O)
             NEXT_RESIDUAL(out, w->post_norm)
             MARK(PH_NORM)
-            if (amx) {
+            if (amx && bf) {
                 amx_pack_bf16((const bf16 *)normed, batch, h, amx_mine);
                 FOR_EACH_CHUNK(c, inter) {
                     const int64_t i0 = c * GEMV_CHUNK, i1 = i0 + GEMV_CHUNK < inter ? i0 + GEMV_CHUNK : inter;
@@ -330,6 +346,19 @@ static int decode_step(const decode_model *m, void *residual, int64_t batch, con
                         for (int64_t t = 0; t < i1 - i0; t++)
                             ((bf16 *)act)[b * inter + i0 + t] = bf16_narrow(
                                 silu_mul(bf16_widen(gate[b * GEMV_CHUNK + t]), bf16_widen(up[b * GEMV_CHUNK + t])));
+                }
+            } else if (amx && w->gate_up_scale) {
+                amx_pack_i8(normed, batch, h, amx_mine, batch, k_max);
+                FOR_EACH_CHUNK(c, inter) {
+                    const int64_t i0 = c * GEMV_CHUNK, i1 = i0 + GEMV_CHUNK < inter ? i0 + GEMV_CHUNK : inter;
+                    float gate[batch * GEMV_CHUNK], up[batch * GEMV_CHUNK];
+                    amx_rows_i8(w->gate_up, w->gate_up_scale, w->gate_up_bias, 2 * inter, h, batch, i0, i1, gate,
+                                GEMV_CHUNK, amx_mine, batch, k_max);
+                    amx_rows_i8(w->gate_up, w->gate_up_scale, w->gate_up_bias, 2 * inter, h, batch, inter + i0,
+                                inter + i1, up, GEMV_CHUNK, amx_mine, batch, k_max);
+                    for (int64_t b = 0; b < batch; b++)
+                        for (int64_t t = 0; t < i1 - i0; t++)
+                            act[b * inter + i0 + t] = silu_mul(gate[b * GEMV_CHUNK + t], up[b * GEMV_CHUNK + t]);
                 }
             } else
                 FOR_EACH_CHUNK(c, inter)
@@ -393,9 +422,7 @@ int64_t decode_step_work_floats(const decode_model *m, int64_t batch, int64_t ma
     const int64_t group = m->num_q_heads / m->num_kv_heads;
     const int64_t k_max = h > m->num_q_heads * d ? (h > m->inter ? h : m->inter)
                                                  : (m->num_q_heads * d > m->inter ? m->num_q_heads * d : m->inter);
-    const int64_t amx = m->weight_kind == WEIGHTS_BF16 && m->amx_min_batch > 0 && batch >= m->amx_min_batch
-                            ? num_threads * ((amx_scratch_bytes(batch, k_max) + 63) / 64 * 16)
-                            : 0;
+    const int64_t amx = num_threads * amx_thread_bytes(m, batch, k_max) / 4;
     return batch * (qkv_width + m->num_q_heads * d + m->inter + 2 * h) +
            num_threads * (batch * h + group * (max_len + 2 * d)) + 16 /* alignment */ +
            num_threads * CHUNK_SPAN_STRIDE * 2 /* the chunk spans */ + amx /* AMX scratch, in floats */;

@@ -20,7 +20,13 @@ import torch
 
 from disagg.kernels import cpu_native
 from disagg.kernels.kv_quant import KVQuantFormat
-from disagg.kernels.quantized import BF16_AMX_MAX_ROWS, BF16_AMX_MIN_ROWS, QuantizedWeight
+from disagg.kernels.quantized import (
+    BF16_AMX_MAX_ROWS,
+    BF16_AMX_MIN_ROWS,
+    INT8_AMX_MAX_ROWS,
+    W8A8_MIN_ROWS,
+    QuantizedWeight,
+)
 
 # Up to here the kernel beats torch's GEMM clearly (one thread, small preset: 2.8x at 2 sequences,
 # 1.6x at 4, par at 8) and the per-layer path around the native GEMM too: its float32 matmuls
@@ -117,15 +123,21 @@ def _flatten(t: torch.Tensor | QuantizedWeight, dense: str = "f32") -> list[tupl
     return [(dense, t)]
 
 
-def uses_amx(dtype: torch.dtype) -> bool:
-    """Whether a `dtype` model's step multiplies on AMX tiles: bf16 where AMX is usable (the per-op
-    path's GEMM, in pieces: cpu_amx.c), from BF16_AMX_MIN_ROWS rows."""
-    return dtype == torch.bfloat16 and cpu_native.amx_usable()
+def amx_rows(weight: torch.Tensor | QuantizedWeight) -> tuple[int, int]:
+    """(from, to) rows over which a step whose matmuls have weights like `weight` multiplies on AMX
+    tiles, where AMX is usable: bf16 and int8 weights, over the rows the per-op path's AMX GEMMs
+    take (cpu_amx.c, in pieces: the same numbers); (0, 0) where it does not."""
+    if not cpu_native.amx_usable():
+        return 0, 0
+    if isinstance(weight, QuantizedWeight):
+        return (W8A8_MIN_ROWS, INT8_AMX_MAX_ROWS) if weight.scheme == "int8" else (0, 0)
+    return (BF16_AMX_MIN_ROWS, BF16_AMX_MAX_ROWS) if weight.dtype == torch.bfloat16 else (0, 0)
 
 
-def max_batch(dtype: torch.dtype) -> int:
-    """The most sequences a `dtype` model's native step takes: with AMX, what its GEMM takes."""
-    return BF16_AMX_MAX_ROWS if uses_amx(dtype) else MAX_BATCH
+def max_batch(weight: torch.Tensor | QuantizedWeight) -> int:
+    """The most sequences the native step takes for a model whose matmuls have weights like
+    `weight`: MAX_BATCH, or with AMX what its GEMM takes."""
+    return max(MAX_BATCH, amx_rows(weight)[1])
 
 
 class NativeDecodeStep:
@@ -198,9 +210,9 @@ class NativeDecodeStep:
             len(layers), hidden, inter, num_q_heads, num_kv_heads, head_dim, lm_head.shape[0], eps, scale,
             self._layers, final_norm.data_ptr(), _ptr(lm_head), cos_sin_cache.data_ptr(), _scale_ptr(lm_head),
             _BF16_MODEL if dense == "bf16" else _WEIGHT_KINDS.get(next(iter(kinds), ""), 0),
-            BF16_AMX_MIN_ROWS if uses_amx(self.dtype) else 0,
+            amx_rows(layers[0].qkv)[0],
         )  # fmt: skip
-        self.max_batch = max_batch(self.dtype)
+        self.max_batch = max_batch(layers[0].qkv)
         self.vocab_size = lm_head.shape[0]
         self.hidden = hidden
         self.max_positions = cos_sin_cache.shape[0]

@@ -123,9 +123,27 @@ void rotary_write_kv_f32(float *qkv, int64_t row_stride, const float *cos_sin, c
         }                                                                                           \
     }
 
-DEFINE_HEAD_ATTENTION(head_attention_d64, 64)
-DEFINE_HEAD_ATTENTION(head_attention_d128, 128)
+DEFINE_HEAD_ATTENTION(head_attention_d64_portable, 64)
+DEFINE_HEAD_ATTENTION(head_attention_d128_portable, 128)
 DEFINE_HEAD_ATTENTION(head_attention_any, head_dim)
+
+static void head_attention_d64(const float *q, const float *kv, const int32_t *table, int64_t len, int64_t group,
+                               int64_t head_dim, int64_t kv_head, int64_t hkv, int64_t bs, float scale, float *scores,
+                               float *out) {
+#if HAVE_ATTENTION_AVX512
+    if (group <= 8) return head_attention_avx512(q, kv, 0, table, len, group, 64, kv_head, hkv, bs, scale, scores, out);
+#endif
+    head_attention_d64_portable(q, kv, table, len, group, head_dim, kv_head, hkv, bs, scale, scores, out);
+}
+
+static void head_attention_d128(const float *q, const float *kv, const int32_t *table, int64_t len, int64_t group,
+                                int64_t head_dim, int64_t kv_head, int64_t hkv, int64_t bs, float scale,
+                                float *scores, float *out) {
+#if HAVE_ATTENTION_AVX512
+    if (group <= 8) return head_attention_avx512(q, kv, 0, table, len, group, 128, kv_head, hkv, bs, scale, scores, out);
+#endif
+    head_attention_d128_portable(q, kv, table, len, group, head_dim, kv_head, hkv, bs, scale, scores, out);
+}
 
 void decode_attention_head_f32(const float *q, const float *kv, const int32_t *table, int64_t len,
                                int64_t group, int64_t head_dim, int64_t kv_head, int64_t num_kv_heads,

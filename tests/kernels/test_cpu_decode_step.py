@@ -92,6 +92,7 @@ def decode_both_ways(
     dtype="float32",
     per_op=False,
     amx=False,
+    quantization="auto",
 ):
     """Prefill num_seqs prompts, then decode `steps` tokens each through the whole-step kernel and
     through the torch path (`per_op`: the per-layer native kernels), each with its own cache;
@@ -100,7 +101,7 @@ def decode_both_ways(
     AMX is turned off unless `amx` (then both paths multiply on it)."""
     if per_op and not amx:
         monkeypatch.setattr(cpu_native, "amx_usable", lambda: False)  # before the load resolves the plans
-    model, config = load_model(model_dir, dtype=dtype)
+    model, config = load_model(model_dir, dtype=dtype, quantization_setting=quantization)
     whole_step = model._whole_step_native
     assert whole_step
     g = torch.Generator().manual_seed(num_seqs)
@@ -175,6 +176,22 @@ def test_bf16_decode_step_on_amx_equals_the_per_op_amx_gemm(tiny_model_dir, page
     for native, per_op in steps:
         assert torch.equal(native, per_op)
     assert torch.equal(caches[0], caches[1])
+
+
+@pytest.mark.skipif(not cpu_native.amx_usable(), reason="AMX is not usable on this CPU")
+@pytest.mark.parametrize("num_seqs", [4, 5, 16, 33], ids=case_id)
+def test_int8_decode_step_on_amx_matches_the_per_op_path(tiny_llama_dir, paged, monkeypatch, num_seqs):
+    """int8 weights: from W8A8_MIN_ROWS rows the whole step multiplies on AMX-INT8 tiles with the
+    per-op int8 GEMM's pieces (the same 16-bit inputs and integer sums), below it the VNNI GEMVs as
+    the per-op path: logits within float32 rounding of it, the same greedy tokens."""
+    steps, caches, model = decode_both_ways(
+        tiny_llama_dir, paged, monkeypatch, num_seqs, per_op=True, amx=True, quantization="int8"
+    )
+    assert model.native_decode_step().max_batch > cpu_decode_step.MAX_BATCH
+    for native, per_op in steps:
+        torch.testing.assert_close(native, per_op, atol=1e-4, rtol=1e-4)
+        assert torch.equal(native.argmax(-1), per_op.argmax(-1))
+    torch.testing.assert_close(caches[0], caches[1], atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_decode_step_over_more_threads_than_cores(tiny_llama_dir, paged, monkeypatch):

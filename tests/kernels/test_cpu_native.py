@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs a C co
 
 @pytest.mark.parametrize("page", [16, 32], ids=case_id)
 @pytest.mark.parametrize("head_dim", [64, 128], ids=case_id)
-@pytest.mark.parametrize("q_heads,kv_heads", [(8, 8), (8, 2), (8, 1)], ids=case_id)
+@pytest.mark.parametrize("q_heads,kv_heads", [(8, 8), (8, 2), (8, 1), (9, 3)], ids=case_id)
 def test_matches_the_torch_twin(page, head_dim, q_heads, kv_heads):
     # lengths of 1, on and one past a block boundary, and a long one, in one ragged batch
     seq_lens = [1, page, page + 1, 3 * page - 1, 5 * page + 7]

@@ -273,7 +273,7 @@ class LlamaForCausalLM:
             and layer_hook is None
             and self._whole_step_native
             and self._native_ok(kv_caches)
-            and batch.input_ids.shape[0] <= cpu_decode_step.max_batch(self.dtype)
+            and batch.input_ids.shape[0] <= cpu_decode_step.max_batch(self.weights.layers[0].qkv)
         )
 
     def _forward_whole_step(self, batch: ForwardBatch, kv_caches: torch.Tensor) -> torch.Tensor:
