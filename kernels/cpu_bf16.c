@@ -242,16 +242,7 @@ static inline __attribute__((always_inline)) void head_attention_bf16(
             }
     }
     for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * len, m = s[0], sum = 0.0f;
-        for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < len; j++) {
-            s[j] = exp_approx(s[j] - m);
-            sum += s[j];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < len; j++) s[j] *= inv;
+        softmax_in_place(scores + g * len, len);
         memset(acc + g * D, 0, D * sizeof(float));
     }
     for (int64_t j0 = 0, blk = 0; j0 < len; j0 += block_size, blk++) {

@@ -100,14 +100,7 @@ void rotary_write_kv_f32(float *qkv, int64_t row_stride, const float *cos_sin, c
                 }                                                                                   \
         }                                                                                           \
         for (int64_t g = 0; g < group; g++) {                                                       \
-            float *s = scores + g * len, m = s[0], sum = 0.0f;                                      \
-            for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;                              \
-            _Pragma("omp simd reduction(+ : sum)") for (int64_t j = 0; j < len; j++) {              \
-                s[j] = exp_approx(s[j] - m);                                                        \
-                sum += s[j];                                                                        \
-            }                                                                                       \
-            const float inv = 1.0f / sum;                                                           \
-            _Pragma("omp simd") for (int64_t j = 0; j < len; j++) s[j] *= inv;                      \
+            softmax_in_place(scores + g * len, len);                                                \
             float *o = out + g * D;                                                                 \
             _Pragma("omp simd") for (int64_t d = 0; d < D; d++) o[d] = 0.0f;                        \
         }                                                                                           \

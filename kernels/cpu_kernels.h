@@ -48,6 +48,20 @@ static inline float exp_approx(float x) {
 
 static inline float silu_mul(float gate, float up) { return gate / (1.0f + exp_approx(-gate)) * up; }
 
+/* s[0..len) <- softmax(s), in place: the maximum subtracted, exp_approx, divided by the sum. */
+static inline void softmax_in_place(float *s, int64_t len) {
+    float m = s[0], sum = 0.0f;
+    for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < len; j++) {
+        s[j] = exp_approx(s[j] - m);
+        sum += s[j];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < len; j++) s[j] *= inv;
+}
+
 /* bfloat16 values as stored (the top half of a float32). */
 typedef uint16_t bf16;
 
@@ -127,18 +141,7 @@ static inline __attribute__((always_inline)) void head_attention_avx512(
         for (int64_t g = 0; g < group; g++)
             _mm512_mask_storeu_ps(scores + g * len + j0, keep, _mm512_mul_ps(reduce16(part[g]), _mm512_set1_ps(scale)));
     }
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * len, m = s[0], sum = 0.0f;
-        for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < len; j++) {
-            s[j] = exp_approx(s[j] - m);
-            sum += s[j];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < len; j++) s[j] *= inv;
-    }
+    for (int64_t g = 0; g < group; g++) softmax_in_place(scores + g * len, len);
     __m512 out[8][8];
     for (int64_t g = 0; g < group; g++)
         for (int64_t c = 0; c < C; c++) out[g][c] = _mm512_setzero_ps();

@@ -133,14 +133,7 @@ static inline void widen(const uint8_t *v, int64_t D, int fp8, float *out) {
             }                                                                                       \
         }                                                                                           \
         for (int64_t g = 0; g < group; g++) {                                                       \
-            float *s = scores + g * len, m = s[0], sum = 0.0f;                                      \
-            for (int64_t j = 1; j < len; j++) m = s[j] > m ? s[j] : m;                              \
-            _Pragma("omp simd reduction(+ : sum)") for (int64_t j = 0; j < len; j++) {              \
-                s[j] = exp_approx(s[j] - m);                                                        \
-                sum += s[j];                                                                        \
-            }                                                                                       \
-            const float inv = 1.0f / sum;                                                           \
-            _Pragma("omp simd") for (int64_t j = 0; j < len; j++) s[j] *= inv;                      \
+            softmax_in_place(scores + g * len, len);                                                \
             memset(out + g * D, 0, D * sizeof(float));                                              \
         }                                                                                           \
         for (int64_t j0 = 0, blk = 0; j0 < len; j0 += block_size, blk++) {                         \
