@@ -6,9 +6,9 @@ rounding as the per-op bf16 kernels, `cpu_bf16.c`).
 For small batches: there a step is bound by reading the weights once, and the per-layer
 torch matmuls and small ops cost more than the reading (dispatch, temporaries, threads idling
 between ops). Larger batches are matrix-matrix work, better left to torch's GEMM; except where AMX
-is usable, where a bf16 model's step multiplies on its tiles (the per-op path's own GEMM, so the
-same numbers) and takes as many rows as that GEMM does: the dispatch and small ops it saves are
-then a third of a 16-sequence step.
+is usable, where a step with bf16 or int8 weights multiplies on its tiles (the per-op path's own
+GEMMs, so the same products: `amx_rows`) and takes as many rows as those GEMMs do: the dispatch
+and small ops it saves are then a third of a 16-sequence step.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def max_batch(weight: torch.Tensor | QuantizedWeight) -> int:
 
 class NativeDecodeStep:
     """The model's weights bound once (pointers into tensors this object keeps alive); each call
-    runs one decode step of up to MAX_BATCH sequences and returns float32 logits [B, vocab]. The
+    runs one decode step of up to `max_batch` sequences and returns float32 logits [B, vocab]. The
     model's dtype is its final norm's: float32, or bfloat16 (then every tensor but the rotary table
     is bf16, and so are the residual stream and the cache; logits are rounded to bf16, as the per-op
     bf16 path's LM head rounds them)."""
