@@ -83,6 +83,22 @@ static inline void transpose16(__m512i r[16]) {
     }
 }
 
+/* 16 bf16 values (the low halves of v's dwords: bits as stored) widened to float32 lanes. */
+static inline __m512 widen_bf16x16(__m256i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* bf16_narrow of 16 floats, in the low halves of the dwords: round to nearest even, a NaN kept
+ * quiet, subnormals as they are (VCVTNEPS2BF16 would flush them). */
+static inline __m512i narrow_bf16x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
 /* One 32-column block of W widened into tile layout: panel[ks][t][r][c][2] = W[n0 + 16 t + c][32 ks
  * + 2 r + {0, 1}] as bf16, zeros past N and K. */
 static void pack_block(const void *w, int fp8, int64_t n, int64_t k, int64_t n0, int64_t ksteps, bf16 *panel) {
@@ -301,19 +317,25 @@ static void rows_bf16(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int
             _tile_stored(1, c + 256, 64);
             _tile_stored(3, c + 768, 64);
         }
-        for (int t = 0; t < 4; t++) {
+        for (int t = 0; t < 4; t++) { /* 16 x 16 sums turned to input-major, each input a vector over rows */
             if (t % 2 && !two) continue;
             const int64_t r0 = n0 + 16 * (t / 2), i0 = 16 * (mb + t % 2);
+            if (r0 >= r_end) continue;
+            const int64_t cols = r_end - r0 < 16 ? r_end - r0 : 16;
+            const __mmask16 keep = cols == 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1u);
+            const __m512 add = bias ? widen_bf16x16(_mm256_maskz_loadu_epi16(keep, bias + r0)) : _mm512_setzero_ps();
             const float *sums = c + 256 * (t % 2) + 512 * (t / 2);
-            for (int64_t i = 0; i < 16 && i0 + i < m; i++)
-                for (int64_t j = 0; j < 16 && r0 + j < r_end; j++) {
-                    const bf16 v = bf16_narrow(sums[j * 16 + i] + (bias ? bf16_widen(bias[r0 + j]) : 0.0f));
-                    const int64_t at = (i0 + i) * y_stride + r0 + j - n0;
-                    if (y_f32)
-                        y_f32[at] = bf16_widen(v);
-                    else
-                        y[at] = v;
-                }
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) r[j] = _mm512_load_si512(sums + 16 * j);
+            transpose16(r);
+            for (int64_t i = 0; i < 16 && i0 + i < m; i++) {
+                const __m512i v = narrow_bf16x16(_mm512_add_ps(_mm512_castsi512_ps(r[i]), add));
+                const int64_t at = (i0 + i) * y_stride + r0 - n0;
+                if (y_f32)
+                    _mm512_mask_storeu_ps(y_f32 + at, keep, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+                else
+                    _mm256_mask_storeu_epi16(y + at, keep, _mm512_cvtepi32_epi16(v));
+            }
         }
     }
 }
@@ -461,17 +483,31 @@ static void rows_i8(const int8_t *w, const float *scale, const float *bias, int6
         _tile_stored(1, c + 512, 64);
         _tile_stored(2, c + 256, 64);
         _tile_stored(3, c + 768, 64);
-        for (int t = 0; t < 2; t++) {
+        for (int t = 0; t < 2; t++) { /* the sums turned to input-major, as in rows_bf16 */
             const int64_t r0 = n0 + 16 * t, i0 = 16 * mb;
-            const int32_t *his = c + 256 * t, *los = c + 512 + 256 * t;
-            for (int64_t i = 0; i < 16 && i0 + i < m; i++)
-                for (int64_t j = 0; j < 16 && r0 + j < r_end; j++) {
-                    const float dot = (float)his[j * 16 + i] * 256.0f + (float)los[j * 16 + i];
-                    float v = dot * (sx[i0 + i] * scale[r0 + j]);
-                    __asm__("" : "+v"(v)); /* rounded before the bias, as gemm_i8: no fused add */
-                    if (bias) v += bias[r0 + j];
-                    y[(i0 + i) * y_stride + r0 + j - n0] = v;
-                }
+            if (r0 >= r_end) continue;
+            const int64_t cols = r_end - r0 < 16 ? r_end - r0 : 16;
+            const __mmask16 keep = cols == 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1u);
+            const __m512 sc = _mm512_maskz_loadu_ps(keep, scale + r0);
+            const __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias + r0) : _mm512_setzero_ps();
+            __m512i his[16], los[16];
+            for (int j = 0; j < 16; j++) {
+                his[j] = _mm512_load_si512(c + 256 * t + 16 * j);
+                los[j] = _mm512_load_si512(c + 512 + 256 * t + 16 * j);
+            }
+            transpose16(his);
+            transpose16(los);
+            for (int64_t i = 0; i < 16 && i0 + i < m; i++) {
+                /* the barriers keep gemm_i8's order under -ffast-math: dot * (s * scale), then the bias */
+                __m512 dot = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(his[i]), _mm512_set1_ps(256.0f)),
+                                           _mm512_cvtepi32_ps(los[i]));
+                __m512 both = _mm512_mul_ps(_mm512_set1_ps(sx[i0 + i]), sc);
+                __asm__("" : "+v"(dot), "+v"(both));
+                __m512 v = _mm512_mul_ps(dot, both);
+                __asm__("" : "+v"(v));
+                if (bias) v = _mm512_add_ps(v, add);
+                _mm512_mask_storeu_ps(y + (i0 + i) * y_stride + r0 - n0, keep, v);
+            }
         }
     }
 }

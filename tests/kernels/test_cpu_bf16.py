@@ -136,6 +136,25 @@ def test_the_amx_gemm_equals_float32_products_rounded_once(m, n, k):
 
 
 @needs_amx
+@needs_amx
+def test_the_amx_gemm_rounds_to_nearest_even_keeping_subnormals_and_nan():
+    """Small integers make every sum exact, so the result is the float32 value rounded once:
+    ties go to even, a subnormal bias stays subnormal, a NaN bias gives NaN (torch's bf16
+    conversion rounds the same way)."""
+    gen = torch.Generator().manual_seed(11)
+    m, n, k = 20, 48, 64
+    x = torch.randint(-8, 9, (m, k), generator=gen).to(torch.bfloat16)
+    w = torch.randint(-8, 9, (n, k), generator=gen).to(torch.bfloat16)
+    bias = torch.randint(-3, 4, (n,), generator=gen).float() + 0.5  # x.5 after large sums: ties
+    bias[5], bias[6] = 2.0**-130, -(2.0**-128)  # subnormal in float32 and in bf16
+    bias[7] = float("nan")
+    want = (F.linear(x.float(), w.float()) + bias.bfloat16().float()).bfloat16()
+    got = cpu_bf16.gemm_amx(x, w, bias.bfloat16())
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan()[:, 7].all()
+    finite = ~want.isnan()
+    assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
+
+
 def test_linear_takes_the_amx_gemm_between_its_row_limits():
     gen = torch.Generator().manual_seed(5)
     w, bias = _bf16(40, 48, gen=gen), _bf16(40, gen=gen)
