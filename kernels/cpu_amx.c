@@ -39,7 +39,7 @@ int64_t amx_usable(void);
 
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512bf16")
+#pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512bf16")
 #include <immintrin.h>
 #define HAVE_AMX_BUILD 1
 
