@@ -44,6 +44,7 @@ int64_t amx_usable(void);
 #define HAVE_AMX_BUILD 1
 
 #define KSTEP 32 /* bf16 values of K per tile row */
+#define KSTEP8 64 /* int8 values of K per tile row */
 #define NB 32    /* columns per block: two B tiles */
 #define MB 32    /* rows per block: two A tiles */
 #define GROUP 4  /* column blocks at most per group */
@@ -98,6 +99,9 @@ static inline __m512i narrow_bf16x16(__m512 f) {
                                                   _mm512_set1_epi32(0x7f800000));
     return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
 }
+
+/* The first min(n, 16) lanes (n > 0). */
+static inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
 
 /* One 32-column block of W widened into tile layout: panel[ks][t][r][c][2] = W[n0 + 16 t + c][32 ks
  * + 2 r + {0, 1}] as bf16, zeros past N and K. */
@@ -183,6 +187,46 @@ static left_tiles left_rows(const uint8_t *w, int64_t n, int64_t row_bytes, int6
         for (int64_t j = 0; j < row_bytes; j++) edge[(j / 64) * 1024 + row * 64 + j % 64] = w[(r0 + row) * row_bytes + j];
     return (left_tiles){edge, 64, 1024};
 }
+
+/* A driver thread's own sums (1024 values) and edge rows (2 ksteps KiB), and its tiles configured;
+ * 1 when there was no memory for them (then no tiles either). */
+typedef struct {
+    void *sums;
+    uint8_t *edge;
+} thread_tiles;
+
+static int thread_tiles_begin(thread_tiles *t, int64_t ksteps) {
+    t->sums = aligned_alloc(64, 4096);
+    t->edge = aligned_alloc(64, (size_t)2 * ksteps * 1024);
+    if (!t->sums || !t->edge) return 1;
+    configure_tiles();
+    return 0;
+}
+
+static void thread_tiles_end(thread_tiles *t) {
+    if (t->sums && t->edge) _tile_release();
+    free(t->sums);
+    free(t->edge);
+}
+
+/* Where one thread's scratch for the GEMMs in pieces (cpu_decode_step.c) keeps what, for up to
+ * m_max inputs of up to k_max values: the packed inputs from byte 0 (int8: both planes), then the
+ * int8 inputs' scales, the 1024 sums and the edge rows (2 K-steps' KiB), each 64-byte aligned. */
+typedef struct {
+    int64_t scales, sums, edge, bytes;
+} scratch_layout;
+
+static scratch_layout layout_of(int int8, int64_t m_max, int64_t k_max) {
+    const int64_t ksteps = int8 ? (k_max + KSTEP8 - 1) / KSTEP8 : (k_max + KSTEP - 1) / KSTEP, mblocks = (m_max + 15) / 16;
+    scratch_layout s;
+    s.scales = (int8 ? 2 : 1) * mblocks * ksteps * 1024;
+    s.sums = s.scales + (int8 ? (mblocks * 16 * 4 + 63) / 64 * 64 : 0);
+    s.edge = s.sums + 4096;
+    s.bytes = s.edge + 2 * ksteps * 1024;
+    return s;
+}
+
+int64_t amx_scratch_bytes(int64_t int8, int64_t m, int64_t k) { return layout_of(int8 != 0, m, k).bytes; }
 
 int gemm_w8_amx(const void *w, int fp8, const float *scale, const float *bias, const float *x, float *y, int64_t m,
                 int64_t n, int64_t k, int64_t num_threads) {
@@ -321,8 +365,7 @@ static void rows_bf16(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int
             if (t % 2 && !two) continue;
             const int64_t r0 = n0 + 16 * (t / 2), i0 = 16 * (mb + t % 2);
             if (r0 >= r_end) continue;
-            const int64_t cols = r_end - r0 < 16 ? r_end - r0 : 16;
-            const __mmask16 keep = cols == 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1u);
+            const __mmask16 keep = first_lanes(r_end - r0);
             const __m512 add = bias ? widen_bf16x16(_mm256_maskz_loadu_epi16(keep, bias + r0)) : _mm512_setzero_ps();
             const float *sums = c + 256 * (t % 2) + 512 * (t / 2);
             __m512i r[16];
@@ -351,16 +394,12 @@ int gemm_bf16_amx(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64
     {
 #pragma omp for schedule(static)
         for (int64_t mb = 0; mb < mblocks; mb++) pack_inputs(x + mb * 16 * k, m - mb * 16, k, ksteps, xb + mb * ksteps * 512);
-        float *c = aligned_alloc(64, 4 * 256 * sizeof(float));
-        uint8_t *edge = aligned_alloc(64, (size_t)2 * ksteps * 1024); /* rows needing zeros */
-        if (!c || !edge) failed = 1;
-        if (!failed) configure_tiles();
+        thread_tiles tt;
+        failed |= thread_tiles_begin(&tt, ksteps);
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < nblocks; nb++)
-            if (!failed) rows_bf16(w, bias, n, k, ksteps, xb, m, nb * NB, n, y + nb * NB, 0, n, c, edge);
-        if (c && edge) _tile_release();
-        free(c);
-        free(edge);
+            if (!failed) rows_bf16(w, bias, n, k, ksteps, xb, m, nb * NB, n, y + nb * NB, 0, n, tt.sums, tt.edge);
+        thread_tiles_end(&tt);
     }
     free(xb);
     return failed ? -1 : 0;
@@ -379,32 +418,23 @@ int64_t amx_tiles_begin(void) {
 
 void amx_tiles_end(void) { _tile_release(); }
 
-/* Bytes of one thread's scratch for up to m inputs of up to k values: the packed inputs, then the
- * sums (c) and the edge rows, each 64-byte aligned. */
-int64_t amx_scratch_bytes(int64_t m, int64_t k) {
-    const int64_t ksteps = (k + KSTEP - 1) / KSTEP;
-    return ((m + 15) / 16) * ksteps * 1024 + 4096 + 2 * ksteps * 1024;
-}
-
-static bf16 *scratch_inputs(void *scratch) { return (bf16 *)scratch; }
-
 void amx_pack_bf16(const bf16 *x, int64_t m, int64_t k, void *scratch) {
     const int64_t ksteps = (k + KSTEP - 1) / KSTEP;
     for (int64_t mb = 0; mb < (m + 15) / 16; mb++)
-        pack_inputs(x + mb * 16 * k, m - mb * 16, k, ksteps, scratch_inputs(scratch) + mb * ksteps * 512);
+        pack_inputs(x + mb * 16 * k, m - mb * 16, k, ksteps, (bf16 *)scratch + mb * ksteps * 512);
 }
 
 /* y = x . W^T (+ bias) for W's rows [r0, r1) and the m inputs amx_pack_bf16 packed (k values each)
- * into `scratch`, sized by amx_scratch_bytes(m_max, k_max): y[i * y_stride + r - r0] in bf16, or
+ * into `scratch`, sized by amx_scratch_bytes(0, m_max, k_max): y[i * y_stride + r - r0] in bf16, or
  * (y_f32) the bf16-rounded value widened. */
 void amx_rows_bf16(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int64_t m, int64_t r0, int64_t r1,
                    bf16 *y, float *y_f32, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max) {
-    const int64_t ksteps = (k + KSTEP - 1) / KSTEP, room = ((m_max + 15) / 16) * ((k_max + KSTEP - 1) / KSTEP) * 1024;
-    float *c = (float *)((uint8_t *)scratch + room);
-    uint8_t *edge = (uint8_t *)c + 4096;
+    const int64_t ksteps = (k + KSTEP - 1) / KSTEP;
+    const scratch_layout at = layout_of(0, m_max, k_max);
+    uint8_t *base = scratch;
     for (int64_t n0 = r0; n0 < r1; n0 += NB)
-        rows_bf16(w, bias, n, k, ksteps, scratch_inputs(scratch), m, n0, r1, y ? y + (n0 - r0) : 0,
-                  y_f32 ? y_f32 + (n0 - r0) : 0, y_stride, c, edge);
+        rows_bf16(w, bias, n, k, ksteps, (const bf16 *)base, m, n0, r1, y ? y + (n0 - r0) : 0,
+                  y_f32 ? y_f32 + (n0 - r0) : 0, y_stride, (float *)(base + at.sums), base + at.edge);
 }
 
 /* ---- int8 weights, 16-bit inputs (W8A16) on AMX-INT8 ------------------------------------------
@@ -413,8 +443,6 @@ void amx_rows_bf16(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int64_
  * lo = q & 255 unsigned); the weight's rows, read in place as left tiles (16 rows x 64 bytes),
  * multiply the packed planes (TDPBSSD for hi, TDPBSUD for lo: int32 sums), and
  * y = (256 hi_sum + lo_sum) * (s * scale[n]) (+ bias[n]), as there. */
-#define KSTEP8 64 /* int8 values of K per tile row */
-
 /* Input rows [0, 16) of x (m of them) rounded to 16 bits, as the right tiles of their two planes:
  * planes[p][ks][r][i][4] = plane p of x[i][64 ks + 4 r + {0..3}], zeros past m and k; s[i] their scales. */
 static void pack_planes(const float *x, int64_t m, int64_t k, int64_t ksteps, uint8_t *hi, uint8_t *lo, float *s) {
@@ -436,8 +464,7 @@ static void pack_planes(const float *x, int64_t m, int64_t k, int64_t ksteps, ui
                 const int64_t have = left - 16 * v;
                 __m512i q = _mm512_setzero_si512();
                 if (i < m && have > 0) { /* nearest, ties even: rintf under the default rounding */
-                    const __mmask16 mask = have >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << have) - 1u);
-                    const __m512 f = _mm512_maskz_loadu_ps(mask, x + i * k + j0 + 16 * v);
+                    const __m512 f = _mm512_maskz_loadu_ps(first_lanes(have), x + i * k + j0 + 16 * v);
                     q = _mm512_cvtps_epi32(_mm512_mul_ps(f, _mm512_set1_ps(inv[i])));
                 }
                 _mm_storeu_si128((__m128i *)(rows[0][i] + 16 * v), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));
@@ -486,8 +513,7 @@ static void rows_i8(const int8_t *w, const float *scale, const float *bias, int6
         for (int t = 0; t < 2; t++) { /* the sums turned to input-major, as in rows_bf16 */
             const int64_t r0 = n0 + 16 * t, i0 = 16 * mb;
             if (r0 >= r_end) continue;
-            const int64_t cols = r_end - r0 < 16 ? r_end - r0 : 16;
-            const __mmask16 keep = cols == 16 ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1u);
+            const __mmask16 keep = first_lanes(r_end - r0);
             const __m512 sc = _mm512_maskz_loadu_ps(keep, scale + r0);
             const __m512 add = bias ? _mm512_maskz_loadu_ps(keep, bias + r0) : _mm512_setzero_ps();
             __m512i his[16], los[16];
@@ -527,33 +553,23 @@ int gemm_i8_amx(const int8_t *w, const float *scale, const float *bias, const fl
         for (int64_t mb = 0; mb < mblocks; mb++)
             pack_planes(x + mb * 16 * k, m - mb * 16, k, ksteps, xb + 2 * plane * mb, xb + 2 * plane * mb + plane,
                         sx + mb * 16);
-        int32_t *c = aligned_alloc(64, 4 * 256 * sizeof(int32_t));
-        uint8_t *edge = aligned_alloc(64, (size_t)2 * ksteps * 1024); /* rows needing zeros */
-        if (!c || !edge) failed = 1;
-        if (!failed) configure_tiles();
+        thread_tiles tt;
+        failed |= thread_tiles_begin(&tt, ksteps);
 #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < nblocks; nb++)
-            if (!failed) rows_i8(w, scale, bias, n, k, ksteps, xb, plane, sx, m, nb * NB, n, y + nb * NB, n, c, edge);
-        if (c && edge) _tile_release();
-        free(c);
-        free(edge);
+            if (!failed)
+                rows_i8(w, scale, bias, n, k, ksteps, xb, plane, sx, m, nb * NB, n, y + nb * NB, n, tt.sums, tt.edge);
+        thread_tiles_end(&tt);
     }
     free(xb);
     return failed ? -1 : 0;
 }
 
-/* The int8 GEMM in pieces, as the bf16 one's above: one thread's scratch holds the packed planes,
- * their scales, the sums and the edge rows. */
-int64_t amx_i8_scratch_bytes(int64_t m, int64_t k) {
-    const int64_t ksteps = (k + KSTEP8 - 1) / KSTEP8, mblocks = (m + 15) / 16;
-    return 2 * mblocks * ksteps * 1024 + (mblocks * 16 * 4 + 63) / 64 * 64 + 4096 + 2 * ksteps * 1024;
-}
-
+/* The int8 GEMM in pieces, as the bf16 one's above, in a scratch of amx_scratch_bytes(1, m_max, k_max). */
 void amx_pack_i8(const float *x, int64_t m, int64_t k, void *scratch, int64_t m_max, int64_t k_max) {
     const int64_t ksteps = (k + KSTEP8 - 1) / KSTEP8, plane = ksteps * 1024;
-    const int64_t room = 2 * ((m_max + 15) / 16) * ((k_max + KSTEP8 - 1) / KSTEP8) * 1024;
     uint8_t *xb = scratch;
-    float *sx = (float *)(xb + room);
+    float *sx = (float *)(xb + layout_of(1, m_max, k_max).scales);
     for (int64_t mb = 0; mb < (m + 15) / 16; mb++)
         pack_planes(x + mb * 16 * k, m - mb * 16, k, ksteps, xb + 2 * plane * mb, xb + 2 * plane * mb + plane,
                     sx + mb * 16);
@@ -561,15 +577,12 @@ void amx_pack_i8(const float *x, int64_t m, int64_t k, void *scratch, int64_t m_
 
 void amx_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t n, int64_t k, int64_t m, int64_t r0,
                  int64_t r1, float *y, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max) {
-    const int64_t ksteps = (k + KSTEP8 - 1) / KSTEP8, mblocks_max = (m_max + 15) / 16;
-    const int64_t room = 2 * mblocks_max * ((k_max + KSTEP8 - 1) / KSTEP8) * 1024;
+    const int64_t ksteps = (k + KSTEP8 - 1) / KSTEP8;
+    const scratch_layout at = layout_of(1, m_max, k_max);
     uint8_t *xb = scratch;
-    const float *sx = (const float *)(xb + room);
-    int32_t *c = (int32_t *)(xb + room + (mblocks_max * 16 * 4 + 63) / 64 * 64);
-    uint8_t *edge = (uint8_t *)c + 4096;
     for (int64_t n0 = r0; n0 < r1; n0 += NB)
-        rows_i8(w, scale, bias, n, k, ksteps, xb, (size_t)ksteps * 1024, sx, m, n0, r1, y + (n0 - r0), y_stride, c,
-                edge);
+        rows_i8(w, scale, bias, n, k, ksteps, xb, (size_t)ksteps * 1024, (const float *)(xb + at.scales), m, n0, r1,
+                y + (n0 - r0), y_stride, (int32_t *)(xb + at.sums), xb + at.edge);
 }
 
 #pragma GCC pop_options
@@ -594,14 +607,13 @@ int gemm_w8_amx(const void *w, int fp8, const float *scale, const float *bias, c
 
 int64_t amx_tiles_begin(void) { return -2; }
 void amx_tiles_end(void) {}
-int64_t amx_scratch_bytes(int64_t m, int64_t k) { return (void)m, (void)k, 0; }
+int64_t amx_scratch_bytes(int64_t int8, int64_t m, int64_t k) { return (void)int8, (void)m, (void)k, 0; }
 void amx_pack_bf16(const bf16 *x, int64_t m, int64_t k, void *scratch) { (void)x, (void)m, (void)k, (void)scratch; }
 void amx_rows_bf16(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int64_t m, int64_t r0, int64_t r1,
                    bf16 *y, float *y_f32, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max) {
     (void)w, (void)bias, (void)n, (void)k, (void)m, (void)r0, (void)r1, (void)y, (void)y_f32, (void)y_stride;
     (void)scratch, (void)m_max, (void)k_max;
 }
-int64_t amx_i8_scratch_bytes(int64_t m, int64_t k) { return (void)m, (void)k, 0; }
 void amx_pack_i8(const float *x, int64_t m, int64_t k, void *scratch, int64_t m_max, int64_t k_max) {
     (void)x, (void)m, (void)k, (void)scratch, (void)m_max, (void)k_max;
 }

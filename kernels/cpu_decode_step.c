@@ -123,9 +123,8 @@ static inline double clock_now(void) {
 /* Bytes of one thread's AMX scratch for `batch` inputs of up to k_max values (0: no AMX). */
 static int64_t amx_thread_bytes(const decode_model *m, int64_t batch, int64_t k_max) {
     if (!(m->amx_min_batch > 0 && batch >= m->amx_min_batch)) return 0;
-    if (m->weight_kind == WEIGHTS_BF16) return (amx_scratch_bytes(batch, k_max) + 63) / 64 * 64;
-    if (m->weight_kind == WEIGHTS_INT8) return (amx_i8_scratch_bytes(batch, k_max) + 63) / 64 * 64;
-    return 0;
+    if (m->weight_kind != WEIGHTS_BF16 && m->weight_kind != WEIGHTS_INT8) return 0;
+    return (amx_scratch_bytes(m->weight_kind == WEIGHTS_INT8, batch, k_max) + 63) / 64 * 64;
 }
 
 /* normed[b] = rms_norm(res[b] + add[b]) * weight, with the sum also stored into res_out[b] when

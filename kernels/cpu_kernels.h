@@ -352,16 +352,16 @@ void gemv_silu_rows_bf16(const bf16 *w, const bf16 *bias, int64_t k, int64_t int
                          int64_t batch, int64_t i0, int64_t i1);
 /* The AMX bf16 GEMM in pieces, for a whole-step decode's own parallel region (cpu_amx.c): per
  * thread, amx_tiles_begin (-2: AMX not usable), then amx_pack_bf16 of the inputs into that thread's
- * scratch (amx_scratch_bytes(m_max, k_max)) and amx_rows_bf16 for its rows (y[i][r - r0], bf16, or
+ * scratch (amx_scratch_bytes(0, m_max, k_max)) and amx_rows_bf16 for its rows (y[i][r - r0], bf16, or
  * the bf16-rounded value widened into y_f32), then amx_tiles_end. */
 int64_t amx_tiles_begin(void);
 void amx_tiles_end(void);
-int64_t amx_scratch_bytes(int64_t m, int64_t k);
+int64_t amx_scratch_bytes(int64_t int8, int64_t m, int64_t k);
 void amx_pack_bf16(const bf16 *x, int64_t m, int64_t k, void *scratch);
 void amx_rows_bf16(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int64_t m, int64_t r0, int64_t r1,
                    bf16 *y, float *y_f32, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max);
-/* The same for int8 weights and float32 inputs (gemm_i8_amx's W8A16 numbers, y float32). */
-int64_t amx_i8_scratch_bytes(int64_t m, int64_t k);
+/* The same for int8 weights and float32 inputs (gemm_i8_amx's W8A16 numbers, y float32; scratch
+ * of amx_scratch_bytes(1, m_max, k_max)). */
 void amx_pack_i8(const float *x, int64_t m, int64_t k, void *scratch, int64_t m_max, int64_t k_max);
 void amx_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t n, int64_t k, int64_t m, int64_t r0,
                  int64_t r1, float *y, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max);
