@@ -162,7 +162,7 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
             "--lease-seconds",
             str(LEASE),
             "--drain-handoff",
-            "0.5",
+            "0",  # at once: a window would race the streams' own end on a fast host
         ),  # fmt: skip
         deployment="migration",
     )
@@ -312,11 +312,11 @@ def test_handed_off_streams_whose_kv_cannot_be_pulled_are_recomputed_exactly(
     refuses their pulls: the new worker recomputes each stream and it still continues exactly."""
     c = Cluster(
         tiny_model, tmp_path, redis_url=redis_server.url, prefill=0, decode=2, deployment="migration-replay",
-        worker_args=("--drain-handoff", "0.2", "--handoff-pull-window", "0"),
+        worker_args=("--drain-handoff", "0", "--handoff-pull-window", "0"),
     )  # fmt: skip
     c.start()
     try:
-        # greedy, and long enough to be running still when the drain hands them off
+        # greedy, and long enough to be running still when the drain (at once) hands them off
         requests = [
             (p, {**b, "max_tokens": 400}) for p, b in _requests(c.model_name) if b.get("temperature") == 0
         ][:4]
