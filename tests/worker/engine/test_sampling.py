@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from disagg.worker.engine.request import Request
-from disagg.worker.engine.sampler import Sampler, apply_penalties, filter_logits
+from disagg.worker.engine.sampler import Sampler, apply_penalties, filter_logits, greedy_tokens
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.engine.seeds import PositionRng
 
@@ -71,6 +71,17 @@ def test_greedy_is_exact_argmax():
     out = Sampler()(logits, reqs)
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.token_ids[2] == 10 and out.logprobs == [None] * 5
+
+
+def test_greedy_tokens_equal_argmax_with_ties_nan_and_a_real_vocabulary():
+    torch.manual_seed(0)
+    logits = torch.randint(0, 4, (16, 49152)).float()  # many equal maxima per row
+    logits[3, 40000] = float("nan")  # argmax takes a NaN over any number
+    logits[5] = 2.0  # all equal: the first
+    logits[7, -1] = 9.0  # the last index
+    tokens = greedy_tokens(logits)
+    assert tokens == logits.argmax(-1).tolist()
+    assert tokens[3] == 40000 and tokens[5] == 0 and tokens[7] == 49151
 
 
 def test_repetition_penalty_matches_transformers():
