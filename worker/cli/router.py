@@ -115,6 +115,8 @@ def build_router(args):
         max_prompt_bytes=settings.max_prompt_bytes,
         prefill_overflow=settings.prefill_overflow,
         max_migrations=settings.max_migrations,
+        stream_interval=settings.stream_interval,
+        nonstreaming_interval=settings.nonstreaming_interval,
     )
     return Router(config, tokenizer, pool, lookup, internal_auth=internal)
 

@@ -107,6 +107,8 @@ class RouterConfig:
     max_body_bytes: int = 32 << 20
     decode_attempts: int = 3  # decode workers tried for a generation before nothing was streamed
     max_migrations: int = RouterArgs.max_migrations  # moves of a live stream to another decode worker
+    stream_interval: int = RouterArgs.stream_interval  # tokens a worker gathers per message, streaming
+    nonstreaming_interval: int = RouterArgs.nonstreaming_interval  # ... and for a whole response
     # A prefill worker less loaded than every decode worker by more than this (in requests, as
     # `policy.decode_cost` counts them) serves a request whole; None: prefill workers only prefill.
     prefill_overflow: float | None = RouterArgs.prefill_overflow
@@ -527,6 +529,9 @@ class Router:
                     prompt_token_ids=prompts[p],
                     params=sampling_params_to_proto(spec.sampling, max_tokens[p], plan.seed),
                     prefill_targets=self._prefill_targets(views, decode, matches[p]),
+                    stream_interval=(
+                        self.config.stream_interval if spec.stream else self.config.nonstreaming_interval
+                    ),
                 )
                 self.pool.begin(decode.worker_id)
                 self.metrics.routed(decode.role)

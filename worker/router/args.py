@@ -69,6 +69,20 @@ class RouterArgs(Settings):
         minimum=0,
     )
 
+    stream_interval: int = setting(
+        1,
+        "tokens a decode worker gathers before it sends them on to a streaming client (as vLLM's and "
+        "SGLang's flag): 1 sends each as it comes; more sends fewer, larger chunks",
+        minimum=1,
+    )
+    nonstreaming_interval: int = setting(
+        16,
+        "the same for a request that does not stream, whose client sees the tokens only at the end: "
+        "fewer messages leave more CPU to the engine; a stream moved to another worker resumes from "
+        "the last tokens sent",
+        minimum=1,
+    )
+
     def check(self) -> None:
         super().check()
         if self.max_choices is not None and self.max_choices > self.max_queue:

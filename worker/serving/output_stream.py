@@ -21,8 +21,9 @@ class OutputStream:
     abort. `first_sent` is set once the first message is written: an engine loop that committed a
     landed remote prefill waits for it before its next step (see `KVReceiver._commit_on_landing`)."""
 
-    def __init__(self, prompt_len: int, metrics: ServingMetrics, block_size: int):
+    def __init__(self, prompt_len: int, metrics: ServingMetrics, block_size: int, interval: int = 1):
         self.prompt_len = prompt_len
+        self.interval = max(1, interval)  # tokens gathered per message (GenerateRequest.stream_interval)
         self.metrics = metrics
         self.block_size = block_size
         self.arrival = time.monotonic()
@@ -49,8 +50,12 @@ class OutputStream:
     async def messages(self, served: pb.ServedBy) -> AsyncIterator[pb.GenerateResponse]:
         first = True
         last_token_at = None
+        held: pb.GenerateResponse | None = None  # tokens gathered, not sent yet (`interval`)
         while True:
             out = await self._queue.get()
+            if held is not None and (out is HAND_OFF or out is None or isinstance(out, BaseException)):
+                yield held  # what was gathered goes out before the end: a moved stream resumes after it
+                held = None
             if out is HAND_OFF:  # not finished: Generate's caller aborts the request here
                 yield pb.GenerateResponse(
                     error=error("migrate", "this worker is draining: the stream moves on")
@@ -69,17 +74,23 @@ class OutputStream:
                 )
                 self.metrics.request_finished("abort")
                 return
-            msg = pb.GenerateResponse(token_ids=out.new_token_ids, text=out.new_text)
+            msg = held if held is not None else pb.GenerateResponse()
+            msg.token_ids.extend(out.new_token_ids)
+            msg.text += out.new_text
             if out.new_logprobs:
                 msg.logprobs.extend(logprob_to_proto(lp) for lp in out.new_logprobs)
+            if not (first or out.finished) and len(msg.token_ids) < self.interval:
+                held = msg
+                continue
+            held = None
             now = time.monotonic()
-            if out.new_token_ids:
+            if msg.token_ids:
                 if last_token_at is None:
                     self.metrics.ttft.observe(now - self.arrival)
                 else:
-                    self.metrics.itl.observe((now - last_token_at) / len(out.new_token_ids))
+                    self.metrics.itl.observe((now - last_token_at) / len(msg.token_ids))
                 last_token_at = now
-                self.metrics.generation_tokens.inc(len(out.new_token_ids))
+                self.metrics.generation_tokens.inc(len(msg.token_ids))
             if first:
                 msg.served_by.CopyFrom(served)
                 if out.prompt_logprobs is not None:

@@ -130,7 +130,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         except ValueError as e:
             yield pb.GenerateResponse(error=error("invalid_request", str(e)))
             return
-        stream = OutputStream(len(prompt), self.metrics, self.core.block_size)
+        stream = OutputStream(len(prompt), self.metrics, self.core.block_size, request.stream_interval)
         self.streams += 1
         self.live[stream] = rid
         try:

@@ -149,3 +149,17 @@ async def test_prefill_targets_carry_the_prefix_each_one_holds(tokenizer):
         assert [(t.worker_id, t.cached_tokens) for t in targets] == [("p1", 32), ("p0", 0)]
     finally:
         await client.close()
+
+
+async def test_the_worker_is_told_how_many_tokens_to_gather_for_a_streaming_and_a_whole_response(tokenizer):
+    pool = FakePool(lambda req: messages(["a", "b"], "length"))
+    config = RouterConfig(model_name="tiny", max_model_len=256, stream_interval=3, nonstreaming_interval=7)
+    client = TestClient(TestServer(Router(config, tokenizer, pool).app()))
+    await client.start_server()
+    try:
+        for stream in (True, False):
+            r = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+            assert r.status == 200, await r.text()
+        assert [req.stream_interval for req in pool.requests] == [3, 7]
+    finally:
+        await client.close()
