@@ -11,6 +11,12 @@ The cache is an anonymous mapping of its own, 2 MiB-aligned, advised MADV_HUGEPA
 when /sys/kernel/mm/transparent_hugepage/enabled is `always` or `madvise`; a no-op under
 `never`). Anonymous pages are zero-filled, as torch.zeros would give. Elsewhere (no madvise, or
 a GPU cache) torch.zeros.
+
+The pages are made resident at allocation (MADV_POPULATE_WRITE, Linux 5.14; before it, writing
+the zeros): left to the first write, each new page's fault lands inside a request's prefill step,
+and requests keep reaching blocks never written before until the whole cache has been used once
+(the allocator hands out unused blocks before it evicts cached prefixes), costly most of all in
+a VM whose memory the host backs lazily.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 HUGE_PAGE = 2 << 20
 # Below this a cache gains little and would round up to a whole huge page.
 MIN_BYTES = HUGE_PAGE
+MADV_POPULATE_WRITE = 23  # <linux/mman.h>: fault every page in, writable, without writing it
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -41,4 +48,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
         area.madvise(mmap.MADV_HUGEPAGE, start, size - start)
     # frombuffer keeps `area` alive for as long as the tensor (or a view of it) lives.
     flat = torch.frombuffer(area, dtype=torch.uint8, count=nbytes, offset=start)
+    try:
+        area.madvise(MADV_POPULATE_WRITE, start, size - start)
+    except OSError:  # an older kernel: the zeros written fault the pages in
+        flat.zero_()
     return flat.view(dtype).view(shape)

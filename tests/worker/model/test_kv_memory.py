@@ -49,6 +49,19 @@ def test_zeros_is_torch_zeros_on_an_aligned_huge_page_mapping(dtype):
     assert _mapping_of(cache.data_ptr()).get("THPeligible") == "1"
 
 
+@pytest.mark.parametrize("kernel", ["populate", "older"])
+def test_the_pages_are_resident_before_the_first_write(kernel, monkeypatch):
+    """No page of a new cache is left to fault in inside a step: its mapping's resident size is
+    the whole cache before anything is written to it, also where the kernel refuses the advice."""
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/self/smaps")
+    if kernel == "older":
+        monkeypatch.setattr(kv_memory, "MADV_POPULATE_WRITE", 4242)  # EINVAL, as before Linux 5.14
+    cache = kv_memory.zeros((40 << 20,), torch.uint8)  # 40 MiB, never written here
+    rss_kib = int(_mapping_of(cache.data_ptr())["Rss"].split()[0])
+    assert rss_kib * 1024 >= cache.numel(), rss_kib
+
+
 def test_small_caches_and_views_keep_their_memory_alive():
     small = kv_memory.zeros((4, 5), torch.float32)  # under a huge page: torch's own allocation
     assert torch.equal(small, torch.zeros(4, 5))
