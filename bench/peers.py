@@ -21,7 +21,8 @@ are ours / llama.cpp (above 1: this engine is faster).
 With `--serve N`, each pair is also served: llama-server (`--parallel N`, continuous batching) and
 `disagg up` with one `both` worker (`--max-num-seqs N`), one after the other on the same file; one
 client sends N different prompts at once (greedy, `ignore_eos`, `--serve-gen` new tokens each) and
-the generated tokens per second are compared.
+the generated tokens per second are compared. Each server is warmed first with N other prompts
+(no shared prefix: neither answers the measured ones from its prompt cache).
 
 Decode is also printed over its floor (`/floor`): its time per token over the time a copy of
 the weight bytes one step reads takes (read + written, `memory_floor.CopyProbe` sampled just
@@ -288,6 +289,9 @@ def served_tps(base: str, model: str, prompts: list[str], gen: int) -> float:
 def serve_pair(args, pair: Pair, path: Path, server: Path) -> tuple[float, float, float, float]:
     """(ours tok/s, load, llama.cpp tok/s, load) served with `args.serve` concurrent streams."""
     prompts = serve_prompts(args.serve)
+    # the warm-up runs every stream once on prompts that share no prefix with the measured ones:
+    # neither engine may answer the measured prompts from its prompt cache
+    warm = [f"Warm-up {i}. {p}" for i, p in enumerate(prompts)]
     ctx = args.serve * (256 + args.serve_gen)
     log_dir = args.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -297,7 +301,7 @@ def serve_pair(args, pair: Pair, path: Path, server: Path) -> tuple[float, float
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_ready(f"http://127.0.0.1:{args.port + 1}/health", proc, 300)
-        served_tps(f"http://127.0.0.1:{args.port + 1}", "x", prompts[:2], 4)  # warm
+        served_tps(f"http://127.0.0.1:{args.port + 1}", "x", warm, 4)
         theirs = served_tps(f"http://127.0.0.1:{args.port + 1}", "x", prompts, args.serve_gen)
         theirs_load = load()
     finally:
@@ -311,7 +315,7 @@ def serve_pair(args, pair: Pair, path: Path, server: Path) -> tuple[float, float
     try:
         _wait_ready(f"http://127.0.0.1:{args.port}/health", proc, 600)
         name = path.name.removesuffix(".gguf")
-        served_tps(f"http://127.0.0.1:{args.port}", name, prompts[:2], 4)  # warm
+        served_tps(f"http://127.0.0.1:{args.port}", name, warm, 4)
         ours = served_tps(f"http://127.0.0.1:{args.port}", name, prompts, args.serve_gen)
         ours_load = load()
     finally:
