@@ -25,6 +25,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from disagg.worker.model.precisions import QUANTIZATIONS
 
 ROOT = Path(__file__).resolve().parent.parent
+# Safe-path mode (PYTHONSAFEPATH=1, which the Makefile sets) keeps this folder off sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_model import ensure_model  # noqa: E402
 
 
 def _ranged(name: str, fn):
@@ -67,7 +71,12 @@ def instrument(engine) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=ROOT / ".models" / "small")
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=ROOT / ".models" / "small",
+        help="checkpoint (default: the preset, made once)",
+    )
     ap.add_argument("--preset", default="small")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
@@ -85,10 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from disagg.kernels.cpu_decode_step import PHASES
     from disagg.worker import LLM, SamplingParams
-    from disagg.worker.tools.make_model import make_model
 
-    make_model(args.model, preset=args.preset, seed=0)
-    engine = LLM(model=str(args.model), dtype=args.dtype, quantization=args.quantization).engine
+    model = ensure_model(args.model, args.preset)
+    engine = LLM(model=str(model), dtype=args.dtype, quantization=args.quantization).engine
     params = SamplingParams(temperature=0.0, max_tokens=2 * args.steps + 8, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"profile-{i}", list(range(10 + i, 138 + i)), params)
