@@ -5,10 +5,11 @@ rounding as the per-op bf16 kernels, `cpu_bf16.c`).
 
 For small batches: there a step is bound by reading the weights once, and the per-layer
 torch matmuls and small ops cost more than the reading (dispatch, temporaries, threads idling
-between ops). Larger batches are matrix-matrix work, better left to torch's GEMM; except where AMX
-is usable, where a step with bf16 or int8 weights multiplies on its tiles (the per-op path's own
-GEMMs, so the same products: `amx_rows`) and takes as many rows as those GEMMs do: the dispatch
-and small ops it saves are then a third of a 16-sequence step.
+between ops). Larger batches are matrix-matrix work; the step takes them where its matmuls are
+the per-op path's own GEMMs, in pieces each thread runs inside the step (so the same products), and
+up to as many rows as those take: float32 weights in the native float32 GEMM's register tiles
+(`gemm_native_max_rows`), and where AMX is usable, bf16 or int8 weights on its tiles (`amx_rows`).
+The dispatch and small ops it saves are then a third of a 16-sequence step or more.
 """
 
 from __future__ import annotations
@@ -26,14 +27,12 @@ from disagg.kernels.quantized import (
     INT8_AMX_MAX_ROWS,
     W8A8_MIN_ROWS,
     QuantizedWeight,
+    gemm_native_max_rows,
 )
 
-# Up to here the kernel beats torch's GEMM clearly (one thread, small preset: 2.8x at 2 sequences,
-# 1.6x at 4, par at 8) and the per-layer path around the native GEMM too: its float32 matmuls
-# take the GEMM's register tiles from two rows (cpu_kernels.h), so 5-6 rows (a verify step of 4-5
-# proposals) cost about one on a memory-bound model (wide-trained, one thread: 1.0-1.1x) and skip
-# the per-layer ops on a small one (tiny-trained: 0.34 / 0.39 ms at 5 / 6 rows, 0.62 / 0.66 per
-# layer). Beyond, the step is no longer bound by reading the weights once.
+# The rows every model's step takes (the GEMVs of 8-bit weights without AMX, bf16 ones without AMX:
+# 5-6 rows, a verify step of 4-5 proposals, cost about one on a memory-bound model); float32 and
+# AMX steps take more (`max_batch`).
 MAX_BATCH = 6
 
 PHASES = ("add + rms norm", "qkv", "rotary + KV write + attention", "o", "gate/up + SiLU", "down", "LM head")
@@ -136,7 +135,10 @@ def amx_rows(weight: torch.Tensor | QuantizedWeight) -> tuple[int, int]:
 
 def max_batch(weight: torch.Tensor | QuantizedWeight) -> int:
     """The most sequences the native step takes for a model whose matmuls have weights like
-    `weight`: MAX_BATCH, or with AMX what its GEMM takes."""
+    `weight`: float32 weights as many as the native float32 GEMM (whose tiles the step's matmuls
+    run from two rows on), with AMX what its GEMM takes, else MAX_BATCH."""
+    if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+        return max(MAX_BATCH, gemm_native_max_rows())
     return max(MAX_BATCH, amx_rows(weight)[1])
 
 

@@ -4,8 +4,8 @@
  * At a batch of a few rows a decode step is bound by reading W once, so the loop is shaped for
  * memory, not arithmetic: each thread walks its rows in order, one row at a time, so that its
  * reads are one sequential stream, the pattern the hardware prefetcher follows best (measured
- * here: 1.7x the bandwidth of four rows read side by side, which are four streams). Up to four
- * inputs share each row load; larger batches reuse the row from L1 for every group of four.
+ * here: 1.7x the bandwidth of four rows read side by side, which are four streams). From two
+ * inputs on, the GEMM's register tiles (gemv_tiled_rows_f32) take over.
  * GCC's generic vectors of one register's width (NATIVE_FLOATS) become AVX-512 or AVX2
  * registers under -march=native.
  */
@@ -61,7 +61,7 @@ static inline __attribute__((always_inline)) void gemv_block(const float *w, int
 /* y[b][r] = W[r] . x[b] for weight rows [r0, r1), every input b, each row read from memory once. */
 static void gemv_rows_nobias(const float *w, int64_t k, const float *x, int64_t xs, float *y, int64_t ys,
                              int64_t batch, int64_t r0, int64_t r1) {
-    if (batch >= GEMV_TILED_MIN_BATCH && batch <= 6) {
+    if (batch >= GEMV_TILED_MIN_BATCH) {
         gemv_tiled_rows_f32(w, k, x, xs, y, ys, batch, r0, r1);
         return;
     }

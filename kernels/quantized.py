@@ -130,7 +130,7 @@ def scaled_linear_torch(
     return y if bias is None else y + bias
 
 
-def _gemm_native_max_rows() -> int:
+def gemm_native_max_rows() -> int:
     """Rows up to which the native float32 GEMM beats torch's: by the width its tiles were built for."""
     if not cpu_native.available():
         return 0
@@ -336,7 +336,7 @@ def plan_for(w: torch.Tensor | QuantizedWeight) -> MatmulPlan:
     if not native or not w.is_contiguous() or w.dtype not in (torch.float32, torch.bfloat16):
         return MatmulPlan((), torch_gemm, native=native)
     if w.dtype == torch.float32:
-        limit = _gemm_native_max_rows()
+        limit = gemm_native_max_rows()
         tiers = [Tier(0, limit, native_gemm)]
         if cpu_native.narrow_tiles():
             tiers.append(Tier(limit + 1, ROWS_UNBOUNDED, packed_gemm))

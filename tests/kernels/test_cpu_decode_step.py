@@ -141,6 +141,20 @@ def test_decode_step_matches_the_torch_path(tiny_model_dir, paged, monkeypatch, 
     torch.testing.assert_close(caches[0], caches[1], **TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("num_seqs", [2, 7, 16, 33], ids=case_id)
+def test_float32_decode_step_of_many_sequences_equals_the_per_op_gemm(
+    tiny_model_dir, paged, monkeypatch, num_seqs
+):
+    """float32 weights: from two rows the whole step's matmuls run the per-op float32 GEMM's
+    register tiles, and it takes batches up to that GEMM's limit: logits and cache equal to the
+    per-op path's, bit for bit."""
+    steps, caches, model = decode_both_ways(tiny_model_dir, paged, monkeypatch, num_seqs, per_op=True)
+    assert model.native_decode_step().max_batch >= 32
+    for native, per_op in steps:
+        assert torch.equal(native, per_op)
+    assert torch.equal(caches[0], caches[1])
+
+
 def test_decode_step_with_head_dim_64_and_one_kv_head(head_dim_64_dir, paged, monkeypatch):
     steps, caches, _ = decode_both_ways(head_dim_64_dir, paged, monkeypatch, num_seqs=3, block=16)
     for native, torch_path in steps:
@@ -252,13 +266,14 @@ def test_bf16_decode_step_with_head_dim_64_and_one_kv_head(head_dim_64_dir, page
 
 
 def test_decode_step_runs_whole_in_the_kernel_for_small_batches_only(tiny_llama_dir, paged, monkeypatch):
-    """Batches up to MAX_BATCH take the whole-step kernel (its phase clock moves), larger ones not."""
+    """Batches up to the step's max_batch take the whole-step kernel (its phase clock moves), larger
+    ones not."""
     model, _ = load_model(tiny_llama_dir)
     step = model.native_decode_step()
     step.phase_seconds = torch.zeros(len(cpu_decode_step.PHASES), dtype=torch.float64)
-    cache = model.allocate_kv_cache(num_blocks=64, block_size=4)
+    n = step.max_batch + 1
+    cache = model.allocate_kv_cache(num_blocks=2 * n, block_size=4)
     seqs = paged(4)
-    n = cpu_decode_step.MAX_BATCH + 1
     model.forward(seqs.prefill([(i, [10 + i, 11, 12]) for i in range(n)]), cache)
     model.forward(seqs.decode([(i, 20) for i in range(n)]), cache)
     assert not step.phase_seconds.any()
@@ -275,7 +290,7 @@ def test_decode_step_refuses_what_it_cannot_run(tiny_llama_dir):
     tables, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
     with pytest.raises(ValueError, match="hidden"):
         step(
-            torch.randn(cpu_decode_step.MAX_BATCH + 1, model.config.hidden_size),
+            torch.randn(step.max_batch + 1, model.config.hidden_size),
             pos,
             slots,
             cache,

@@ -57,13 +57,13 @@ def test_bad_inputs_are_refused():
 def test_the_row_limit_follows_the_width_of_the_tiles():
     wide = cpu_native.gemm_vector_floats() == 16
     assert cpu_native.gemm_vector_floats() in (8, 16)
-    assert quantized._gemm_native_max_rows() == (
+    assert quantized.gemm_native_max_rows() == (
         quantized.GEMM_NATIVE_MAX_ROWS if wide else quantized.GEMM_NATIVE_MAX_ROWS_AVX2
     )
 
 
 def test_linear_takes_the_native_gemm_up_to_its_row_limit():
-    limit = quantized._gemm_native_max_rows()
+    limit = quantized.gemm_native_max_rows()
     x, w, bias = _operands(limit + 1, 40, 48, seed=3)
     assert torch.equal(quantized.linear(x[:limit], w, bias), cpu_native.gemm(x[:limit], w, bias))
     # beyond: torch's GEMM, or without AVX-512 the packed-panel GEMM (tested below)

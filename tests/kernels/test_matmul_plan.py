@@ -75,7 +75,7 @@ def test_a_resolved_weight_follows_disagg_cpu_native(monkeypatch):
 def test_the_plan_runs_each_kernel_on_its_rows():
     w = torch.randn(40, 48)
     plan = quantized.plan_for(w)
-    limit = quantized._gemm_native_max_rows()
+    limit = quantized.gemm_native_max_rows()
     assert plan.kernel_for(torch.randn(limit, 48), w) is quantized.native_gemm
     beyond = quantized.packed_gemm if cpu_native.narrow_tiles() else quantized.torch_gemm
     assert plan.kernel_for(torch.randn(limit + 1, 48), w) is beyond
