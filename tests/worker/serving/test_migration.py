@@ -1,7 +1,7 @@
 """Live streams survive their decode worker, with real processes: SIGKILL, SIGSTOP and a drain of
 a decode worker serving many streams (greedy, seeded sampling, json_schema, a forced tool call,
 n=2, logprobs); every stream completes, each one equal to the same request on the undisturbed
-deployment, with the same usage. With no other decode worker a broken stream ends with a clean
+deployment, with the same usage; so do whole responses, which reach the router in chunks. With no other decode worker a broken stream ends with a clean
 error event. Nothing leaks afterwards."""
 
 from __future__ import annotations
@@ -248,6 +248,59 @@ def test_streams_of_a_killed_decode_worker_resume_exactly_elsewhere(cluster, und
     on_prefill = _resumed(cluster, "remote", but=victim) - remote[victim]
     assert on_prefill > 0
     assert _resumed(cluster, "local", but=victim) - local[victim] + on_prefill == moved
+    cluster.assert_released(redis_server.url, idle_timeout=LEASE * 4, records_timeout=LEASE * 4)
+    cluster.workers[victim].start()
+    cluster.wait_ready([victim])
+
+
+def _whole(body: dict) -> dict:
+    """The same request with the whole response in one body."""
+    return {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+
+
+def _answer(path: str, body: dict, url: str) -> dict:
+    """What a client reads from a whole response: per choice its text (or message and tool-call
+    arguments), logprob tokens and finish reason; and the token counts."""
+    r = httpx.post(f"{url}{path}", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    choices = {}
+    for ch in data["choices"]:
+        msg = ch.get("message") or {}
+        calls = [c["function"]["arguments"] for c in msg.get("tool_calls") or []]
+        tokens = (ch.get("logprobs") or {}).get("tokens", [])
+        choices[ch["index"]] = (ch.get("text", msg.get("content")), calls, tokens, ch["finish_reason"])
+    usage = {k: data["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return {"choices": choices, "usage": usage}
+
+
+def test_whole_responses_of_a_killed_decode_worker_resume_exactly_elsewhere(cluster, redis_server):
+    """A response that does not stream reaches the router --nonstreaming-interval (16) tokens at a
+    time: a killed worker's unsent tokens are generated again where the request resumes (greedy and
+    seeded alike), and every whole response equals the same request's on the undisturbed deployment."""
+    requests = [(path, _whole(body)) for path, body in _requests(cluster.model_name)]
+    alone = [_answer(path, body, cluster.url) for path, body in requests]
+    decode = [w for w in cluster.workers if w.startswith("decode")]
+    before = _moved(cluster, "unavailable")
+    sent = {w: cluster.metric(w, "disagg_generation_tokens_total") for w in decode}
+    results: list = [None] * len(requests)
+
+    def run(i: int) -> None:
+        results[i] = _answer(*requests[i], cluster.url)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    # a few messages of 16 tokens are out, and most of each response is still to come
+    while sum(cluster.metric(w, "disagg_generation_tokens_total") - sent[w] for w in decode) < 4 * 16:
+        time.sleep(0.02)
+    victim = max(decode, key=lambda w: cluster.metric(w, "disagg_num_requests_running"))
+    cluster.workers[victim].kill()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+    assert results == alone
+    assert _moved(cluster, "unavailable") - before > 0  # requests really moved
     cluster.assert_released(redis_server.url, idle_timeout=LEASE * 4, records_timeout=LEASE * 4)
     cluster.workers[victim].start()
     cluster.wait_ready([victim])
