@@ -120,6 +120,13 @@ static inline double clock_now(void) {
     } else                                                                                                         \
         FOR_EACH_CHUNK(c, n_) gemv_rows(m, w_, scale_, bias_, k_, x_, k_, y_, y_stride_, batch, CHUNK_ROWS(c, n_), y_f32_);
 
+/* The most values an input row of a layer's matmuls holds (hidden, the heads' width or inter):
+ * what each thread's AMX scratch is sized for. */
+static int64_t widest_input(const decode_model *m) {
+    const int64_t h = m->hidden, q = m->num_q_heads * m->head_dim, inter = m->inter;
+    return h > q ? (h > inter ? h : inter) : (q > inter ? q : inter);
+}
+
 /* Bytes of one thread's AMX scratch for `batch` inputs of up to k_max values (0: no AMX). */
 static int64_t amx_thread_bytes(const decode_model *m, int64_t batch, int64_t k_max) {
     if (!(m->amx_min_batch > 0 && batch >= m->amx_min_batch)) return 0;
@@ -254,7 +261,7 @@ static int decode_step(const decode_model *m, void *residual, int64_t batch, con
     uint64_t *spans = (uint64_t *)(((uintptr_t)(per_thread + num_threads * per_thread_floats) + 63) & ~(uintptr_t)63);
     memset(spans, 0, num_threads * CHUNK_SPAN_STRIDE * sizeof(uint64_t));
     /* AMX: each thread's scratch for packed inputs, after the spans */
-    const int64_t k_max = h > q_width ? (h > inter ? h : inter) : (q_width > inter ? q_width : inter);
+    const int64_t k_max = widest_input(m);
     const int64_t amx_stride = amx_thread_bytes(m, batch, k_max);
     const int amx = amx_stride > 0;
     if (amx && amx_usable() != 1) return -3;
@@ -419,8 +426,7 @@ int decode_step_bf16(const decode_model *m, bf16 *residual, int64_t batch, const
 int64_t decode_step_work_floats(const decode_model *m, int64_t batch, int64_t max_len, int64_t num_threads) {
     const int64_t h = m->hidden, d = m->head_dim, qkv_width = (m->num_q_heads + 2 * m->num_kv_heads) * d;
     const int64_t group = m->num_q_heads / m->num_kv_heads;
-    const int64_t k_max = h > m->num_q_heads * d ? (h > m->inter ? h : m->inter)
-                                                 : (m->num_q_heads * d > m->inter ? m->num_q_heads * d : m->inter);
+    const int64_t k_max = widest_input(m);
     const int64_t amx = num_threads * amx_thread_bytes(m, batch, k_max) / 4;
     return batch * (qkv_width + m->num_q_heads * d + m->inter + 2 * h) +
            num_threads * (batch * h + group * (max_len + 2 * d)) + 16 /* alignment */ +
