@@ -122,15 +122,16 @@ class WorkerCore:
                 placement.prompt_len, decision.local_s * 1e3, decision.remote_s * 1e3,
                 "remote" if decision.remote else "local", decision.reason,
             )  # fmt: skip
+        reason = decision.reason
         if decision.remote:
             try:
-                return decision.reason, self.receiver.reserve_expecting(
+                return reason, self.receiver.reserve_expecting(
                     request_id, prompt_ids, params, sink, *expect, resume
                 )
             except NoFreeBlocksError:
-                pass
+                reason = "no_free_blocks"  # it waits here for blocks, queued as a local prefill
         self.on_loop_add(request_id, prompt_ids, params, sink, arrival, resume)
-        return decision.reason, None
+        return reason, None
 
     def on_loop_prefill_price(self, prompt_ids: list[int]) -> tuple[int, PrefillSite, int]:
         """What pricing a local prefill of `prompt_ids` needs: its cached tokens here, this worker

@@ -180,6 +180,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 # worker prefills the prompt itself rather than failing the request. The failed
                 # attempts' blocks were freed and their sink ended the old queue.
                 log.warning("remote prefill of %s failed (%s): prefilling locally", rid, e)
+                reason = "remote_failed"
                 stream.restart()
                 await self._call(*add)
         else:

@@ -622,3 +622,55 @@ def test_a_stream_cancelled_between_attempts_finishes_its_transfer_record(engine
         loop.stop()
         kv.close()
     assert len(cleaning) == 1 and transfer_records(redis_url, "settle") == []
+
+
+def _decisions(reason: str) -> float:
+    from prometheus_client import REGISTRY
+
+    labels = {"role": "decode", "model": "tiny", "decision": "local", "reason": reason}
+    return REGISTRY.get_sample_value("disagg_disaggregation_decisions_total", labels) or 0.0
+
+
+def _generate_all(service, request) -> list:
+    import asyncio
+
+    async def run():
+        return [m async for m in service.Generate(request, None)]
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("fallback", ["remote_failed", "no_free_blocks"])
+def test_a_prompt_placed_remotely_but_prefilled_here_is_counted_with_why(engine, redis_url, fallback):
+    """Placed on a prefill worker, then prefilled on the decode worker after all: every prefill
+    worker failed (`remote_failed`), or its blocks could not be reserved now (`no_free_blocks`,
+    it queues here). The decision counter names that, not the placement's reason."""
+    from disagg.worker.engine.block_manager import NoFreeBlocksError
+    from disagg.worker.kv_state import KVState, WorkerInfo
+    from disagg.worker.serving.state_link import StateLink
+
+    t, core = _decode(engine)
+    kv = KVState(redis_url, "fallback", "decode-0")
+    state = StateLink(kv, WorkerInfo(id="decode-0", role="decode", address="127.0.0.1:1"))
+    if fallback == "no_free_blocks":
+
+        def full(*args):
+            raise NoFreeBlocksError("no free blocks")
+
+        core.receiver.reserve_expecting = full
+    loop, service = _service(engine, core, state)
+    before = {r: _decisions(r) for r in ("remote_failed", "no_free_blocks", "threshold")}
+    try:
+        msgs = _generate_all(service, _remote_request("r", _prompt(40, 9), _dead_address(), _dead_address()))
+    finally:
+        loop.stop()
+        kv.close()
+    assert msgs[-1].finish_reason == "length" and not msgs[-1].HasField("error")
+    assert sum(len(m.token_ids) for m in msgs) == 2 and not msgs[0].served_by.prefill_worker
+    after = {r: _decisions(r) for r in before}
+    assert {r: after[r] - before[r] for r in before} == {
+        "remote_failed": fallback == "remote_failed",
+        "no_free_blocks": fallback == "no_free_blocks",
+        "threshold": 0,
+    }
+    _idle(core)
