@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import warnings
 
 import httpx
 import openai
@@ -219,6 +221,41 @@ def _metrics_url(cluster, name: str) -> str:
     return proc.health.replace("/health", "/metrics")
 
 
+# Where decode-0 prefilled prompts (`disagg_disaggregation_decisions_total`): remotely by the
+# threshold, here because short, or here after all, though placed remotely (and why).
+FALLBACKS = ("remote_failed", "no_free_blocks")
+
+
+def _placements(cluster) -> dict[str, float]:
+    count = lambda decision, reason: cluster.metric(  # noqa: E731
+        "decode-0", "disagg_disaggregation_decisions_total", decision=decision, reason=reason
+    )
+    return {
+        "threshold": count("remote", "threshold"),
+        "short": count("local", "short"),
+        "no_prefill_worker": count("local", "no_prefill_worker"),
+        **{why: count("local", why) for why in FALLBACKS},
+    }
+
+
+def _assert_long_prompts_placed_remotely(cluster, r: httpx.Response, before: dict[str, float]) -> None:
+    """The batch's short prompt stayed on decode-0 and its two long ones were placed on prefill-0.
+    They ran there, unless prefill-0 could not take one then: decode-0 then prefilled it itself,
+    counted and logged with why, and the answer is the same (checked by the caller). A prompt
+    the router offered no prefill worker for is explained only by prefill-0 leaving its rotation."""
+    placed = {k: v - before[k] for k, v in _placements(cluster).items()}
+    router_log = cluster.router.tail(15)
+    context = f"placements {placed}\ndecode-0 log:\n{cluster.workers['decode-0'].tail(15)}\nrouter log:\n{router_log}"
+    if re.search(r"prefill-0 at \S+ leaves rotation", router_log):
+        placed["remote_failed"] += placed.pop("no_prefill_worker")
+    fell_back = sum(placed[reason] for reason in FALLBACKS)
+    assert placed["short"] == 1 and placed["threshold"] + fell_back == 2, context
+    if fell_back == 0:
+        assert r.headers["X-Disagg-Prefill-Worker"] == "prefill-0", context
+    else:
+        warnings.warn(f"a long prompt was prefilled on decode-0 after all: {context}", stacklevel=2)
+
+
 @pytest.mark.timeout(120)
 def test_batched_prompts_match_each_prompt_alone(cluster, reference_llm, idle_after):
     rng = random.Random(3)
@@ -226,12 +263,14 @@ def test_batched_prompts_match_each_prompt_alone(cluster, reference_llm, idle_af
     prompts = [[rng.randrange(5, vocab) for _ in range(n)] for n in (5, 20, 37)]  # local, remote, remote
     params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
     e2e_before = cluster.metric("router", "disagg_e2e_request_latency_seconds_count")
+    placed_before = _placements(cluster)
     r = _post(cluster, "completions", {"prompt": prompts, **params})
     assert r.status_code == 200, r.text
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     # each generation is a request of its own in the latency histograms
     assert cluster.metric("router", "disagg_e2e_request_latency_seconds_count") == e2e_before + 3
+    _assert_long_prompts_placed_remotely(cluster, r, placed_before)
     # the batch went first: alone, the prompts find their blocks cached on the decode worker
     alone = [
         _post(cluster, "completions", {"prompt": p, **params}).json()["choices"][0]["text"] for p in prompts
@@ -241,7 +280,6 @@ def test_batched_prompts_match_each_prompt_alone(cluster, reference_llm, idle_af
     assert [c["text"] for c in body["choices"]] == alone
     assert all(c["finish_reason"] == "length" for c in body["choices"])
     assert body["usage"]["prompt_tokens"] == 5 + 20 + 37 and body["usage"]["completion_tokens"] == 24
-    assert r.headers["X-Disagg-Prefill-Worker"] == "prefill-0"  # the long ones went remote
 
     # text prompts, n=2 greedy: identical samples, indices prompt_index * n + sample_index
     texts = ["The quick brown fox", "Once upon a time, in a land far away, there lived"]
