@@ -252,6 +252,24 @@ class Cluster:
                     total += float(line.rsplit(" ", 1)[1])
         return total
 
+    def assert_prefilled_on(self, r: httpx.Response, worker: str) -> None:
+        """The router's response `r` was prefilled on `worker`. Otherwise the failure says where
+        each worker counted its placements and what every process logged last."""
+        got = r.headers.get("X-Disagg-Prefill-Worker")
+        if got == worker:
+            return
+        report = [f"prefilled on {got!r}, not {worker!r}"]
+        for name, proc in [*self.workers.items(), ("router", self.router)]:
+            if name != "router" and proc.alive():
+                with urllib.request.urlopen(proc.health.replace("/health", "/metrics"), timeout=5) as m:
+                    counts = [
+                        line for line in m.read().decode().splitlines()
+                        if line.startswith("disagg_disaggregation_decisions_total{")
+                    ]  # fmt: skip
+                report.append(f"{name} placements: {counts}")
+            report.append(f"{name} log:\n{proc.tail(10)}")
+        raise AssertionError("\n".join(report))
+
     def stop(self) -> None:
         for ch in self._channels.values():
             ch.close()

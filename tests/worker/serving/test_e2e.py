@@ -105,7 +105,7 @@ def test_second_request_with_a_cached_prefix_skips_those_blocks(cluster, referen
         }
         r = complete(cluster.url, body)
         assert r.status_code == 200, r.text
-        assert r.headers.get("X-Disagg-Prefill-Worker") == "prefill-0"
+        cluster.assert_prefilled_on(r, "prefill-0")
         assert r.json()["choices"][0]["text"] == want
         cluster.wait_idle()
         sent.append(cluster.metric("prefill-0", "disagg_kv_transfer_bytes_total") - bytes_before)

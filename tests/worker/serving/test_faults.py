@@ -88,7 +88,7 @@ def test_prefill_killed_mid_transfer_is_retried_on_another(cluster, reference_ll
     r = result["r"]
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == want.outputs[0].text
-    assert r.headers["X-Disagg-Prefill-Worker"] == "prefill-1"
+    cluster.assert_prefilled_on(r, "prefill-1")
     assert cluster.metric("decode-0", "disagg_prefill_retries_total") == retries_before + 1
     _idle_everywhere(cluster, redis_server.url)
 

@@ -43,7 +43,7 @@ def test_greedy_matches_colocated_over_grpc_kv_transfer(cluster, reference_llm, 
         )
     for r, w in zip(responses, want, strict=True):
         assert r.status_code == 200, r.text
-        assert r.headers["X-Disagg-Prefill-Worker"] == "prefill-0"
+        cluster.assert_prefilled_on(r, "prefill-0")
         assert r.json()["choices"][0]["text"] == w.outputs[0].text
     assert cluster.metric("prefill-0", "disagg_kv_transfer_bytes_total") > 0
     cluster.assert_released(redis_server.url)

@@ -51,7 +51,7 @@ def _complete(c: Cluster) -> httpx.Response:
     body = {"model": c.model_name, "prompt": list(range(5, 45)), "max_tokens": 6, "temperature": 0}
     r = httpx.post(f"{c.url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
-    assert r.headers["X-Disagg-Prefill-Worker"] == "prefill-0"  # went through the P/D path
+    c.assert_prefilled_on(r, "prefill-0")  # went through the P/D path
     return r
 
 

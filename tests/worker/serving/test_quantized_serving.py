@@ -109,7 +109,7 @@ def test_disaggregated_output_equals_colocated_in_the_same_setting(setup, cluste
         }
         r = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
-        assert r.headers["X-Disagg-Prefill-Worker"] == "prefill-0"
+        cluster.assert_prefilled_on(r, "prefill-0")
         assert r.json()["choices"][0]["text"] == w.outputs[0].text
     cluster.assert_released(redis_server.url)
 

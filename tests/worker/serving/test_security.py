@@ -94,7 +94,7 @@ def test_worker_calls_without_the_credential_are_refused(cluster, secure_redis, 
     assert cluster.stub("decode-0").Load(pb.LoadRequest(), timeout=5).worker_id == "decode-0"
     r = _complete(cluster, list(range(5, 45)))
     assert r.status_code == 200, r.text
-    assert r.headers["X-Disagg-Prefill-Worker"] == "prefill-0"
+    cluster.assert_prefilled_on(r, "prefill-0")
     cluster.assert_released(secure_redis.url)
 
 
@@ -239,7 +239,8 @@ def test_grpc_over_mutual_tls(tiny_model, tmp_path, redis_server):
     try:
         c.start()
         r = _complete(c, list(range(5, 45)))
-        assert r.status_code == 200 and r.headers["X-Disagg-Prefill-Worker"] == "prefill-0", r.text
+        assert r.status_code == 200, r.text
+        c.assert_prefilled_on(r, "prefill-0")
         # plaintext, even with the token, does not get through
         with grpc.insecure_channel(c.workers["decode-0"].grpc_address) as ch:
             with pytest.raises(grpc.RpcError) as info:
