@@ -1,8 +1,9 @@
 """Native CPU kernels: C sources next to this module, compiled on first use, called through ctypes.
 
-Plain C with no Python or torch headers, so building takes about a second with the system C
-compiler and needs nothing else installed. The shared object is cached per source, compiler,
-flags and CPU (it is built with -march=native, or for the target `$DISAGG_CPU_NATIVE_ARCH` names,
+Plain C with no Python or torch headers, built with the system C compiler alone: each source
+compiled apart, one per CPU at once, then linked (`build_in_background` starts it while a model
+loads). The shared object is cached per source, compiler, flags and CPU (it is built with
+-march=native, or for the target `$DISAGG_CPU_NATIVE_ARCH` names,
 which must be one this CPU can run), in `$DISAGG_CACHE_DIR`, else
 `$XDG_CACHE_HOME/disagg` or `~/.cache/disagg`, else `disagg-cache-<uid>` in the temp directory
 (read-only root file systems). Code is loaded from there, so a cache directory must be private:
@@ -27,6 +28,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -186,12 +188,7 @@ def _build(compiler: str) -> Path:
             fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
             os.close(fd)
             try:
-                subprocess.run(
-                    [compiler, *flags, "-o", tmp, *map(str, _SOURCES), "-lm"],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                )
+                _compile(compiler, flags, tmp, directory)
                 os.chmod(tmp, 0o500)
                 target = directory / f"cpu_kernels-{key}-{_sha256(Path(tmp))}.so"
                 os.replace(tmp, target)
@@ -205,6 +202,26 @@ def _build(compiler: str) -> Path:
             log.warning("native kernel cache %s not used: %s", directory, exc)
             last_error = exc
     raise RuntimeError(f"no writable cache directory for native kernels: {last_error}")
+
+
+def _compile(compiler: str, flags: list[str], target: str, directory: Path) -> None:
+    """Build the shared object `target`: the sources compiled apart, as many at once as this
+    process has CPUs (the largest first), then linked. A cold cache (every new pod) then waits
+    for the slowest source rather than for all of them in turn."""
+
+    def run(*args: str) -> None:
+        subprocess.run([compiler, *args], capture_output=True, text=True, check=True)
+
+    compile_flags = [f for f in flags if f != "-shared"]
+    with tempfile.TemporaryDirectory(dir=directory, prefix="objects-") as objects:
+        obj = {src: os.path.join(objects, f"{i}.o") for i, src in enumerate(_SOURCES)}
+        largest_first = sorted(_SOURCES, key=lambda src: src.stat().st_size, reverse=True)
+        with ThreadPoolExecutor(max_workers=min(len(_SOURCES), len(os.sched_getaffinity(0)))) as pool:
+            for done in [
+                pool.submit(run, *compile_flags, "-c", "-o", obj[src], str(src)) for src in largest_first
+            ]:
+                done.result()  # a compiler error, raised here
+        run(*flags, "-o", target, *obj.values(), "-lm")
 
 
 def _load() -> ctypes.CDLL:
@@ -268,6 +285,14 @@ def available() -> bool:
                 _error = str(exc)
                 log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
     return _lib is not None
+
+
+def build_in_background() -> None:
+    """Have `available()` build (or find) the kernels in a thread of their own: what needs them
+    first waits for it, and whatever the process does meanwhile (loading a model's weights) runs
+    beside the compiler."""
+    if os.environ.get("DISAGG_CPU_NATIVE", "1") != "0" and _lib is None and _error is None:
+        threading.Thread(target=available, name="native-kernel-build").start()
 
 
 def library() -> ctypes.CDLL:

@@ -260,3 +260,70 @@ def test_cache_on_a_kubelet_made_empty_dir_uses_a_private_subdirectory(as_user):
         assert report == f"{parent / 'uid-1000'}|1000|700", report
     finally:
         shutil.rmtree(parent)
+
+
+@pytest.mark.skipif(
+    len(__import__("os").sched_getaffinity(0)) < 2, reason="one CPU: the sources compile in turn"
+)
+def test_a_cold_cache_compiles_the_sources_at_once_then_links_them(tmp_path, monkeypatch):
+    """Each source is compiled on its own, together with the others (here: each compile waits
+    until both began, and notes when it gave up waiting), then the objects are linked."""
+    import os
+
+    monkeypatch.setattr(
+        cpu_native, "_SOURCES", tuple(cpu_native._HEADER.with_name(n) for n in ("cpu_gemv.c", "cpu_isa.c"))
+    )
+    log = tmp_path / "log"
+    log.mkdir()
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {log}/calls\n'
+        'case " $* " in *" -c "*)\n'
+        f"  touch {log}/began.$$; i=0\n"
+        f'  while [ "$(ls {log} | grep -c began)" -lt 2 ]; do\n'
+        f"    i=$((i + 1)); [ $i -gt 300 ] && {{ touch {log}/alone; break; }}; sleep 0.1\n"
+        "  done;;\n"
+        "esac\n"
+        f'exec {_compiler()} "$@"\n'
+    )
+    os.chmod(wrapper, 0o755)
+    monkeypatch.setenv("DISAGG_CACHE_DIR", str(tmp_path / "cache"))
+    built = cpu_native._build(str(wrapper))
+    calls = [c.split() for c in (log / "calls").read_text().splitlines() if "--version" not in c]
+    compiles = [c for c in calls if "-c" in c]
+    assert sorted(Path(c[-1]).name for c in compiles) == ["cpu_gemv.c", "cpu_isa.c"]
+    assert all("-shared" not in c for c in compiles) and not (log / "alone").exists()
+    link = calls[-1]
+    assert "-c" not in link and "-shared" in link and sum(a.endswith(".o") for a in link) == 2
+    assert built.is_file() and not any(p.name.startswith("objects-") for p in built.parent.iterdir())
+
+
+def test_a_build_begun_in_the_background_is_the_one_its_first_user_waits_for(monkeypatch):
+    """`build_in_background` starts the build; `available()` called meanwhile waits for that
+    build, and nothing is built twice."""
+    import threading
+
+    began, finish, builds = threading.Event(), threading.Event(), []
+
+    def slow_load():
+        builds.append(threading.current_thread().name)
+        began.set()
+        finish.wait(30)
+        return "lib"
+
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_error", None)
+    monkeypatch.setattr(cpu_native, "_load", slow_load)
+    cpu_native.build_in_background()
+    assert began.wait(30)
+    answered = []
+    waiter = threading.Thread(target=lambda: answered.append(cpu_native.available()))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not answered  # held until the build ends
+    finish.set()
+    waiter.join(30)
+    assert answered == [True] and builds == ["native-kernel-build"]
+    cpu_native.build_in_background()  # built: nothing starts again
+    assert builds == ["native-kernel-build"]

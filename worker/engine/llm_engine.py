@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from disagg.kernels import cpu_native
 from disagg.worker.engine import prompt_logprobs
 from disagg.worker.engine import resume as resumption
 from disagg.worker.engine.args import EngineArgs
@@ -101,6 +102,8 @@ class LLMEngine:
         if args.threads is not None:
             torch.set_num_threads(args.threads)  # process-wide: the engine owns its process's CPU
         model, dtype, device = args.model, args.resolved_dtype(), args.resolved_device()
+        if torch.device(device).type == "cpu":
+            cpu_native.build_in_background()  # the native kernels compile while the weights load
         block_size, max_num_seqs = args.block_size, args.max_num_seqs
         self.ranks = None  # the other tensor-parallel ranks' processes, when there are any
         if args.tensor_parallel_size > 1:
@@ -124,6 +127,8 @@ class LLMEngine:
 
     def _build(self, args: EngineArgs, block_size: int, max_num_seqs: int, load_tokenizer: bool) -> None:
         model, dtype, device = args.model, args.resolved_dtype(), args.resolved_device()
+        if torch.device(device).type == "cpu":
+            cpu_native.build_in_background()  # the native kernels compile while the weights load
         self.model_path = str(model)
         self.tokenizer = None
         if load_tokenizer:
