@@ -252,6 +252,30 @@ def test_k_quants(plain_llama_dir, tmp_path, kind):
 # ---- bad files --------------------------------------------------------------------------------
 
 
+def test_the_plain_view_reader_reads_what_the_gguf_package_reads(plain_llama_dir, tmp_path):
+    """Every field and tensor of files of every type (and of SmolLM2's when it is installed) as
+    `gguf.GGUFReader` gives them; the tensors stay views of the mapped file, without its subclass."""
+    from disagg.worker.model.pretrained import default_model_path
+
+    files = [write_gguf(plain_llama_dir, tmp_path / f"{kind}.gguf", kind) for kind in WRITABLE]
+    files += [p for p in [default_model_path()] if p is not None]
+    for path in files:
+        stock, plain = gguf.GGUFReader(path), gguf_checkpoint.plain_reader(path)
+        assert list(plain.fields) == list(stock.fields) and plain.data_offset == stock.data_offset
+        for key, field in stock.fields.items():
+            assert plain.fields[key].types == field.types, key
+            assert plain.fields[key].contents() == field.contents(), key
+        assert len(plain.tensors) == len(stock.tensors)
+        for mine, theirs in zip(plain.tensors, stock.tensors, strict=True):
+            assert (mine.name, mine.tensor_type, mine.n_bytes) == (
+                theirs.name,
+                theirs.tensor_type,
+                theirs.n_bytes,
+            )
+            assert np.array_equal(mine.shape, theirs.shape) and np.array_equal(mine.data, theirs.data)
+            assert type(mine.data) is np.ndarray and not mine.data.flags.owndata
+
+
 def test_truncated_gguf_is_refused(plain_llama_dir, tmp_path):
     file = write_gguf(plain_llama_dir, tmp_path / "whole.gguf")
     data = file.read_bytes()
