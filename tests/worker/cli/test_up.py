@@ -76,6 +76,15 @@ def _up(tiny_model: Path, tmp_path: Path, *flags: str):
         assert up.wait(60) == 0, log.read_text()[-3000:]
 
 
+def _assert_prefilled_on(r: httpx.Response, run_dir: Path, worker: str) -> None:
+    """`r` was prefilled on `worker`; otherwise fail with the last lines of each child's log."""
+    got = r.headers.get("X-Disagg-Prefill-Worker")
+    logs = "\n".join(
+        f"{f.name}:\n" + "\n".join(f.read_text().splitlines()[-10:]) for f in sorted(run_dir.glob("*.log"))
+    )
+    assert got == worker, f"prefilled on {got!r}, not {worker!r}\n{logs}"
+
+
 def test_up_keeps_its_secrets_private_and_restarts_a_dead_child(tiny_model, tmp_path):
     with _up(tiny_model, tmp_path, "--prefill", "1", "--decode", "1", "--threads", "1") as running:
         up, url, run_dir, log = running
@@ -164,7 +173,7 @@ def test_up_runs_prefill_and_decode_at_different_tensor_parallel_sizes(tiny_mode
         "--disagg-threshold",
         "8",
     )
-    with _up(tiny_model, tmp_path, *flags) as (up, url, _, _):
+    with _up(tiny_model, tmp_path, *flags) as (up, url, run_dir, _):
         # the prefill worker started its second rank, the decode worker none
         assert any(
             "disagg.worker.model.tp_rank" in _cmdline(c) for c in _children(_worker_pid(up, "prefill-0"))
@@ -173,7 +182,7 @@ def test_up_runs_prefill_and_decode_at_different_tensor_parallel_sizes(tiny_mode
         body = {"model": tiny_model.name, "prompt": list(range(5, 60)), "max_tokens": 4, "temperature": 0}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
-        assert r.headers["X-Disagg-Prefill-Worker"] == "prefill-0"
+        _assert_prefilled_on(r, run_dir, "prefill-0")
 
 
 def test_up_gives_each_child_its_own_certificate(tiny_model, tmp_path):
@@ -195,4 +204,4 @@ def test_up_gives_each_child_its_own_certificate(tiny_model, tmp_path):
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         # prefilled on prefill-0: a refused Prefill would have been prefilled on decode-0 instead
-        assert r.headers["X-Disagg-Prefill-Worker"] == "prefill-0"
+        _assert_prefilled_on(r, run_dir, "prefill-0")
