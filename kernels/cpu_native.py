@@ -83,6 +83,7 @@ _PARALLEL_MIN_WORK = 8192
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
+_background: threading.Thread | None = None  # `build_in_background`'s thread
 
 
 def _cache_dirs() -> list[Path]:
@@ -291,8 +292,17 @@ def build_in_background() -> None:
     """Have `available()` build (or find) the kernels in a thread of their own: what needs them
     first waits for it, and whatever the process does meanwhile (loading a model's weights) runs
     beside the compiler."""
-    if os.environ.get("DISAGG_CPU_NATIVE", "1") != "0" and _lib is None and _error is None:
-        threading.Thread(target=available, name="native-kernel-build").start()
+    global _background
+    if not _lock.acquire(blocking=False):
+        return  # a build is under way
+    try:
+        if os.environ.get("DISAGG_CPU_NATIVE", "1") == "0" or _lib is not None or _error is not None:
+            return
+        if _background is None or not _background.is_alive():
+            _background = threading.Thread(target=available, name="native-kernel-build")
+            _background.start()
+    finally:
+        _lock.release()
 
 
 def library() -> ctypes.CDLL:

@@ -127,8 +127,6 @@ class LLMEngine:
 
     def _build(self, args: EngineArgs, block_size: int, max_num_seqs: int, load_tokenizer: bool) -> None:
         model, dtype, device = args.model, args.resolved_dtype(), args.resolved_device()
-        if torch.device(device).type == "cpu":
-            cpu_native.build_in_background()  # the native kernels compile while the weights load
         self.model_path = str(model)
         self.tokenizer = None
         if load_tokenizer:
