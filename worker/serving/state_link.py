@@ -106,8 +106,11 @@ class StateLink:
         await self._run(self._register)
 
     async def deregister(self) -> None:
+        """Leave the registry for good. The upkeep stops first: a heartbeat after the delete would
+        find the entry gone and write it back, leaving a stopped worker listed until its TTL."""
+        await self._stop_upkeep()
         if self.kv is not None and self.registered:
-            await self._run(self.kv.deregister)
+            await self._run(self.kv.deregister)  # after any heartbeat already on the Redis thread
 
     def publish(self, hashes: list[int]) -> None:
         """Thread-safe: called from the engine thread when a prompt's blocks enter the cache."""
@@ -223,11 +226,15 @@ class StateLink:
                 log.exception("Redis upkeep failed")
             await asyncio.sleep(self.heartbeat_seconds)
 
-    async def stop(self) -> None:
+    async def _stop_upkeep(self) -> None:
         if self._task is not None:
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            self._task = None
+
+    async def stop(self) -> None:
+        await self._stop_upkeep()
         self._pool.shutdown(wait=False, cancel_futures=True)
