@@ -16,60 +16,39 @@
 #include <omp.h>
 #endif
 
-/* y[b * ys] = w . x[b] for one row w of k floats and NB inputs (x rows xs apart); NB <= 4 and
- * constant at each call site. Two partial sums per input (even and odd vectors) keep the
- * additions off one dependency chain. */
-static inline __attribute__((always_inline)) void gemv_block(const float *w, int64_t k, const float *x,
-                                                             int64_t xs, float *y, int64_t ys, const int nb) {
+/* w . x for one row w of k floats. Two partial sums (even and odd vectors) keep the additions off
+ * one dependency chain. */
+static inline float gemv_dot(const float *w, int64_t k, const float *x) {
     enum { V = NATIVE_FLOATS };
-    vnat even[4], odd[4];
-#pragma GCC unroll 4
-    for (int b = 0; b < nb; b++) even[b] = odd[b] = (vnat){0};
+    vnat even = (vnat){0}, odd = (vnat){0};
     int64_t j = 0;
     for (; j + 2 * V <= k; j += 2 * V) {
         gemv_prefetch_ahead(w + j);
-        const vnat w0 = load_vnat(w + j), w1 = load_vnat(w + j + V);
-#pragma GCC unroll 4
-        for (int b = 0; b < nb; b++) {
-            even[b] += w0 * load_vnat(x + b * xs + j);
-            odd[b] += w1 * load_vnat(x + b * xs + j + V);
-        }
+        even += load_vnat(w + j) * load_vnat(x + j);
+        odd += load_vnat(w + j + V) * load_vnat(x + j + V);
     }
     if (j + V <= k) {
-        const vnat w0 = load_vnat(w + j);
-#pragma GCC unroll 4
-        for (int b = 0; b < nb; b++) even[b] += w0 * load_vnat(x + b * xs + j);
+        even += load_vnat(w + j) * load_vnat(x + j);
         j += V;
     }
-#pragma GCC unroll 4
-    for (int b = 0; b < nb; b++) {
-        float s = hsum_vnat(even[b] + odd[b]);
-        for (int64_t t = j; t < k; t++) s += w[t] * x[b * xs + t];
-        y[b * ys] = s;
-    }
+    float s = hsum_vnat(even + odd);
+    for (int64_t t = j; t < k; t++) s += w[t] * x[t];
+    return s;
 }
 
-/* gemv_block for a run-time nb in [1, 4]: each case is its own specialised loop. */
-#define GEMV_BLOCK_NB(w, k, x, xs, y, ys, nb)            \
-    switch (nb) {                                        \
-        case 1: gemv_block(w, k, x, xs, y, ys, 1); break; \
-        case 2: gemv_block(w, k, x, xs, y, ys, 2); break; \
-        case 3: gemv_block(w, k, x, xs, y, ys, 3); break; \
-        default: gemv_block(w, k, x, xs, y, ys, 4); break; \
-    }
-
-/* y[b][r] = W[r] . x[b] for weight rows [r0, r1), every input b, each row read from memory once. */
+/* y[b][r] = W[r] . x[b] for weight rows [r0, r1), every input b, each row read from memory once.
+ * One input walks the rows one at a time: a single sequential stream reads memory faster (the
+ * tiles take 1.1x its time there). From two inputs on, one row against each input in turn would
+ * be bound by its loads, not by memory (measured here, one thread, a 92 MB weight: 1.5x the time
+ * of one input at 2 and 3, 2.7x at 4), so the GEMM's register tiles (cpu_gemm.c) take them. */
 static void gemv_rows_nobias(const float *w, int64_t k, const float *x, int64_t xs, float *y, int64_t ys,
                              int64_t batch, int64_t r0, int64_t r1) {
-    if (batch >= GEMV_TILED_MIN_BATCH) {
+    if (batch > 1) {
         gemv_tiled_rows_f32(w, k, x, xs, y, ys, batch, r0, r1);
         return;
     }
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t b = 0; b < batch; b += 4) {
-            const int nb = batch - b < 4 ? (int)(batch - b) : 4;
-            GEMV_BLOCK_NB(w + r * k, k, x + b * xs, xs, y + b * ys + r, ys, nb)
-        }
+    if (batch == 1)
+        for (int64_t r = r0; r < r1; r++) y[r] = gemv_dot(w + r * k, k, x);
 }
 
 void gemv_rows_f32(const float *w, const float *bias, int64_t k, const float *x, int64_t x_stride,

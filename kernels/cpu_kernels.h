@@ -307,14 +307,10 @@ static inline int chunk_walk_next(chunk_walk *walk, int64_t *chunk) {
         }                                                                                                   \
     }
 
-/* From this many inputs the GEMV takes gemv_tiled_rows_f32 (cpu_gemm.c: tiles of 4
- * weight rows by up to 6 inputs in registers) instead of one weight row at a time: one row against
- * 2-4 inputs is bound by its loads, not by memory (measured here, one thread, a 92 MB weight: 1.5x
- * the time of one input at 2 and 3, 2.7x at 4; the tiles 1.1-1.25x). At one input the one-row
- * loop reads memory faster (0.9x the tiles). */
-#define GEMV_TILED_MIN_BATCH 2
 /* y[b * ys + r] = W[r] . x[b] for weight rows [r0, r1) and any number of inputs (xs apart), in the
- * float32 GEMM's own tiles (gemm_f32 takes the same products for the same rows). */
+ * float32 GEMM's own tiles of 4 weight rows by up to 6 inputs (gemm_f32 takes the same products
+ * for the same rows); the GEMV's rows of two or more inputs (measured here, one thread, a 92 MB
+ * weight: 1.1-1.25x the time of one input, where one row at a time took 1.5-2.7x). */
 void gemv_tiled_rows_f32(const float *w, int64_t k, const float *x, int64_t xs, float *y, int64_t ys,
                          int64_t batch, int64_t r0, int64_t r1);
 
