@@ -241,16 +241,19 @@ class Cluster:
     def metric(self, name: str, metric: str, **labels: str) -> float:
         """Sum of a metric's samples (those with `labels`, any others) on a worker's or the
         router's /metrics page."""
-        url = self.router.health if name == "router" else self.workers[name].health
-        with urllib.request.urlopen(url.replace("/health", "/metrics"), timeout=5) as r:
-            text = r.read().decode()
         total = 0.0
-        for line in text.splitlines():
+        for line in self.metrics_page(name).splitlines():
             if line.startswith(metric) and not line.startswith("#"):
                 key = line.split(" ", 1)[0].split("{", 1)[0]
                 if key == metric and all(f'{k}="{v}"' in line for k, v in labels.items()):
                     total += float(line.rsplit(" ", 1)[1])
         return total
+
+    def metrics_page(self, name: str) -> str:
+        """A worker's or the router's /metrics page."""
+        url = self.router.health if name == "router" else self.workers[name].health
+        with urllib.request.urlopen(url.replace("/health", "/metrics"), timeout=5) as r:
+            return r.read().decode()
 
     def assert_prefilled_on(self, r: httpx.Response, worker: str) -> None:
         """The router's response `r` was prefilled on `worker`. Otherwise the failure says where
@@ -261,11 +264,10 @@ class Cluster:
         report = [f"prefilled on {got!r}, not {worker!r}"]
         for name, proc in [*self.workers.items(), ("router", self.router)]:
             if name != "router" and proc.alive():
-                with urllib.request.urlopen(proc.health.replace("/health", "/metrics"), timeout=5) as m:
-                    counts = [
-                        line for line in m.read().decode().splitlines()
-                        if line.startswith("disagg_disaggregation_decisions_total{")
-                    ]  # fmt: skip
+                counts = [
+                    line for line in self.metrics_page(name).splitlines()
+                    if line.startswith("disagg_disaggregation_decisions_total{")
+                ]  # fmt: skip
                 report.append(f"{name} placements: {counts}")
             report.append(f"{name} log:\n{proc.tail(10)}")
         raise AssertionError("\n".join(report))

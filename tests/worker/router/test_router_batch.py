@@ -206,19 +206,9 @@ def _post(cluster, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{cluster.url}/v1/{path}", json={"model": cluster.model_name, **body}, timeout=120)
 
 
-def _finished(metrics_url: str, finish_reason: str) -> float:
+def _finished(cluster, name: str, finish_reason: str) -> float:
     """A process's count of generations that ended with `finish_reason` (its /metrics page)."""
-    text = httpx.get(metrics_url, timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("disagg_requests_total{") and f'finish_reason="{finish_reason}"' in line
-    )
-
-
-def _metrics_url(cluster, name: str) -> str:
-    proc = cluster.router if name == "router" else cluster.workers[name]
-    return proc.health.replace("/health", "/metrics")
+    return cluster.metric(name, "disagg_requests_total", finish_reason=finish_reason)
 
 
 # Where decode-0 prefilled prompts (`disagg_disaggregation_decisions_total`): remotely by the
@@ -364,7 +354,7 @@ def test_streamed_batch_ends_once_with_usage(cluster, idle_after):
 
 @pytest.mark.timeout(120)
 def test_one_failed_generation_aborts_its_siblings(cluster, idle_after):
-    aborts = _finished(_metrics_url(cluster, "router"), "abort")
+    aborts = _finished(cluster, "router", "abort")
     # the router accepts the long prompt (it knows the model's full context); the workers, run
     # with a shorter one, refuse it while the siblings are still generating. The siblings are short
     # (prefilled on the decode worker), so they are cancelled in decode, not mid-transfer.
@@ -372,9 +362,7 @@ def test_one_failed_generation_aborts_its_siblings(cluster, idle_after):
     r = _post(cluster, "completions", {"prompt": prompts, "n": 2, "max_tokens": 200, "ignore_eos": True})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "invalid_request" and "max_model_len" in r.json()["error"]["message"]
-    assert (
-        _finished(_metrics_url(cluster, "router"), "abort") >= aborts + 4
-    )  # the four short generations at least
+    assert _finished(cluster, "router", "abort") >= aborts + 4  # the four short generations at least
     # streamed, the failure comes before the first byte: still an HTTP error
     r = _post(
         cluster, "completions", {"prompt": prompts, "max_tokens": 200, "ignore_eos": True, "stream": True}
@@ -396,7 +384,7 @@ def test_siblings_cancelled_as_their_remote_prefill_starts_leave_no_transfer_rec
 def test_client_disconnect_aborts_every_generation(cluster, idle_after):
     body = {"model": cluster.model_name, "prompt": [list(range(10, 40)), [5, 6, 7]], "n": 2, "max_tokens": 200,
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
-    aborted = _finished(_metrics_url(cluster, "decode-0"), "abort")
+    aborted = _finished(cluster, "decode-0", "abort")
     with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as r:
         seen = set()
         for line in r.iter_lines():
@@ -407,7 +395,7 @@ def test_client_disconnect_aborts_every_generation(cluster, idle_after):
     load = cluster.wait_idle()["decode-0"]
     assert load.running == 0 and load.used_blocks == 0
     # all four were cut short on the worker, not left to run out their 200 tokens
-    assert _finished(_metrics_url(cluster, "decode-0"), "abort") == aborted + 4
+    assert _finished(cluster, "decode-0", "abort") == aborted + 4
 
 
 @pytest.fixture(scope="module")
