@@ -21,10 +21,9 @@
  * sums scaled per column. No widened copy of the weight goes to memory and no bf16 product is
  * rounded: unlike the torch route, the sums reach the scale in float32.
  *
- * Built with AMX off (cpu_native.py); these functions turn it on for themselves. Callers must
- * have checked amx_usable() (cpu_isa.c), which asks the kernel for the tile state: without it
- * the first tile instruction is an illegal instruction. gemm_w8_amx refuses (returns -2) when it
- * has not been granted. */
+ * Built with AMX off (cpu_native.py); the bodies turn it (and AVX-512) on for themselves in a
+ * target region, and every public entry, outside it, first checks amx_usable() (cpu_isa.c): where
+ * the CPU or the kernel does not allow the tiles, the GEMMs return -2 and the pieces do nothing. */
 #include "cpu_kernels.h"
 
 #include <math.h>
@@ -37,17 +36,34 @@
 
 int64_t amx_usable(void);
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-#pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512bf16")
-#include <immintrin.h>
-#define HAVE_AMX_BUILD 1
-
 #define KSTEP 32 /* bf16 values of K per tile row */
 #define KSTEP8 64 /* int8 values of K per tile row */
 #define NB 32    /* columns per block: two B tiles */
 #define MB 32    /* rows per block: two A tiles */
 #define GROUP 4  /* column blocks at most per group */
+
+/* Where one thread's scratch for the GEMMs in pieces (cpu_decode_step.c) keeps what, for up to
+ * m_max inputs of up to k_max values: the packed inputs from byte 0 (int8: both planes), then the
+ * int8 inputs' scales, the 1024 sums and the edge rows (2 K-steps' KiB), each 64-byte aligned. */
+typedef struct {
+    int64_t scales, sums, edge, bytes;
+} scratch_layout;
+
+static scratch_layout layout_of(int int8, int64_t m_max, int64_t k_max) {
+    const int64_t ksteps = int8 ? (k_max + KSTEP8 - 1) / KSTEP8 : (k_max + KSTEP - 1) / KSTEP, mblocks = (m_max + 15) / 16;
+    scratch_layout s;
+    s.scales = (int8 ? 2 : 1) * mblocks * ksteps * 1024;
+    s.sums = s.scales + (int8 ? (mblocks * 16 * 4 + 63) / 64 * 64 : 0);
+    s.edge = s.sums + 4096;
+    s.bytes = s.edge + 2 * ksteps * 1024;
+    return s;
+}
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && !defined(DISAGG_NO_AMX)
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512bf16")
+#include <immintrin.h>
+#define HAVE_AMX_BUILD 1
 
 static inline bf16 round_bf16(float f) {
     union { float f; uint32_t i; } u = {.f = f};
@@ -209,28 +225,8 @@ static void thread_tiles_end(thread_tiles *t) {
     free(t->edge);
 }
 
-/* Where one thread's scratch for the GEMMs in pieces (cpu_decode_step.c) keeps what, for up to
- * m_max inputs of up to k_max values: the packed inputs from byte 0 (int8: both planes), then the
- * int8 inputs' scales, the 1024 sums and the edge rows (2 K-steps' KiB), each 64-byte aligned. */
-typedef struct {
-    int64_t scales, sums, edge, bytes;
-} scratch_layout;
-
-static scratch_layout layout_of(int int8, int64_t m_max, int64_t k_max) {
-    const int64_t ksteps = int8 ? (k_max + KSTEP8 - 1) / KSTEP8 : (k_max + KSTEP - 1) / KSTEP, mblocks = (m_max + 15) / 16;
-    scratch_layout s;
-    s.scales = (int8 ? 2 : 1) * mblocks * ksteps * 1024;
-    s.sums = s.scales + (int8 ? (mblocks * 16 * 4 + 63) / 64 * 64 : 0);
-    s.edge = s.sums + 4096;
-    s.bytes = s.edge + 2 * ksteps * 1024;
-    return s;
-}
-
-int64_t amx_scratch_bytes(int64_t int8, int64_t m, int64_t k) { return layout_of(int8 != 0, m, k).bytes; }
-
-int gemm_w8_amx(const void *w, int fp8, const float *scale, const float *bias, const float *x, float *y, int64_t m,
+static int w8_tiles(const void *w, int fp8, const float *scale, const float *bias, const float *x, float *y, int64_t m,
                 int64_t n, int64_t k, int64_t num_threads) {
-    if (amx_usable() != 1) return -2;
     const int64_t ksteps = (k + KSTEP - 1) / KSTEP, kp = ksteps * KSTEP, mp = (m + MB - 1) / MB * MB;
     const int64_t nblocks = (n + NB - 1) / NB;
     /* column blocks packed together, so that each 32-row block of inputs is read once per group */
@@ -383,9 +379,8 @@ static void rows_bf16(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int
     }
 }
 
-int gemm_bf16_amx(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64_t m, int64_t n, int64_t k,
-                  int64_t num_threads) {
-    if (amx_usable() != 1) return -2;
+static int bf16_tiles(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64_t m, int64_t n, int64_t k,
+                      int64_t num_threads) {
     const int64_t ksteps = (k + KSTEP - 1) / KSTEP, mblocks = (m + 15) / 16, nblocks = (n + NB - 1) / NB;
     bf16 *xb = aligned_alloc(64, (size_t)mblocks * ksteps * 512 * sizeof(bf16));
     if (!xb) return -1;
@@ -410,15 +405,9 @@ int gemm_bf16_amx(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64
  * the inputs it multiplies into its own scratch (amx_pack_bf16), computes its share of rows
  * (amx_rows_bf16, any rows: blocks of 32 from r0) and calls amx_tiles_end before the region ends.
  * The same tiles and arithmetic as gemm_bf16_amx, so the same numbers. */
-int64_t amx_tiles_begin(void) {
-    if (amx_usable() != 1) return -2;
-    configure_tiles();
-    return 0;
-}
+static void tiles_end(void) { _tile_release(); }
 
-void amx_tiles_end(void) { _tile_release(); }
-
-void amx_pack_bf16(const bf16 *x, int64_t m, int64_t k, void *scratch) {
+static void pack_bf16_part(const bf16 *x, int64_t m, int64_t k, void *scratch) {
     const int64_t ksteps = (k + KSTEP - 1) / KSTEP;
     for (int64_t mb = 0; mb < (m + 15) / 16; mb++)
         pack_inputs(x + mb * 16 * k, m - mb * 16, k, ksteps, (bf16 *)scratch + mb * ksteps * 512);
@@ -427,8 +416,8 @@ void amx_pack_bf16(const bf16 *x, int64_t m, int64_t k, void *scratch) {
 /* y = x . W^T (+ bias) for W's rows [r0, r1) and the m inputs amx_pack_bf16 packed (k values each)
  * into `scratch`, sized by amx_scratch_bytes(0, m_max, k_max): y[i * y_stride + r - r0] in bf16, or
  * (y_f32) the bf16-rounded value widened. */
-void amx_rows_bf16(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int64_t m, int64_t r0, int64_t r1,
-                   bf16 *y, float *y_f32, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max) {
+static void rows_bf16_part(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int64_t m, int64_t r0, int64_t r1,
+                           bf16 *y, float *y_f32, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max) {
     const int64_t ksteps = (k + KSTEP - 1) / KSTEP;
     const scratch_layout at = layout_of(0, m_max, k_max);
     uint8_t *base = scratch;
@@ -538,9 +527,8 @@ static void rows_i8(const int8_t *w, const float *scale, const float *bias, int6
     }
 }
 
-int gemm_i8_amx(const int8_t *w, const float *scale, const float *bias, const float *x, float *y, int64_t m,
-                int64_t n, int64_t k, int64_t num_threads) {
-    if (amx_usable() != 1) return -2;
+static int i8_tiles(const int8_t *w, const float *scale, const float *bias, const float *x, float *y, int64_t m,
+                    int64_t n, int64_t k, int64_t num_threads) {
     const int64_t ksteps = (k + KSTEP8 - 1) / KSTEP8, mblocks = (m + 15) / 16, nblocks = (n + NB - 1) / NB;
     const size_t plane = (size_t)ksteps * 1024; /* one 16-input block's plane */
     uint8_t *xb = aligned_alloc(64, 2 * plane * mblocks + 64 * ((mblocks * 16 * sizeof(float) + 63) / 64));
@@ -566,7 +554,7 @@ int gemm_i8_amx(const int8_t *w, const float *scale, const float *bias, const fl
 }
 
 /* The int8 GEMM in pieces, as the bf16 one's above, in a scratch of amx_scratch_bytes(1, m_max, k_max). */
-void amx_pack_i8(const float *x, int64_t m, int64_t k, void *scratch, int64_t m_max, int64_t k_max) {
+static void pack_i8_part(const float *x, int64_t m, int64_t k, void *scratch, int64_t m_max, int64_t k_max) {
     const int64_t ksteps = (k + KSTEP8 - 1) / KSTEP8, plane = ksteps * 1024;
     uint8_t *xb = scratch;
     float *sx = (float *)(xb + layout_of(1, m_max, k_max).scales);
@@ -575,8 +563,9 @@ void amx_pack_i8(const float *x, int64_t m, int64_t k, void *scratch, int64_t m_
                     sx + mb * 16);
 }
 
-void amx_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t n, int64_t k, int64_t m, int64_t r0,
-                 int64_t r1, float *y, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max) {
+static void rows_i8_part(const int8_t *w, const float *scale, const float *bias, int64_t n, int64_t k, int64_t m,
+                         int64_t r0, int64_t r1, float *y, int64_t y_stride, void *scratch, int64_t m_max,
+                         int64_t k_max) {
     const int64_t ksteps = (k + KSTEP8 - 1) / KSTEP8;
     const scratch_layout at = layout_of(1, m_max, k_max);
     uint8_t *xb = scratch;
@@ -586,40 +575,87 @@ void amx_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t
 }
 
 #pragma GCC pop_options
-#else
-int gemm_i8_amx(const int8_t *w, const float *scale, const float *bias, const float *x, float *y, int64_t m,
+#endif
+
+/* ---- the entry points: plain code, built for the baseline of the rest of the library ----------
+ * The bodies above may execute AVX-512 and AMX instructions from their first one (a prologue
+ * that spills to a ZMM register), so the check that the CPU and kernel allow them runs here,
+ * outside the target region, before any of them is called. */
+int64_t amx_scratch_bytes(int64_t int8, int64_t m, int64_t k) { return layout_of(int8 != 0, m, k).bytes; }
+
+int gemm_w8_amx(const void *w, int fp8, const float *scale, const float *bias, const float *x, float *y, int64_t m,
                 int64_t n, int64_t k, int64_t num_threads) {
-    (void)w, (void)scale, (void)bias, (void)x, (void)y, (void)m, (void)n, (void)k, (void)num_threads;
+#ifdef HAVE_AMX_BUILD
+    if (amx_usable() == 1) return w8_tiles(w, fp8, scale, bias, x, y, m, n, k, num_threads);
+#endif
+    (void)w, (void)fp8, (void)scale, (void)bias, (void)x, (void)y, (void)m, (void)n, (void)k, (void)num_threads;
     return -2;
 }
 
 int gemm_bf16_amx(const bf16 *w, const bf16 *bias, const bf16 *x, bf16 *y, int64_t m, int64_t n, int64_t k,
                   int64_t num_threads) {
+#ifdef HAVE_AMX_BUILD
+    if (amx_usable() == 1) return bf16_tiles(w, bias, x, y, m, n, k, num_threads);
+#endif
     (void)w, (void)bias, (void)x, (void)y, (void)m, (void)n, (void)k, (void)num_threads;
     return -2;
 }
 
-int gemm_w8_amx(const void *w, int fp8, const float *scale, const float *bias, const float *x, float *y, int64_t m,
+int gemm_i8_amx(const int8_t *w, const float *scale, const float *bias, const float *x, float *y, int64_t m,
                 int64_t n, int64_t k, int64_t num_threads) {
-    (void)w, (void)fp8, (void)scale, (void)bias, (void)x, (void)y, (void)m, (void)n, (void)k, (void)num_threads;
+#ifdef HAVE_AMX_BUILD
+    if (amx_usable() == 1) return i8_tiles(w, scale, bias, x, y, m, n, k, num_threads);
+#endif
+    (void)w, (void)scale, (void)bias, (void)x, (void)y, (void)m, (void)n, (void)k, (void)num_threads;
     return -2;
 }
 
-int64_t amx_tiles_begin(void) { return -2; }
-void amx_tiles_end(void) {}
-int64_t amx_scratch_bytes(int64_t int8, int64_t m, int64_t k) { return (void)int8, (void)m, (void)k, 0; }
-void amx_pack_bf16(const bf16 *x, int64_t m, int64_t k, void *scratch) { (void)x, (void)m, (void)k, (void)scratch; }
+/* The pieces for a caller's own parallel region (cpu_decode_step.c): amx_tiles_begin is -2 where
+ * AMX is not usable, and the other pieces then do nothing. */
+int64_t amx_tiles_begin(void) {
+#ifdef HAVE_AMX_BUILD
+    if (amx_usable() == 1) {
+        configure_tiles();
+        return 0;
+    }
+#endif
+    return -2;
+}
+
+void amx_tiles_end(void) {
+#ifdef HAVE_AMX_BUILD
+    if (amx_usable() == 1) tiles_end();
+#endif
+}
+
+void amx_pack_bf16(const bf16 *x, int64_t m, int64_t k, void *scratch) {
+#ifdef HAVE_AMX_BUILD
+    if (amx_usable() == 1) pack_bf16_part(x, m, k, scratch);
+#endif
+    (void)x, (void)m, (void)k, (void)scratch;
+}
+
 void amx_rows_bf16(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int64_t m, int64_t r0, int64_t r1,
                    bf16 *y, float *y_f32, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max) {
+#ifdef HAVE_AMX_BUILD
+    if (amx_usable() == 1) rows_bf16_part(w, bias, n, k, m, r0, r1, y, y_f32, y_stride, scratch, m_max, k_max);
+#endif
     (void)w, (void)bias, (void)n, (void)k, (void)m, (void)r0, (void)r1, (void)y, (void)y_f32, (void)y_stride;
     (void)scratch, (void)m_max, (void)k_max;
 }
+
 void amx_pack_i8(const float *x, int64_t m, int64_t k, void *scratch, int64_t m_max, int64_t k_max) {
+#ifdef HAVE_AMX_BUILD
+    if (amx_usable() == 1) pack_i8_part(x, m, k, scratch, m_max, k_max);
+#endif
     (void)x, (void)m, (void)k, (void)scratch, (void)m_max, (void)k_max;
 }
+
 void amx_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t n, int64_t k, int64_t m, int64_t r0,
                  int64_t r1, float *y, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max) {
+#ifdef HAVE_AMX_BUILD
+    if (amx_usable() == 1) rows_i8_part(w, scale, bias, n, k, m, r0, r1, y, y_stride, scratch, m_max, k_max);
+#endif
     (void)w, (void)scale, (void)bias, (void)n, (void)k, (void)m, (void)r0, (void)r1, (void)y, (void)y_stride;
     (void)scratch, (void)m_max, (void)k_max;
 }
-#endif

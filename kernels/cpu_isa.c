@@ -3,18 +3,20 @@
  * AMX is listed in /proc/cpuinfo (CPUID) on hosts whose kernel or hypervisor does not let a process
  * use it: its tile state must be enabled in XCR0 by the kernel, and on Linux each process must also
  * ask for it (arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)) before its first tile instruction, or that
- * instruction dies with SIGILL. So AMX counts as usable only after all three, and a probe (load a
- * tile configuration, zero a tile, release) that ran in a forked child and exited cleanly: a
- * hypervisor that still traps the instructions then kills the child, not this process.
+ * instruction dies with SIGILL. So AMX counts as usable only after all three (and the AVX-512 state
+ * the GEMMs around the tiles use), and a probe (load a tile configuration, zero a tile, release)
+ * that ran in a forked child and exited cleanly: a hypervisor that still traps the instructions then
+ * kills the child, not this process.
  *
- * The other kernels are built with AMX turned off (cpu_native.py passes -mno-amx-*): -march=native
- * on a CPU that lists it must not let the compiler assume it. */
+ * With DISAGG_NO_AMX (kernels built for an x86-64 level, cpu_native.py) it is never usable, as on
+ * a CPU of that level. The other kernels are built with AMX turned off (cpu_native.py passes
+ * -mno-amx-*): -march=native on a CPU that lists it must not let the compiler assume it. */
 #include "cpu_kernels.h"
 
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__)) && !defined(DISAGG_NO_AMX)
 #include <cpuid.h>
 #include <errno.h>
 #include <sys/syscall.h>
@@ -25,6 +27,7 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILECFG 17
 #define XFEATURE_XTILEDATA 18
+#define XSTATE_AVX512 0xe6 /* SSE, AVX, opmask, ZMM upper halves, ZMM16-31 */
 
 /* Tile instructions by their encodings: the file is built with AMX off, and the probe must not depend
  * on a compiler that knows the mnemonics. */
@@ -48,10 +51,14 @@ int64_t amx_usable(void) {
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
     const int tile = (d >> 24) & 1, int8 = (d >> 25) & 1, bf16 = (d >> 22) & 1;
     if (!tile || !(int8 || bf16)) return 0;
+    /* cpu_amx.c's bodies also use AVX-512 F, BW, VL and BF16 around the tiles */
+    const int avx512 = (b >> 16) & 1 && (b >> 30) & 1 && (b >> 31) & 1;
+    if (!avx512 || !__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1)) return 0;
     if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return 0; /* OSXSAVE: xgetbv allowed */
     uint32_t lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     const uint64_t xcr0 = ((uint64_t)hi << 32) | lo;
+    if ((xcr0 & XSTATE_AVX512) != XSTATE_AVX512) return 0;
     if (!((xcr0 >> XFEATURE_XTILECFG) & 1) || !((xcr0 >> XFEATURE_XTILEDATA) & 1)) return 0;
     if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 0;
     uint64_t granted = 0;
