@@ -2,9 +2,10 @@
 
 Plain C with no Python or torch headers, built with the system C compiler alone: each source
 compiled apart, one per CPU at once, then linked (`build_in_background` starts it while a model
-loads). The shared object is cached per source, compiler, flags and CPU (it is built with
--march=native, or for the target `$DISAGG_CPU_NATIVE_ARCH` names,
-which must be one this CPU can run), in `$DISAGG_CACHE_DIR`, else
+loads). They are built with -march=native less every instruction set this process may not execute
+(`cpu_isa`: CPUID as the process itself reads it, so an emulated or masked CPU gets code it can
+run), or for the target `$DISAGG_CPU_NATIVE_ARCH` names, which must be one this CPU can run.
+The shared object is cached per source, compiler, flags and CPU, in `$DISAGG_CACHE_DIR`, else
 `$XDG_CACHE_HOME/disagg` or `~/.cache/disagg`, else `disagg-cache-<uid>` in the temp directory
 (read-only root file systems). Code is loaded from there, so a cache directory must be private:
 owned by this user, a real directory, mode 0700 (one of ours that is wider is tightened; in one
@@ -28,10 +29,12 @@ import stat
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
 from pathlib import Path
 
 import torch
+
+from disagg.kernels import cpu_isa
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,9 @@ _SOURCES = tuple(
 )
 _HEADER = Path(__file__).with_name("cpu_kernels.h")
 _BASE_FLAGS = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared"]
+# CPUID as this process reads it (cpu_isa.py), built for the compiler's baseline target.
+_PROBE = Path(__file__).with_name("cpu_probe.c")
+_PROBE_FLAGS = ["-O2", "-fPIC", "-shared"]
 # The CPU the kernels are built for: this one unless DISAGG_CPU_NATIVE_ARCH names another target
 # of the compiler (x86: -march, e.g. x86-64-v3 for AVX2 without AVX-512; aarch64: -mcpu), for
 # a cache shared by different machines or to run another CPU's code path here.
@@ -63,18 +69,25 @@ _NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 _ARCH_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 
 
-def _flags() -> list[str]:
+def _flags(usable: frozenset[str]) -> list[str]:
+    """The kernels' compiler flags for a process that may execute the features `usable`
+    (cpu_isa names; empty off x86-64)."""
     arch = os.environ.get(ARCH_ENV, "native")
     if not _ARCH_NAME.fullmatch(arch):
         raise ValueError(f"{ARCH_ENV}={arch!r} is not a compiler target name")
-    # The whole cache streams through once per layer, so the widest vectors pay (x86: AVX-512 where present).
-    # AMX off: nothing here is written for it, and a CPU may list it (CPUID, /proc/cpuinfo) while
-    # the kernel has not granted it to this process (see cpu_isa.c, `amx_usable`).
-    tune = {
-        "x86_64": [f"-march={arch}", "-mprefer-vector-width=512", *_NO_AMX],
-        "aarch64": [f"-mcpu={arch}"],
-    }
-    return _BASE_FLAGS + tune.get(platform.machine(), [])
+    machine = platform.machine()
+    if machine != "x86_64":
+        return _BASE_FLAGS + ([f"-mcpu={arch}"] if machine == "aarch64" else [])
+    # The whole cache streams through once per layer, so the widest vectors pay (AVX-512 where present).
+    # AMX off: only cpu_amx.c uses it, in a region of its own behind a run-time check, and a CPU may
+    # list it (CPUID, /proc/cpuinfo) while the kernel has not granted it (see cpu_isa.c, `amx_usable`).
+    flags = [f"-march={arch}", "-mprefer-vector-width=512", *_NO_AMX]
+    if arch == "native":  # the compiler's view of the CPU, less what this process may not execute
+        return _BASE_FLAGS + flags + [f for f in cpu_isa.disable_flags(usable) if f not in _NO_AMX]
+    cpu_isa.check_level(arch, usable)
+    if arch in cpu_isa.LEVELS:  # a level's code paths, as a CPU of that level runs them: no AMX either
+        flags.append("-DDISAGG_NO_AMX")
+    return _BASE_FLAGS + flags
 
 
 # Below this many (query head x cached token) visits a call is too short to split over threads.
@@ -84,6 +97,8 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
 _background: threading.Thread | None = None  # `build_in_background`'s thread
+_cpu: cpu_isa.CpuId | None = None  # what this process may execute, once `available()` asked
+_built_for: list[str] = []  # the loaded kernels' compiler flags
 
 
 def _cache_dirs() -> list[Path]:
@@ -160,6 +175,7 @@ def _trusted(path: Path) -> bool:
 
 
 def _cpu_signature() -> str:
+    """The host's CPU as the kernel lists it: what `-march=native` in the compiler's process sees."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -170,28 +186,27 @@ def _cpu_signature() -> str:
     return os.uname().machine
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, stem: str, sources: tuple[Path, ...], flags: list[str], identity: str) -> Path:
+    """The shared object built from `sources` with `flags`, from the cache when there (its name:
+    `stem`, a key of everything that goes into it, including `identity`, and its sha256)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    flags = _flags()
     key = hashlib.sha256(
-        "\0".join(
-            [*(f.read_text() for f in (*_SOURCES, _HEADER)), compiler, version, *flags, _cpu_signature()]
-        ).encode()
+        "\0".join([*(f.read_text() for f in sources), compiler, version, *flags, identity]).encode()
     ).hexdigest()[:16]
     last_error: Exception | None = None
     for directory in _cache_dirs():
         try:
             directory = _private_dir(directory)
-            for found in sorted(directory.glob(f"cpu_kernels-{key}-*.so")):
+            for found in sorted(directory.glob(f"{stem}-{key}-*.so")):
                 if _trusted(found):
                     return found
             # Built under a private name and renamed: workers starting together never load a half-written file.
             fd, tmp = tempfile.mkstemp(dir=directory, suffix=".so.tmp")
             os.close(fd)
             try:
-                _compile(compiler, flags, tmp, directory)
+                _compile(compiler, flags, [s for s in sources if s.suffix == ".c"], tmp, directory)
                 os.chmod(tmp, 0o500)
-                target = directory / f"cpu_kernels-{key}-{_sha256(Path(tmp))}.so"
+                target = directory / f"{stem}-{key}-{_sha256(Path(tmp))}.so"
                 os.replace(tmp, target)
             finally:
                 if os.path.exists(tmp):
@@ -205,31 +220,74 @@ def _build(compiler: str) -> Path:
     raise RuntimeError(f"no writable cache directory for native kernels: {last_error}")
 
 
-def _compile(compiler: str, flags: list[str], target: str, directory: Path) -> None:
+def _read_cpu(compiler: str) -> cpu_isa.CpuId:
+    """CPUID and XCR0 as this process reads them, through the probe (built for any x86-64 CPU)."""
+    if platform.machine() != "x86_64":
+        return cpu_isa.CpuId(x86=False)
+    probe = ctypes.CDLL(str(_build(compiler, "cpu_probe", (_PROBE,), _PROBE_FLAGS, "")))
+    probe.cpu_probe_cpuid.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint32)]
+    probe.cpu_probe_cpuid.restype = None
+    probe.cpu_probe_xcr0.restype = ctypes.c_uint64
+    registers = {}
+    for leaf, subleaf in cpu_isa.LEAVES:
+        out = (ctypes.c_uint32 * 4)()
+        probe.cpu_probe_cpuid(leaf, subleaf, out)
+        registers[(leaf, subleaf)] = tuple(out)
+    return cpu_isa.CpuId(x86=True, registers=registers, xcr0=int(probe.cpu_probe_xcr0()))
+
+
+def _compile(compiler: str, flags: list[str], sources: list[Path], target: str, directory: Path) -> None:
     """Build the shared object `target`: the sources compiled apart, as many at once as this
     process has CPUs (the largest first), then linked. A cold cache (every new pod) then waits
-    for the slowest source rather than for all of them in turn."""
-
-    def run(*args: str) -> None:
-        subprocess.run([compiler, *args], capture_output=True, text=True, check=True)
-
+    for the slowest source rather than for all of them in turn. Every compiler is started from
+    this one thread: a child forked while other threads of the process fork too can hang before
+    it runs the compiler under an emulator (qemu-user, `make test-isa`)."""
     compile_flags = [f for f in flags if f != "-shared"]
     with tempfile.TemporaryDirectory(dir=directory, prefix="objects-") as objects:
-        obj = {src: os.path.join(objects, f"{i}.o") for i, src in enumerate(_SOURCES)}
-        largest_first = sorted(_SOURCES, key=lambda src: src.stat().st_size, reverse=True)
-        with ThreadPoolExecutor(max_workers=min(len(_SOURCES), len(os.sched_getaffinity(0)))) as pool:
-            for done in [
-                pool.submit(run, *compile_flags, "-c", "-o", obj[src], str(src)) for src in largest_first
-            ]:
-                done.result()  # a compiler error, raised here
-        run(*flags, "-o", target, *obj.values(), "-lm")
+        obj = {src: os.path.join(objects, f"{i}.o") for i, src in enumerate(sources)}
+        waiting = sorted(sources, key=lambda src: src.stat().st_size, reverse=True)
+        slots = min(len(sources), len(os.sched_getaffinity(0)))
+        running: list[tuple[subprocess.Popen, list[str], object]] = []
+        try:
+            while waiting or running:
+                while waiting and len(running) < slots:
+                    src = waiting.pop(0)
+                    args = [compiler, *compile_flags, "-c", "-o", obj[src], str(src)]
+                    errors = tempfile.TemporaryFile(mode="w+", dir=objects)
+                    running.append(
+                        (subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=errors), args, errors)
+                    )
+                done = [job for job in running if job[0].poll() is not None]
+                if not done:
+                    time.sleep(0.01)
+                for proc, args, errors in done:
+                    running.remove((proc, args, errors))
+                    errors.seek(0)
+                    message = errors.read()
+                    errors.close()
+                    if proc.returncode:
+                        raise subprocess.CalledProcessError(proc.returncode, args, stderr=message)
+        finally:
+            for proc, _, errors in running:  # after a compiler error: the others are not waited for
+                proc.kill()
+                proc.wait()
+                errors.close()
+        subprocess.run(
+            [compiler, *flags, "-o", target, *obj.values(), "-lm"], capture_output=True, text=True, check=True
+        )
 
 
 def _load() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    lib = ctypes.CDLL(str(_build(compiler)))
+    global _cpu
+    _cpu = _read_cpu(compiler)
+    usable = _cpu.usable()
+    flags = _flags(usable)
+    identity = _cpu_signature() + "\0" + ",".join(sorted(usable))
+    lib = ctypes.CDLL(str(_build(compiler, "cpu_kernels", (*_SOURCES, _HEADER), flags, identity)))
+    _built_for[:] = flags
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     signatures = {
         "paged_decode_attention_f32": (
@@ -286,6 +344,26 @@ def available() -> bool:
                 _error = str(exc)
                 log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
     return _lib is not None
+
+
+def cpu_features() -> frozenset[str]:
+    """The instruction sets this process may execute (`cpu_isa` names: "avx2", "avx512f",
+    "amx-tile", ...), as CPUID and XCR0 answer it; empty without the native kernels."""
+    return _cpu.usable() if available() else frozenset()
+
+
+def cpu_report() -> str:
+    """The CPU and the instructions the native kernels run with, for benchmarks to print beside
+    their figures: its name, what this process may execute, and what the kernels were built for."""
+    if not available():
+        return f"native kernels unavailable: {_error or 'disabled by DISAGG_CPU_NATIVE=0'}"
+    usable = _cpu.usable()
+    arch = next(
+        (f.removeprefix("-march=") for f in _built_for if f.startswith("-march=")), platform.machine()
+    )
+    built = {f for f in cpu_isa.LEVELS.get(arch, usable) & usable if not f.startswith("amx")}
+    amx = "AMX in use" if amx_usable() else "no AMX"
+    return f"{_cpu.brand()}; executes {cpu_isa.describe(usable)}; kernels built for {arch}: {cpu_isa.describe(built)}, {amx}"
 
 
 def build_in_background() -> None:
@@ -585,7 +663,8 @@ def gemm_int8(
 
 
 def gemm_int8_is_fast() -> bool:
-    """Whether `gemm_int8` runs on AVX-512 VNNI here (else it sums in plain loops: correct, slow)."""
+    """Whether `gemm_int8` runs a vector path here: AVX-512 VNNI, or built without AVX-512, AVX-VNNI
+    or AVX2 (else it sums in plain loops: correct, slow). `narrow_tiles()` tells the two apart."""
     return bool(_require().gemm_i8_vnni())
 
 
