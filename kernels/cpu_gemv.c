@@ -66,12 +66,7 @@ void gemv_silu_rows_f32(const float *w, const float *bias, int64_t k, int64_t in
         float gate[batch * GEMV_CHUNK], up[batch * GEMV_CHUNK];
         gemv_rows_nobias(w + i * k, k, x, k, gate, GEMV_CHUNK, batch, 0, n);
         gemv_rows_nobias(w + (inter + i) * k, k, x, k, up, GEMV_CHUNK, batch, 0, n);
-        for (int64_t b = 0; b < batch; b++)
-            for (int64_t t = 0; t < n; t++) {
-                const float g = gate[b * GEMV_CHUNK + t] + (bias ? bias[i + t] : 0.0f);
-                const float u = up[b * GEMV_CHUNK + t] + (bias ? bias[inter + i + t] : 0.0f);
-                out[b * inter + i + t] = silu_mul(g, u);
-            }
+        silu_mul_chunk(gate, up, bias, inter, i, n, batch, out);
     }
 }
 

@@ -299,12 +299,7 @@ static void silu_rows_q(const int8_t *w, const float *scale, const float *bias, 
         float gate[batch * GEMV_CHUNK], up[batch * GEMV_CHUNK];
         rows_q(w + i * k, scale + i, k, in, gate, GEMV_CHUNK, batch, 0, n);
         rows_q(w + (inter + i) * k, scale + inter + i, k, in, up, GEMV_CHUNK, batch, 0, n);
-        for (int64_t b = 0; b < batch; b++)
-            for (int64_t t = 0; t < n; t++) {
-                const float g = gate[b * GEMV_CHUNK + t] + (bias ? bias[i + t] : 0.0f);
-                const float u = up[b * GEMV_CHUNK + t] + (bias ? bias[inter + i + t] : 0.0f);
-                out[b * inter + i + t] = silu_mul(g, u);
-            }
+        silu_mul_chunk(gate, up, bias, inter, i, n, batch, out);
     }
 }
 

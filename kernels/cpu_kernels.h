@@ -220,6 +220,24 @@ void kv_q8_quantize_head(const float *x, int64_t head_dim, int fp8, uint8_t *dst
  * shared machine, large enough that taking one (an atomic increment) costs nothing next to
  * reading the rows. */
 #define GEMV_CHUNK 32
+
+/* out[b * inter + i + t] = silu(gate + bias[i + t]) * (up + bias[inter + i + t]) for the n rows of
+ * one chunk (t < n) of each of `batch` inputs, their sums GEMV_CHUNK apart in gate and up (the
+ * bias added there in place). The bias gets a loop of its own: `bias ? bias[i] : 0` inside the
+ * vectorised loop becomes masked loads from a null pointer, which no CPU faults on but an
+ * emulator may (qemu 7.2: SIGSEGV). */
+static inline void silu_mul_chunk(float *gate, float *up, const float *bias, int64_t inter, int64_t i, int64_t n,
+                                  int64_t batch, float *out) {
+    if (bias)
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t t = 0; t < n; t++) {
+                gate[b * GEMV_CHUNK + t] += bias[i + t];
+                up[b * GEMV_CHUNK + t] += bias[inter + i + t];
+            }
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t t = 0; t < n; t++)
+            out[b * inter + i + t] = silu_mul(gate[b * GEMV_CHUNK + t], up[b * GEMV_CHUNK + t]);
+}
 /* How far ahead of its loads a GEMV's row walk asks for the weight: on weights served from a large
  * L3, the hardware prefetcher alone leaves the row walk waiting on its loads (bench/peers.py's
  * decode column shows it). A prefetch past the weight's end is a hint and never faults. */
