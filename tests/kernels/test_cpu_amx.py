@@ -10,6 +10,7 @@ every tail: M not a multiple of 32, N of 32, K of 32.
 
 from __future__ import annotations
 
+import needs
 import pytest
 import torch
 from triton_cases import case_id
@@ -17,9 +18,7 @@ from triton_cases import case_id
 from disagg.kernels import cpu_native, quantized
 from disagg.worker.model import quantization
 
-pytestmark = pytest.mark.skipif(
-    not (cpu_native.available() and cpu_native.amx_usable()), reason="needs AMX granted to this process"
-)
+pytestmark = [needs.native, needs.amx]
 
 SHAPES = [(1, 1, 1), (5, 17, 33), (31, 33, 31), (70, 96, 200), (64, 576, 576), (100, 300, 1536)]
 

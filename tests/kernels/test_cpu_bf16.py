@@ -11,6 +11,7 @@ block, a missing bias or scale is off by whole units and fails.
 
 from __future__ import annotations
 
+import needs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from triton_cases import case_id, paged_cache
 
 from disagg.kernels import cpu_bf16, cpu_native, quantized, torch_ops
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
+pytestmark = needs.native
 
 ONE_UNIT = 2.0**-8  # relative: one unit in the last place of bf16 (8 significant bits)
 
@@ -51,10 +52,7 @@ def test_gemv_matches_float32_on_ragged_shapes(n, k):
             )
 
 
-needs_amx = pytest.mark.skipif(not cpu_native.amx_usable(), reason="needs AMX (granted and probed)")
-
-
-@pytest.mark.parametrize(("kernel", "rows"), [("gemv", 3), pytest.param("gemm_amx", 40, marks=needs_amx)])
+@pytest.mark.parametrize(("kernel", "rows"), [("gemv", 3), pytest.param("gemm_amx", 40, marks=needs.amx)])
 def test_split_over_threads_equals_one_thread(monkeypatch, kernel, rows):
     gen = torch.Generator().manual_seed(1)
     w, x = _bf16(300, 96, gen=gen), _bf16(rows, 96, gen=gen)
@@ -108,7 +106,7 @@ def test_gemm_refuses_bad_inputs():
         cpu_bf16.gemm(x.float(), w)
 
 
-@needs_amx
+@needs.amx
 @pytest.mark.parametrize(
     ("m", "n", "k"),
     [
@@ -135,8 +133,7 @@ def test_the_amx_gemm_equals_float32_products_rounded_once(m, n, k):
     assert cpu_bf16.gemm_amx(x[:0], w).shape == (0, n)
 
 
-@needs_amx
-@needs_amx
+@needs.amx
 def test_the_amx_gemm_rounds_to_nearest_even_keeping_subnormals_and_nan():
     """Small integers make every sum exact, so the result is the float32 value rounded once:
     ties go to even, a subnormal bias stays subnormal, a NaN bias gives NaN (torch's bf16
@@ -155,6 +152,7 @@ def test_the_amx_gemm_rounds_to_nearest_even_keeping_subnormals_and_nan():
     assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
 
 
+@needs.amx
 def test_linear_takes_the_amx_gemm_between_its_row_limits():
     gen = torch.Generator().manual_seed(5)
     w, bias = _bf16(40, 48, gen=gen), _bf16(40, gen=gen)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import needs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ from disagg.kernels import cpu_decode_step, cpu_native, torch_ops
 from disagg.worker.model.llama import decode_layers
 from disagg.worker.model.loader import load_model
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
+pytestmark = needs.native
 
 # K sums of products of randn: the error grows with K; this is float32 rounding over K <= 768.
 GEMV_TOL = dict(atol=1e-4, rtol=1e-4)
@@ -177,7 +178,7 @@ def test_bf16_decode_step_rounds_where_the_per_op_bf16_kernels_do(
     assert torch.equal(caches[0], caches[1])
 
 
-@pytest.mark.skipif(not cpu_native.amx_usable(), reason="AMX is not usable on this CPU")
+@needs.amx
 @pytest.mark.parametrize("num_seqs", [2, 7, 16, 33], ids=case_id)
 def test_bf16_decode_step_on_amx_equals_the_per_op_amx_gemm(tiny_model_dir, paged, monkeypatch, num_seqs):
     """Where AMX is usable a bf16 model's whole step multiplies on its tiles from two rows, in the
@@ -192,7 +193,7 @@ def test_bf16_decode_step_on_amx_equals_the_per_op_amx_gemm(tiny_model_dir, page
     assert torch.equal(caches[0], caches[1])
 
 
-@pytest.mark.skipif(not cpu_native.amx_usable(), reason="AMX is not usable on this CPU")
+@needs.amx
 @pytest.mark.parametrize("num_seqs", [4, 5, 16, 33], ids=case_id)
 def test_int8_decode_step_on_amx_matches_the_per_op_path(tiny_llama_dir, paged, monkeypatch, num_seqs):
     """int8 weights: from W8A8_MIN_ROWS rows the whole step multiplies on AMX-INT8 tiles with the

@@ -19,12 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from disagg.kernels import cpu_isa, cpu_native
+
 ROOT = Path(__file__).resolve().parents[2]
-# The instructions each level needs (as /proc/cpuinfo names them).
-LEVELS = {
-    "x86-64-v3": {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"},
-    "x86-64-v2": {"sse4_1", "sse4_2", "ssse3", "popcnt"},
-}
+LEVELS = ("x86-64-v3", "x86-64-v2")
 KERNEL_TESTS = [
     "tests/kernels/test_cpu_gemm.py",
     "tests/kernels/test_cpu_gemm_int8.py",
@@ -32,36 +30,26 @@ KERNEL_TESTS = [
     "tests/kernels/test_cpu_bf16.py",
     "tests/kernels/test_cpu_kv_quant.py",
     "tests/kernels/test_cpu_native.py",
+    "tests/kernels/test_native_entries.py",
 ]
 
 
 # The instructions that choose a kernel's code path (the #if's of kernels/*.c).
-PATH_FLAGS = {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx2", "fma", "f16c"}
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+PATH_FLAGS = {"avx512f", "avx512bw", "avx512vnni", "avx512bf16", "avxvnni", "avx2", "fma", "f16c"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("level", sorted(LEVELS))
+@pytest.mark.parametrize("level", LEVELS)
 def test_native_kernel_tests_pass_when_built_for(level, tmp_path):
     if platform.machine() != "x86_64":
         pytest.skip("x86-64 levels")
     if shutil.which("cc") is None:
         pytest.skip("needs a C compiler (cc)")
-    flags = cpu_flags()
-    missing = LEVELS[level] - flags
+    flags = cpu_native.cpu_features()
+    missing = cpu_isa.LEVELS[level] - flags
     if missing:
         pytest.skip(f"this CPU cannot run {level} code (no {', '.join(sorted(missing))})")
-    if flags & PATH_FLAGS == LEVELS[level] & PATH_FLAGS:
+    if flags & PATH_FLAGS == cpu_isa.LEVELS[level] & PATH_FLAGS:
         pytest.skip(f"the native build takes {level}'s code paths here: the suite's own run covers them")
     env = dict(os.environ, DISAGG_CPU_NATIVE_ARCH=level, DISAGG_CACHE_DIR=str(tmp_path / "cache"))
     probe = subprocess.run(

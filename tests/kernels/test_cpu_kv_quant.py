@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import needs
 import pytest
 import torch
 
-from disagg.kernels import cpu_kv_quant, cpu_native, torch_ops
+from disagg.kernels import cpu_kv_quant, torch_ops
 from disagg.kernels.kv_quant import KVQuantFormat, QuantizedKVStep
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
+pytestmark = needs.native
 
 
 def test_every_e4m3_value_and_the_midpoints_between_them_round_as_torch():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
+import needs
 import pytest
 import torch
 from triton_cases import TOLERANCE, case_id, paged_cache
@@ -12,7 +13,7 @@ from triton_cases import TOLERANCE, case_id, paged_cache
 from disagg.kernels import cpu_native, torch_ops
 from disagg.worker.model.loader import load_model
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
+pytestmark = needs.native
 
 
 @pytest.mark.parametrize("page", [16, 32], ids=case_id)
@@ -168,10 +169,11 @@ def _compiler() -> str:
 
 
 @pytest.fixture
-def one_source(monkeypatch):
-    """The cache's rules do not depend on what is compiled: one small source builds in a second,
-    all of them in ~15 s (the suite's own build compiles them all)."""
-    monkeypatch.setattr(cpu_native, "_SOURCES", (cpu_native._HEADER.with_name("cpu_gemv.c"),))
+def one_source():
+    """Builds one small source through the cache: its rules do not depend on what is compiled, and
+    one source builds in a second, all of them in ~15 s (the suite's own build compiles them all)."""
+    source = (cpu_native._HEADER.with_name("cpu_gemv.c"),)
+    return lambda: cpu_native._build(_compiler(), "cpu_kernels", source, cpu_native._BASE_FLAGS, "")
 
 
 def test_cache_dir_is_made_private_and_files_carry_their_content_hash(tmp_path, monkeypatch, one_source):
@@ -182,14 +184,14 @@ def test_cache_dir_is_made_private_and_files_carry_their_content_hash(tmp_path, 
     cache.mkdir(mode=0o777)
     os.chmod(cache, 0o777)
     monkeypatch.setenv("DISAGG_CACHE_DIR", str(cache))
-    built = cpu_native._build(_compiler())
+    built = one_source()
     assert built.parent == cache and os.stat(cache).st_mode & 0o777 == 0o700
     assert built.stem.rsplit("-", 1)[1] == hashlib.sha256(built.read_bytes()).hexdigest()
-    assert cpu_native._build(_compiler()) == built  # found again, not rebuilt
+    assert one_source() == built  # found again, not rebuilt
     # a tampered file is not loaded: a fresh one is built beside it
     os.chmod(built, 0o700)
     built.write_bytes(built.read_bytes() + b"\0")
-    again = cpu_native._build(_compiler())
+    again = one_source()
     assert again == built and cpu_native._trusted(again)
 
 
@@ -212,29 +214,22 @@ def test_cache_dirs_of_others_or_symlinks_are_refused(tmp_path, monkeypatch, one
     # a planted object under the right name in a directory of ours, owned by someone else: not loaded
     ours = tmp_path / "ours"
     monkeypatch.setenv("DISAGG_CACHE_DIR", str(ours))
-    built = cpu_native._build(_compiler())
+    built = one_source()
     os.chown(built, 65534, 65534)
     assert not cpu_native._trusted(built)
-    assert cpu_native._build(_compiler()) == built  # rebuilt by us under the same content name
+    assert one_source() == built  # rebuilt by us under the same content name
     assert os.stat(built).st_uid == os.getuid()
 
 
-def _cpuinfo_flags() -> set[str]:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="AMX is x86")
+@needs.x86_64
 def test_amx_counts_only_where_granted_and_probed():
     """`amx_usable` is never more than the CPU lists; where it holds, this process survived a tile
     instruction (the probe's child did) and the kernels still run. The kernels themselves are
     built with AMX off."""
     usable = cpu_native.amx_usable()
-    if "amx_tile" not in _cpuinfo_flags():
+    if not needs.has("amx-tile"):
         assert not usable
-    assert {"-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"} <= set(cpu_native._flags())
+    assert {"-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"} <= set(cpu_native._built_for)
     x = torch.randn(3, 8)
     torch.testing.assert_close(cpu_native.gemm(x, torch.eye(8)), x)
 
@@ -270,9 +265,7 @@ def test_a_cold_cache_compiles_the_sources_at_once_then_links_them(tmp_path, mon
     until both began, and notes when it gave up waiting), then the objects are linked."""
     import os
 
-    monkeypatch.setattr(
-        cpu_native, "_SOURCES", tuple(cpu_native._HEADER.with_name(n) for n in ("cpu_gemv.c", "cpu_isa.c"))
-    )
+    sources = tuple(cpu_native._HEADER.with_name(n) for n in ("cpu_gemv.c", "cpu_isa.c"))
     log = tmp_path / "log"
     log.mkdir()
     wrapper = tmp_path / "cc"
@@ -289,7 +282,7 @@ def test_a_cold_cache_compiles_the_sources_at_once_then_links_them(tmp_path, mon
     )
     os.chmod(wrapper, 0o755)
     monkeypatch.setenv("DISAGG_CACHE_DIR", str(tmp_path / "cache"))
-    built = cpu_native._build(str(wrapper))
+    built = cpu_native._build(str(wrapper), "cpu_kernels", sources, cpu_native._BASE_FLAGS, "")
     calls = [c.split() for c in (log / "calls").read_text().splitlines() if "--version" not in c]
     compiles = [c for c in calls if "-c" in c]
     assert sorted(Path(c[-1]).name for c in compiles) == ["cpu_gemv.c", "cpu_isa.c"]

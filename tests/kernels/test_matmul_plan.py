@@ -3,6 +3,7 @@ resolved on every call, and `DISAGG_CPU_NATIVE=0` still honoured by a weight res
 
 from __future__ import annotations
 
+import needs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from disagg.kernels import cpu_native, quantized
 from disagg.worker.model import quantization
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
+pytestmark = needs.native
 
 # every row threshold of the plans, each with the rows on both of its sides
 ROWS = sorted(
