@@ -31,7 +31,9 @@ takes x and bias, else the plan's fallback. The tiers, in order (`plan_for`):
     int8 GEMV (W8A16: it rounds the inputs to int16 per row, a relative 3e-5, below bfloat16's own
     rounding) up to `NATIVE_MAX_ROWS` (`GEMV_INT8_MAX_ROWS_NO_VNNI` without VNNI); without VNNI on
     AVX2 tiles the packed-panel GEMM beyond; else the torch twin (`scaled_linear_torch`: widen the
-    weight on the fly, matmul, scale).
+    weight on the fly, matmul, scale). Built for AVX2 (no AVX-512), W8A8 when asked takes the same
+    GEMM's AVX2 (or AVX-VNNI) integer path from `W8A8_MIN_ROWS` rows on, past the GEMV and the
+    packed GEMM; its 16-bit rows (twice the instructions) are slower than both, so not taken.
   fp8: the native fp8 GEMV (e4m3 widened in registers) up to `FP8_NATIVE_MAX_ROWS`; beyond, the
     packed-panel GEMM on AVX2 tiles, else the weight widened once per call (natively) for torch's
     GEMM.
@@ -54,7 +56,7 @@ from disagg.kernels import cpu_bf16, cpu_native
 SCHEMES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # Row thresholds of the plans; each one's crossover: `python bench/small_gemm.py --thresholds`.
 NATIVE_MAX_ROWS = 256  # int8 GEMV, then the widening twin (VNNI CPUs, inputs no VNNI GEMM takes)
-W8A8_MIN_ROWS = 5  # int8: the GEMV below, the VNNI GEMM from here
+W8A8_MIN_ROWS = 5  # int8: the GEMV below, the VNNI GEMM (AVX2: its W8A8 rows) from here
 BF16_PRODUCT_MIN_ROWS = 64  # 8-bit: from here `scaled_linear_bf16` (CPUs with bf16 products)
 GEMM_INT8_MAX_ROWS = 1024  # int8: the VNNI GEMM up to here, then the twin (W8A8's when asked)
 FP8_NATIVE_MAX_ROWS = 16  # fp8 GEMV, then the weight widened for torch's GEMM (packed GEMM on AVX2)
@@ -371,10 +373,13 @@ def _quantized_plan(w: QuantizedWeight) -> MatmulPlan:
         if narrow:
             tiers.append(Tier(0, ROWS_UNBOUNDED, packed_8bit_gemm))
         return MatmulPlan(tuple(tiers), fp8_widened, _float32_rows, True)
-    vnni = cpu_native.gemm_int8_is_fast()
+    # the integer GEMM's fast paths: AVX-512 VNNI, or (built without AVX-512) AVX2 / AVX-VNNI
+    vnni = cpu_native.gemm_int8_is_fast() and not narrow
     if vnni:
         tiers.append(Tier(W8A8_MIN_ROWS, GEMM_INT8_MAX_ROWS, int8_gemm, _contiguous_float32_bias))
         tiers.append(Tier(GEMM_INT8_MAX_ROWS + 1, ROWS_UNBOUNDED, w8a8_twin, _w8a8_asked))
+    elif narrow and cpu_native.gemm_int8_is_fast():  # W8A8 only: its 16-bit rows lose to the GEMV
+        tiers.append(Tier(W8A8_MIN_ROWS, ROWS_UNBOUNDED, int8_gemm, _w8a8_asked))
     gemv_rows = NATIVE_MAX_ROWS if vnni else GEMV_INT8_MAX_ROWS_NO_VNNI
     tiers.append(Tier(0, gemv_rows, int8_gemv, _float32_bias))
     if not vnni and narrow:

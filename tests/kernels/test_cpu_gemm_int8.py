@@ -8,15 +8,16 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import needs
 import pytest
 import torch
 import torch.nn.functional as F
 from triton_cases import case_id
 
-from disagg.kernels import cpu_bf16, cpu_native, quantized
+from disagg.kernels import cpu_bf16, cpu_isa, cpu_native, quantized
 from disagg.kernels.quantized import QuantizedWeight, scaled_linear_torch, scaled_linear_w8a8_torch
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
+pytestmark = needs.native
 
 
 def _operands(m: int, n: int, k: int, seed: int):
@@ -118,10 +119,7 @@ def test_bad_inputs_are_refused():
         _native(x, w, input_bits=4)
 
 
-needs_amx = pytest.mark.skipif(not cpu_native.amx_usable(), reason="needs AMX (granted and probed)")
-
-
-@needs_amx
+@needs.amx
 @pytest.mark.parametrize("k", [5, 64, 65, 781], ids=case_id)
 @pytest.mark.parametrize("n", [1, 3, 33, 130], ids=case_id)
 def test_the_amx_gemm_gives_the_vnni_gemms_w8a16_numbers(n, k):
@@ -134,7 +132,7 @@ def test_the_amx_gemm_gives_the_vnni_gemms_w8a16_numbers(n, k):
             assert torch.equal(cpu_native.gemm_int8_amx(x, w.data, w.scale, b), want), (m, b is None)
 
 
-@needs_amx
+@needs.amx
 def test_linear_takes_the_amx_gemm_between_its_row_limits():
     x, w, bias = _operands(quantized.INT8_AMX_MAX_ROWS + 1, 40, 48, seed=6)
     low, high = quantized.W8A8_MIN_ROWS, quantized.INT8_AMX_MAX_ROWS
@@ -164,7 +162,18 @@ def test_linear_takes_the_int8_gemm_from_its_row_threshold(monkeypatch):
             got = quantized.linear(x[:rows], w, bias)
             assert torch.equal(got, quantized.scaled_linear_bf16(x[:rows], w, bias))
     monkeypatch.setattr(cpu_bf16, "dot_native", lambda: False)
-    if cpu_native.gemm_int8_is_fast():
+    if cpu_native.gemm_int8_is_fast() and cpu_native.narrow_tiles():
+        # the AVX2 build: the integer GEMM for W8A8 from its threshold on, at any rows; 16-bit
+        # rows keep the GEMV (then the packed GEMM, below)
+        for rows in (low, high + 1):
+            assert torch.equal(quantized.linear(x[:rows], w, bias, w8a8=True), _native(x[:rows], w, bias))
+        got = quantized.linear(x[:low], w, bias)
+        assert torch.equal(got, cpu_native.gemv_int8(x[:low], w.data, w.scale, bias))
+        assert torch.equal(
+            quantized.linear(x[: low - 1], w, bias, w8a8=True),
+            cpu_native.gemv_int8(x[: low - 1], w.data, w.scale, bias),
+        )
+    elif cpu_native.gemm_int8_is_fast():
         for rows in (low, bf16_rows, high):
             # 16-bit rows unless W8A8 is asked for
             assert torch.equal(quantized.linear(x[:rows], w, bias), _native(x[:rows], w, bias, input_bits=16))
@@ -216,3 +225,126 @@ def test_the_loops_without_vnni_give_the_same_numbers(tmp_path):
             )  # fmt: skip
             assert code == 0
             torch.testing.assert_close(y, _native(x, w, bias, input_bits=bits), atol=1e-6, rtol=1e-6)
+
+
+def _build(tmp_path: Path, name: str, flags: list[str]) -> ctypes.CDLL:
+    """cpu_gemm_int8.c alone, compiled with `flags` on top of the kernels' base flags."""
+    source = Path(cpu_native.__file__).with_name("cpu_gemm_int8.c")
+    lib_path = tmp_path / f"{name}.so"
+    subprocess.run(
+        ["cc", *cpu_native._BASE_FLAGS, *flags, "-o", str(lib_path), str(source), "-lm"], check=True, capture_output=True
+    )
+    return ctypes.CDLL(str(lib_path))
+
+
+def _call(lib: ctypes.CDLL, x, w: QuantizedWeight, bias, bits: int, threads: int = 1) -> torch.Tensor:
+    (m, k), n = x.shape, w.data.shape[0]
+    y = torch.full((m, n), float("nan"))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    code = lib.gemm_i8(
+        p(w.data.data_ptr()), p(w.scale.data_ptr()), p(w.row_sums.data_ptr()),
+        p(None if bias is None else bias.data_ptr()), p(x.data_ptr()), p(y.data_ptr()),
+        i64(m), i64(n), i64(k), i64(bits), i64(threads),
+    )  # fmt: skip
+    assert code == 0
+    return y
+
+
+X86 = platform.machine() == "x86_64"
+# the AVX2 builds a CPU without AVX-512 gets: VPMADDUBSW with the sign trick, and AVX-VNNI's VPDPBUSD
+AVX2_BUILDS = {
+    "avx2": (["-march=x86-64-v3"], cpu_isa.LEVELS["x86-64-v3"]),
+    "avxvnni": (["-march=x86-64-v3", "-mavxvnni"], cpu_isa.LEVELS["x86-64-v3"] | {"avxvnni"}),
+}
+
+
+@pytest.fixture(scope="module")
+def int8_builds(tmp_path_factory):
+    """The plain-loop build (the integer reference) and each AVX2 build this CPU runs."""
+    if shutil.which("cc") is None or not X86:
+        pytest.skip("needs a C compiler (cc) on x86-64")
+    tmp = tmp_path_factory.mktemp("gemm_int8")
+    plain = _build(tmp, "plain", ["-mno-avx2", *NO_VNNI])
+    assert plain.gemm_i8_vnni() == 0
+    builds = {}
+    for name, (cflags, needed) in AVX2_BUILDS.items():
+        if needed <= cpu_native.cpu_features():
+            builds[name] = _build(tmp, name, cflags)
+            assert builds[name].gemm_i8_vnni() == 1  # reported fast
+    if not builds:
+        pytest.skip("needs a CPU with AVX2")
+    return plain, builds
+
+
+# K: within one 32-byte step, one step and one byte either side, ragged past two, a model's width
+# plus a tail; N: a single row, fewer than a tile (2 or 4), ragged past a thread's chunk (64);
+# M: tiles of 2 and 6 inputs and their remainders, past a block of 128 inputs.
+@pytest.mark.parametrize("k", [5, 31, 32, 33, 95, 781], ids=case_id)
+@pytest.mark.parametrize("n", [1, 3, 7, 67], ids=case_id)
+def test_the_avx2_paths_sum_the_plain_loops_integers(int8_builds, n, k):
+    """Equal floats, not close: the same integers, scaled in the same order, with and without bias,
+    for 8-bit inputs and for 16-bit ones as two byte planes."""
+    plain, builds = int8_builds
+    for m in (1, 2, 5, 13, 131):
+        x, w, bias = _operands(m, n, k, seed=m * 1000 + n * 10 + k)
+        x[0, : min(k, 3)] = torch.tensor([-1.0, 1.0, -0.999])[: min(k, 3)] * x[0].abs().amax()  # +-max inputs
+        for bits in (8, 16):
+            for b in (None, bias):
+                want = _call(plain, x, w, b, bits)
+                for name, lib in builds.items():
+                    assert torch.equal(_call(lib, x, w, b, bits), want), (name, m, bits, b is None)
+
+
+def test_the_avx2_paths_at_the_integer_extremes(int8_builds):
+    """Weights of +-127 against inputs at their row's +-max over K = 4096, and 16-bit inputs whose
+    high byte is -128 or whose low byte is 0 (stored as -128): every 16-bit pair sum of VPMADDUBSW
+    at its largest (2 x 128 x 127), none saturating."""
+    plain, builds = int8_builds
+    k = 4096
+    x = torch.ones(6, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    x[3, :] = -32767.0 / 32767  # q = -32767: high byte -128
+    x[3, 1::2] = -32512.0 / 32767  # q = -32512 = 256 x -127: low byte 0
+    x[4] = 256.0 / 32767  # q = 256 in 16 bits: low bytes 0 under a scale of max/32767 = 1/32767
+    x[4, 0] = 1.0
+    x[5] = torch.linspace(-1, 1, k)
+    data = torch.full((4, k), 127, dtype=torch.int8)
+    data[1] = -127
+    data[2, 1::2] = -127
+    data[3] = torch.arange(k) % 255 - 127
+    w = QuantizedWeight(data, torch.ones(4))
+    for bits in (8, 16):
+        want = _call(plain, x, w, None, bits)
+        for name, lib in builds.items():
+            assert torch.equal(_call(lib, x, w, None, bits), want), (name, bits)
+    full = 127.0 * k  # rows 0-2 against weights 0-2, exact in int32 and in float32's scaling
+    assert torch.equal(_call(plain, x, w, None, 8)[:3, :3], torch.tensor(
+        [[full, -full, 0.0], [-full, full, 0.0], [0.0, 0.0, -full]]
+    ))  # fmt: skip
+
+
+def test_the_avx2_paths_take_weights_of_minus_128(int8_builds):
+    """-128 (which the quantizer never writes, and VPSIGNB cannot negate) in one thread's chunk of
+    64 rows: that chunk summed by the plain loops, the others by the vector path, all exact."""
+    plain, builds = int8_builds
+    x, w, bias = _operands(9, 200, 77, seed=5)
+    data = w.data.clone()
+    data[70, :40] = -128  # the second chunk only
+    data[199, -1] = -128  # the last row's last byte: the tail step
+    w = QuantizedWeight(data, w.scale)
+    want = F.linear(torch.round(x * (127 / x.abs().amax(1, keepdim=True))), data.float())  # exact integers
+    for bits in (8, 16):
+        ref = _call(plain, x, w, bias, bits)
+        for name, lib in builds.items():
+            assert torch.equal(_call(lib, x, w, bias, bits), ref), (name, bits)
+    sx = x.abs().amax(1, keepdim=True) / 127
+    torch.testing.assert_close(_call(plain, x, w, None, 8), want * (sx * w.scale), atol=1e-5, rtol=1e-5)
+
+
+def test_the_avx2_paths_split_over_threads_as_one_thread(int8_builds):
+    _, builds = int8_builds
+    x, w, bias = _operands(29, 300, 96, seed=1)
+    for name, lib in builds.items():
+        for bits in (8, 16):
+            assert torch.equal(_call(lib, x, w, bias, bits, threads=3), _call(lib, x, w, bias, bits)), (name, bits)
