@@ -5,7 +5,7 @@
     python bench/small_gemm.py --thresholds [--quick]   # the crossover behind each row threshold
 
 Without AVX-512 the float32 table's last column is the packed-panel GEMM (`cpu_native.gemm_packed`,
-what `linear` takes beyond 32 rows there) instead of the GEMV.
+what `linear` takes beyond `quantized.GEMM_NATIVE_MAX_ROWS_AVX2` rows there) instead of the GEMV.
 
 For each matmul of the `small` preset (qkv, o, gate/up, down, LM head: y = x W^T, W [N, K]) and
 each row count M, prints GFLOP/s of both (and of the native GEMV, `cpu_native.gemv`, for a few

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import needs
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +10,7 @@ from triton_cases import TOLERANCE, case_id
 
 from disagg.kernels import cpu_native, quantized
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
+pytestmark = needs.native
 
 
 def _operands(m: int, n: int, k: int, seed: int):
@@ -76,14 +77,15 @@ def test_linear_takes_the_native_gemm_up_to_its_row_limit():
 
 
 # ---- the packed-panel GEMM (many rows without AVX-512) -------------------------------------------
-# K: past one KC block of 256 steps with a tail; N: a row, past a 16 / 32-column panel; M: a
-# micro-kernel's 6 rows, their remainders.
-@pytest.mark.parametrize("k", [1, 17, 300, 781], ids=case_id)
-@pytest.mark.parametrize("n", [1, 19, 67], ids=case_id)
+# K: below and past the 8 steps packed at a time, past one block of 256 steps (blocks of equal size
+# with tails of 8); N: a row, past a 16 / 32-column panel, tasks of several panels; M: a
+# micro-kernel's 6 rows, their remainders, past a block of 24 rows.
+@pytest.mark.parametrize("k", [1, 9, 17, 257, 781], ids=case_id)
+@pytest.mark.parametrize("n", [1, 19, 67, 300], ids=case_id)
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "fp8"])
 def test_packed_matches_f_linear_of_the_widened_weight(n, k, kind):
     gen = torch.Generator().manual_seed(n * 10 + k)
-    for m in (1, 5, 6, 7, 40):
+    for m in (1, 5, 6, 7, 40, 101):
         x, w, bias = _operands(m, n, k, seed=m * 1000 + n * 10 + k)
         scale = None
         if kind == "bfloat16":
@@ -100,6 +102,38 @@ def test_packed_matches_f_linear_of_the_widened_weight(n, k, kind):
         for b in (None, bias):
             got = cpu_native.gemm_packed(x, w, b, scale)
             torch.testing.assert_close(got, F.linear(x, wide, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [7, 300, 531], ids=case_id)
+def test_packed_widens_bf16_exactly(k):
+    """One-hot inputs pick single weights: y is the widened weight itself, bit for bit, wherever
+    it sits in the panels (ragged columns, steps past 8 at a time, blocks of K)."""
+    gen = torch.Generator().manual_seed(k)
+    n = 37
+    w = (torch.randn(n, k, generator=gen) * 3).bfloat16()
+    w[0, :3] = torch.tensor([-3e38, 3e38, 1e-30]).bfloat16()  # no inf: 0 * inf is NaN
+    rows = torch.arange(k).repeat(2)[: k + 11]  # past a block of 24 rows
+    x = F.one_hot(rows, k).float()
+    want = w.float()[:, rows].t()
+    assert torch.equal(cpu_native.gemm_packed(x, w), want)
+    bias = torch.randn(n, generator=gen)
+    assert torch.equal(cpu_native.gemm_packed(x, w, bias), want + bias)
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_packed_split_over_threads_equals_one_thread(monkeypatch, kind):
+    """Over blocks of K, of rows and tasks of panels, each output's sums run in one order."""
+    x, w, bias = _operands(203, 300, 781, seed=11)
+    scale = None
+    if kind == "bfloat16":
+        w = w.bfloat16()
+    elif kind == "int8":
+        w, scale = (w * 127).round().clamp(-127, 127).to(torch.int8), torch.rand(300) / 127
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    one = cpu_native.gemm_packed(x, w, bias, scale)
+    for threads in (2, 3, 7):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        assert torch.equal(cpu_native.gemm_packed(x, w, bias, scale), one)
 
 
 def test_packed_with_no_products_is_the_bias():
