@@ -191,7 +191,17 @@ def _build(compiler: str, stem: str, sources: tuple[Path, ...], flags: list[str]
     `stem`, a key of everything that goes into it, including `identity`, and its sha256)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
-        "\0".join([*(f.read_text() for f in sources), compiler, version, *flags, identity]).encode()
+        "\0".join(
+            [
+                *(f.read_text() for f in sources),
+                compiler,
+                version,
+                *flags,
+                "link",
+                *_link_flags(flags),
+                identity,
+            ]
+        ).encode()
     ).hexdigest()[:16]
     last_error: Exception | None = None
     for directory in _cache_dirs():
@@ -273,8 +283,16 @@ def _compile(compiler: str, flags: list[str], sources: list[Path], target: str, 
                 proc.wait()
                 errors.close()
         subprocess.run(
-            [compiler, *flags, "-o", target, *obj.values(), "-lm"], capture_output=True, text=True, check=True
-        )
+            [compiler, *_link_flags(flags), "-o", target, *obj.values(), "-lm"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+
+
+def _link_flags(flags: list[str]) -> list[str]:
+    """Linked without -ffast-math: with it GCC (before 13) links crtfastmath.o into the shared object,
+    whose constructor turns on flush-to-zero and denormals-are-zero for the whole process as it is
+    loaded, torch's arithmetic included."""
+    return [f for f in flags if f != "-ffast-math"]
 
 
 def _load() -> ctypes.CDLL:

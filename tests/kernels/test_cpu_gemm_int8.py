@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import platform
 import shutil
-import subprocess
 from pathlib import Path
 
 import needs
@@ -205,14 +204,7 @@ NO_VNNI = ["-mno-avx512vnni"] if platform.machine() == "x86_64" else []
 @pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler (cc)")
 def test_the_loops_without_vnni_give_the_same_numbers(tmp_path):
     """The plain-loop build (a CPU without AVX-512 VNNI) sums the same integers: equal outputs."""
-    source = Path(cpu_native.__file__).with_name("cpu_gemm_int8.c")
-    lib_path = tmp_path / "gemm_int8_plain.so"
-    subprocess.run(
-        ["cc", *cpu_native._BASE_FLAGS, *NO_VNNI, "-o", str(lib_path), str(source), "-lm"],
-        check=True,
-        capture_output=True,
-    )
-    lib = ctypes.CDLL(str(lib_path))
+    lib = _build(tmp_path, "gemm_int8_plain", NO_VNNI)
     assert lib.gemm_i8_vnni() == 0
     for bits in (8, 16):
         for m, n, k in ((5, 3, 5), (17, 67, 65), (33, 9, 781)):
@@ -228,12 +220,10 @@ def test_the_loops_without_vnni_give_the_same_numbers(tmp_path):
 
 
 def _build(tmp_path: Path, name: str, flags: list[str]) -> ctypes.CDLL:
-    """cpu_gemm_int8.c alone, compiled with `flags` on top of the kernels' base flags."""
+    """cpu_gemm_int8.c alone, compiled and linked as the kernels are, with `flags` on top of their base flags."""
     source = Path(cpu_native.__file__).with_name("cpu_gemm_int8.c")
     lib_path = tmp_path / f"{name}.so"
-    subprocess.run(
-        ["cc", *cpu_native._BASE_FLAGS, *flags, "-o", str(lib_path), str(source), "-lm"], check=True, capture_output=True
-    )
+    cpu_native._compile("cc", [*cpu_native._BASE_FLAGS, *flags], [source], str(lib_path), tmp_path)
     return ctypes.CDLL(str(lib_path))
 
 
@@ -347,4 +337,7 @@ def test_the_avx2_paths_split_over_threads_as_one_thread(int8_builds):
     x, w, bias = _operands(29, 300, 96, seed=1)
     for name, lib in builds.items():
         for bits in (8, 16):
-            assert torch.equal(_call(lib, x, w, bias, bits, threads=3), _call(lib, x, w, bias, bits)), (name, bits)
+            assert torch.equal(_call(lib, x, w, bias, bits, threads=3), _call(lib, x, w, bias, bits)), (
+                name,
+                bits,
+            )

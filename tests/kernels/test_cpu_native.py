@@ -321,3 +321,11 @@ def test_a_build_begun_in_the_background_is_the_one_its_first_user_waits_for(mon
     assert answered == [True] and builds == ["native-kernel-build"]
     cpu_native.build_in_background()  # built: nothing starts again
     assert builds == ["native-kernel-build"]
+
+
+def test_loading_the_kernels_leaves_the_processs_floating_point_mode_alone():
+    """No flush-to-zero or denormals-are-zero for torch (or anything else in the process) after the
+    kernels are loaded (a shared object linked with -ffast-math sets both as it loads)."""
+    assert cpu_native.available()
+    tiny = torch.tensor([1e-39])  # a float32 subnormal
+    assert (tiny * 1.0).item() != 0.0 and (tiny / 2).item() != 0.0
