@@ -10,7 +10,7 @@ TORCH := torch==2.13.0
 # from the repository root; safe-path mode keeps the working directory off sys.path.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install redis compiler kernels proto test test-fast lint bench bench-transfer bench-serve bench-autoscale bench-kernels gpu-wheels gpu-check demo serve clean node-up node-down node-images test-node
+.PHONY: install redis compiler qemu kernels proto test test-fast test-isa lint bench bench-transfer bench-serve bench-autoscale bench-kernels gpu-wheels gpu-check demo serve clean node-up node-down node-images test-node
 
 install: $(STAMP) redis compiler proto kernels
 
@@ -61,6 +61,32 @@ test: install
 # subprocesses (tests that start one are marked e2e by tests/conftest.py).
 test-fast: install
 	$(PY) -m pytest -q -m "not e2e and not cluster and not slow" --durations=10
+
+# The kernel tests and the engine tests that choose kernels, again on an emulated AVX2 CPU (Haswell:
+# AVX2 and FMA, no AVX-512, no AMX) whatever this x86-64 host has: run it after any change under
+# kernels/. The kernels are built for the emulated CPU, in a cache of their own; a subprocess a test
+# starts (a compiler, a child interpreter) runs on the host. ISA_CPU names another qemu CPU model.
+ISA_CPU ?= Haswell-v4
+ISA_TESTS := tests/kernels/test_native_entries.py tests/kernels/test_cpu_native.py tests/kernels/test_cpu_gemm.py \
+	tests/kernels/test_cpu_gemm_int8.py tests/kernels/test_cpu_bf16.py tests/kernels/test_cpu_decode_step.py \
+	tests/kernels/test_cpu_kv_quant.py tests/kernels/test_cpu_amx.py tests/kernels/test_matmul_plan.py \
+	tests/worker/model/test_bf16.py tests/worker/model/test_quantization.py tests/worker/model/test_attention_step.py \
+	tests/worker/model/test_cpu_attention.py tests/worker/engine/test_kv_quant.py
+# (the logits of the larger `small` model are left out: emulated, each takes minutes)
+test-isa: install qemu
+	DISAGG_CACHE_DIR=$(CURDIR)/$(VENV)/kernel-cache-$(ISA_CPU) qemu-x86_64 -cpu $(ISA_CPU) $(PY) -m pytest -q \
+	  -p no:cacheprovider --durations=5 -k "not against_float32_small" $(ISA_TESTS) 2> >(grep -v "TCG doesn't support" >&2)
+
+qemu:
+	@if [ "$$(uname -m)" != x86_64 ]; then echo "test-isa emulates an x86-64 CPU: run it on an x86-64 host"; exit 1; fi
+	@if ! command -v qemu-x86_64 >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing qemu-user (Debian package)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user >/dev/null; \
+	  else \
+	    echo "qemu-x86_64 is missing: install Debian's qemu-user package (sudo apt-get install qemu-user)"; exit 1; \
+	  fi; \
+	fi
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import memory_floor  # noqa: E402
 from bench_model import ensure_model, log  # noqa: E402
+from machine import cpu_name, kernel_report  # noqa: E402
 
 
 def workload(args, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -343,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nengine benchmark: {what}, {config.num_parameters / 1e6:.0f}M {dt}, "
           f"{torch.get_num_threads()} threads; 1-min load average {load_before:.2f} at start, "
           f"{os.getloadavg()[0]:.2f} at end")  # fmt: skip
+    print(f"  on {cpu_name()}; kernels: {kernel_report()}")
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     for name, value, note in rows:

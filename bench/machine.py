@@ -15,3 +15,12 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "an unknown CPU"
+
+
+def kernel_report() -> str:
+    """The CPU as the native kernels see it: its name, the instruction sets this process may
+    execute and those the kernels were built for (`DISAGG_CPU_NATIVE_ARCH` chooses another level),
+    and AMX; every figure of a CPU kernel depends on them."""
+    from disagg.kernels import cpu_native
+
+    return cpu_native.cpu_report()

@@ -32,8 +32,10 @@ matmuls and causal attention over the prompt, 2 FLOPs a multiply-accumulate) and
 the float32 FMA peak of the threads used (`simd_throughput.py`'s probe on one core, times the
 threads): a float32 pair cannot pass that peak, whatever the engine.
 
-AMX is reported as this process may use it (`cpu_native.amx_usable`: granted by the kernel and
-probed), not as /proc/cpuinfo lists it.
+The kernels' line names the CPU and the instruction sets as this process may execute them (CPUID
+in the process; AMX only where granted by the kernel and probed), and those the kernels were built
+for: `DISAGG_CPU_NATIVE_ARCH=x86-64-v3` measures the AVX2 code paths (no AVX-512, no AMX) on any
+newer CPU, and the FMA peak is then that of 256-bit vectors.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import memory_floor  # noqa: E402
-from machine import cpu_name  # noqa: E402
+from machine import cpu_name, kernel_report  # noqa: E402
 from simd_throughput import fp32_fma_peak_gflops  # noqa: E402
 
 BLOCK = 16
@@ -354,9 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--serve needs --llama-server PATH")
     src = args.model or require_default_model()
     files = {name: weights_for(src, args.out, PAIRS[name].gguf_type) for name in args.pairs}
-    print(f"cpu: {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads; native kernels "
-          f"{cpu_native.available()}, AMX usable here: {cpu_native.amx_usable()}")  # fmt: skip
-    peak, probe = fp32_fma_peak_gflops(args.threads)
+    print(f"cpu: {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads")
+    print(f"kernels: {kernel_report()}")
+    peak, probe = fp32_fma_peak_gflops(
+        args.threads, cpu_native.gemm_vector_floats() if cpu_native.available() else 0
+    )
     print(f"float32 FMA peak of {args.threads} threads: {peak:.0f} GFLOP/s ({probe}, one core x {args.threads}; "
           f"load {load():.2f})")  # fmt: skip
     print(

@@ -59,11 +59,14 @@ def measure(iterations: int = 50_000_000) -> dict[str, float | None]:
     }
 
 
-def fp32_fma_peak_gflops(threads: int, iterations: int = 20_000_000) -> tuple[float, str]:
-    """The float32 FMA peak of `threads` cores (the widest vectors this CPU has, one core's rate
-    times `threads`), GFLOP/s (2 per multiply-accumulate), and the probe it came from."""
+def fp32_fma_peak_gflops(
+    threads: int, vector_floats: int = 16, iterations: int = 20_000_000
+) -> tuple[float, str]:
+    """The float32 FMA peak of `threads` cores (one core's rate times `threads`) on vectors of up to
+    `vector_floats` floats (the widest this CPU has: 16 is AVX-512, 8 AVX2), GFLOP/s (2 per
+    multiply-accumulate), and the probe it came from."""
     rates = measure(iterations)
-    name = "fma_f32_512" if rates.get("fma_f32_512") else "fma_f32_256"
+    name = "fma_f32_512" if rates.get("fma_f32_512") and vector_floats >= 16 else "fma_f32_256"
     return 2 * (rates.get(name) or 0.0) * threads, name
 
 
