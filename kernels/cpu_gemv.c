@@ -16,22 +16,22 @@
 #include <omp.h>
 #endif
 
-/* w . x for one row w of k floats. Two partial sums (even and odd vectors) keep the additions off
- * one dependency chain. */
+/* w . x for one row w of k floats, U vectors of w a step into U partial sums: two AVX-512 vectors
+ * (128 bytes), or eight narrower ones (AVX2: 256 bytes). With AVX2's 8-float vectors, two sums held
+ * a decode step's matmuls 25-45% slower than the AVX-512 build on the same core, eight within 10%. */
 static inline float gemv_dot(const float *w, int64_t k, const float *x) {
-    enum { V = NATIVE_FLOATS };
-    vnat even = (vnat){0}, odd = (vnat){0};
+    enum { V = NATIVE_FLOATS, U = NATIVE_FLOATS >= 16 ? 2 : 8 };
+    vnat acc[U];
+    for (int u = 0; u < U; u++) acc[u] = (vnat){0};
     int64_t j = 0;
-    for (; j + 2 * V <= k; j += 2 * V) {
-        gemv_prefetch_ahead(w + j);
-        even += load_vnat(w + j) * load_vnat(x + j);
-        odd += load_vnat(w + j + V) * load_vnat(x + j + V);
+    for (; j + U * V <= k; j += U * V) {
+        for (int u = 0; u < U * V * 4; u += 128) gemv_prefetch_ahead(w + j + u / 4);
+#pragma GCC unroll 8
+        for (int u = 0; u < U; u++) acc[u] += load_vnat(w + j + u * V) * load_vnat(x + j + u * V);
     }
-    if (j + V <= k) {
-        even += load_vnat(w + j) * load_vnat(x + j);
-        j += V;
-    }
-    float s = hsum_vnat(even + odd);
+    for (; j + V <= k; j += V) acc[0] += load_vnat(w + j) * load_vnat(x + j);
+    for (int u = 1; u < U; u++) acc[0] += acc[u];
+    float s = hsum_vnat(acc[0]);
     for (int64_t t = j; t < k; t++) s += w[t] * x[t];
     return s;
 }
