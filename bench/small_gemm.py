@@ -143,7 +143,10 @@ class Threshold:
 def thresholds(quantized, cpu_native, cpu_bf16) -> list[Threshold]:
     """Every row threshold with the kernels on its two sides on this CPU."""
     wide, narrow = cpu_native.gemm_vector_floats() >= 16, cpu_native.narrow_tiles()
-    vnni, bf16_dot, amx = cpu_native.gemm_int8_is_fast(), cpu_bf16.dot_native(), cpu_native.amx_usable()
+    vnni = (
+        cpu_native.gemm_int8_is_fast() and not cpu_native.narrow_tiles()
+    )  # AVX2 builds have a fast W8A8 path only
+    bf16_dot, amx = cpu_bf16.dot_native(), cpu_native.amx_usable()
     no_avx2_build = "the kernels are built for AVX-512 here (DISAGG_CPU_NATIVE_ARCH=x86-64-v3: AVX2)"
     q = quantized
     return [
@@ -168,9 +171,10 @@ def thresholds(quantized, cpu_native, cpu_bf16) -> list[Threshold]:
                   None if vnni else "needs AVX-512 VNNI"),
         Threshold("NATIVE_MAX_ROWS", q.NATIVE_MAX_ROWS, "int8", "int8_gemv", "twin",
                   None if vnni else "needs AVX-512 VNNI"),
-        Threshold("GEMV_INT8_MAX_ROWS_NO_VNNI", q.GEMV_INT8_MAX_ROWS_NO_VNNI, "int8", "int8_gemv",
-                  "packed_8bit_gemm" if narrow else "twin",
-                  "this CPU has VNNI (DISAGG_CPU_NATIVE_ARCH=x86-64-v3: without)" if vnni else None),
+        Threshold("GEMV_INT8_MAX_ROWS_NO_VNNI", q.GEMV_INT8_MAX_ROWS_NO_VNNI, "int8", "int8_gemv", "twin",
+                  "this CPU has VNNI" if vnni else "AVX2 tiles: GEMV_INT8_MAX_ROWS_AVX2" if narrow else None),
+        Threshold("GEMV_INT8_MAX_ROWS_AVX2", q.GEMV_INT8_MAX_ROWS_AVX2, "int8", "int8_gemv", "packed_8bit_gemm",
+                  None if narrow else "needs AVX2 tiles (DISAGG_CPU_NATIVE_ARCH=x86-64-v3)"),
         Threshold("FP8_NATIVE_MAX_ROWS", q.FP8_NATIVE_MAX_ROWS, "fp8", "fp8_gemv",
                   "packed_8bit_gemm" if narrow else "fp8_widened"),
     ]  # fmt: skip

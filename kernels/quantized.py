@@ -29,8 +29,8 @@ takes x and bias, else the plan's fallback. The tiers, in order (`plan_for`):
     its rows rounded to 16 bits or, if the caller asks (`w8a8=True`), to int8 with their own scale
     (W8A8; beyond that GEMM's rows, its torch twin `scaled_linear_w8a8_torch`); below, the native
     int8 GEMV (W8A16: it rounds the inputs to int16 per row, a relative 3e-5, below bfloat16's own
-    rounding) up to `NATIVE_MAX_ROWS` (`GEMV_INT8_MAX_ROWS_NO_VNNI` without VNNI); without VNNI on
-    AVX2 tiles the packed-panel GEMM beyond; else the torch twin (`scaled_linear_torch`: widen the
+    rounding) up to `NATIVE_MAX_ROWS` (`GEMV_INT8_MAX_ROWS_NO_VNNI` without VNNI,
+    `GEMV_INT8_MAX_ROWS_AVX2` on AVX2 tiles); on AVX2 tiles the packed-panel GEMM beyond; else the torch twin (`scaled_linear_torch`: widen the
     weight on the fly, matmul, scale). Built for AVX2 (no AVX-512), W8A8 when asked takes the same
     GEMM's AVX2 (or AVX-VNNI) integer path from `W8A8_MIN_ROWS` rows on, past the GEMV and the
     packed GEMM; its 16-bit rows (twice the instructions) are slower than both, so not taken.
@@ -63,7 +63,8 @@ FP8_NATIVE_MAX_ROWS = 16  # fp8 GEMV, then the weight widened for torch's GEMM (
 GEMM_NATIVE_MAX_ROWS = 96  # float32: the native GEMM up to here, then torch's GEMM (AVX-512)
 GEMM_NATIVE_MAX_ROWS_AVX2 = cpu_native.NARROW_TILES_MAX_ROWS  # the same on AVX2: then the packed GEMM
 GEMM_PACKED_MIN_ROWS = GEMM_NATIVE_MAX_ROWS_AVX2 + 1  # AVX2: float32, bf16-widened and int8 alike
-GEMV_INT8_MAX_ROWS_NO_VNNI = 1024  # int8 GEMV without VNNI, then the packed GEMM (AVX2) or the twin
+GEMV_INT8_MAX_ROWS_NO_VNNI = 1024  # int8 GEMV without VNNI (AVX-512 tiles), then the twin
+GEMV_INT8_MAX_ROWS_AVX2 = 64  # int8 GEMV on AVX2 tiles (W8A16), then the packed GEMM
 BF16_GEMV_MAX_ROWS = 8  # bf16 GEMV, then torch's bf16 GEMM (the native bf16 GEMM without bf16 products)
 BF16_AMX_MIN_ROWS = 2  # bf16 where AMX is usable: the GEMV below, the AMX GEMM from here
 BF16_AMX_MAX_ROWS = 64  # ... up to here (the weights stream once per 32 rows), then torch's bf16 GEMM
@@ -380,7 +381,7 @@ def _quantized_plan(w: QuantizedWeight) -> MatmulPlan:
         tiers.append(Tier(GEMM_INT8_MAX_ROWS + 1, ROWS_UNBOUNDED, w8a8_twin, _w8a8_asked))
     elif narrow and cpu_native.gemm_int8_is_fast():  # W8A8 only: its 16-bit rows lose to the GEMV
         tiers.append(Tier(W8A8_MIN_ROWS, ROWS_UNBOUNDED, int8_gemm, _w8a8_asked))
-    gemv_rows = NATIVE_MAX_ROWS if vnni else GEMV_INT8_MAX_ROWS_NO_VNNI
+    gemv_rows = NATIVE_MAX_ROWS if vnni else GEMV_INT8_MAX_ROWS_AVX2 if narrow else GEMV_INT8_MAX_ROWS_NO_VNNI
     tiers.append(Tier(0, gemv_rows, int8_gemv, _float32_bias))
     if not vnni and narrow:
         tiers.append(Tier(0, ROWS_UNBOUNDED, packed_8bit_gemm))

@@ -184,17 +184,21 @@ def test_linear_takes_the_int8_gemm_from_its_row_threshold(monkeypatch):
         )
     # without VNNI no W8A8: the GEMV up to its row limit
     monkeypatch.setattr(cpu_native, "gemm_int8_is_fast", lambda: False)
-    limit = quantized.GEMV_INT8_MAX_ROWS_NO_VNNI
-    for rows in (low, limit):
-        for w8a8 in (True, False):
-            got = quantized.linear(x[:rows], w, bias, w8a8=w8a8)
-            assert torch.equal(got, cpu_native.gemv_int8(x[:rows], w.data, w.scale, bias))
-    # beyond: the packed-panel GEMM where the tiles are AVX2's, else the widening twin
-    for floats in (8, 16):
+    # without a fast integer GEMM no W8A8: the GEMV up to its row limit (fewer rows on AVX2 tiles,
+    # where the packed-panel GEMM is faster beyond), then the packed GEMM, or the widening twin
+    for floats, limit in ((8, quantized.GEMV_INT8_MAX_ROWS_AVX2), (16, quantized.GEMV_INT8_MAX_ROWS_NO_VNNI)):
         monkeypatch.setattr(cpu_native, "gemm_vector_floats", lambda floats=floats: floats)
-        b = None if floats == 16 else bias
-        want = cpu_native.gemm_packed(x, w.data, b, w.scale) if floats == 8 else scaled_linear_torch(x, w, b)
-        assert torch.equal(quantized.linear(x, w, b), want)
+        for rows in (low, limit):
+            for w8a8 in (True, False):
+                got = quantized.linear(x[:rows], w, bias, w8a8=w8a8)
+                assert torch.equal(got, cpu_native.gemv_int8(x[:rows], w.data, w.scale, bias))
+        b, beyond = (None if floats == 16 else bias), x[: limit + 1]
+        want = (
+            cpu_native.gemm_packed(beyond, w.data, b, w.scale)
+            if floats == 8
+            else scaled_linear_torch(beyond, w, b)
+        )
+        assert torch.equal(quantized.linear(beyond, w, b), want)
 
 
 # the generic target of the compiler (no -march=native), and on x86 no VNNI whatever it defaults to
