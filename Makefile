@@ -24,15 +24,21 @@ $(STAMP): pyproject.toml setup.py
 	$(PIP) install --quiet -e '.[dev]'
 	@touch $@
 
-redis:
-	@if ! command -v redis-server >/dev/null 2>&1; then \
+# $(call debian_package,COMMAND,PACKAGE): Debian's PACKAGE installed where COMMAND is missing (as
+# root), else a stop that says how to install it.
+define debian_package
+	@if ! command -v $(1) >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    echo "installing redis-server (Debian package)"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	    echo "installing $(2) (Debian package)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(2) >/dev/null; \
 	  else \
-	    echo "redis-server is missing: install Debian's redis-server package (sudo apt-get install redis-server)"; exit 1; \
+	    echo "$(1) is missing: install Debian's $(2) package (sudo apt-get install $(2))"; exit 1; \
 	  fi; \
 	fi
+endef
+
+redis:
+	$(call debian_package,redis-server,redis-server)
 
 # The CPU path's native kernels are C compiled on first use; without a compiler the engine
 # falls back to plain torch (same results, slower), so a missing one is only a warning.
@@ -79,14 +85,7 @@ test-isa: install qemu
 
 qemu:
 	@if [ "$$(uname -m)" != x86_64 ]; then echo "test-isa emulates an x86-64 CPU: run it on an x86-64 host"; exit 1; fi
-	@if ! command -v qemu-x86_64 >/dev/null 2>&1; then \
-	  if [ "$$(id -u)" = 0 ]; then \
-	    echo "installing qemu-user (Debian package)"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq qemu-user >/dev/null; \
-	  else \
-	    echo "qemu-x86_64 is missing: install Debian's qemu-user package (sudo apt-get install qemu-user)"; exit 1; \
-	  fi; \
-	fi
+	$(call debian_package,qemu-x86_64,qemu-user)
 
 lint: install
 	$(VENV)/bin/ruff check .
