@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 
 import needs
 import pytest
@@ -239,7 +238,7 @@ def _exported() -> set[str]:
 
 
 def _in_child(call) -> tuple[str, str]:
-    """Run `call` in a forked child on one thread: ("returned" | "raised" | "signal" | "hung", detail)."""
+    """Run `call` in a forked child on one thread: ("returned" | "raised" | "signal", detail)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report, then leave without running the parent's cleanup
@@ -253,17 +252,7 @@ def _in_child(call) -> tuple[str, str]:
         os.write(write, detail.encode()[:2000])
         os._exit(code)
     os.close(write)
-    deadline = time.monotonic() + 300
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            os.close(read)
-            return "hung", "no answer in 300 s"
-        time.sleep(0.02)
+    _, status = os.waitpid(pid, 0)  # a child that hangs is stopped by the suite's per-test timeout
     detail = os.read(read, 4096).decode(errors="replace")
     os.close(read)
     if os.WIFSIGNALED(status):
@@ -287,7 +276,7 @@ def test_every_export_is_called(entries):
 
 def test_each_entry_returns_or_raises_and_never_dies_of_a_signal(entries):
     outcomes = {name: _in_child(call) for name, (_, call) in entries.items()}
-    died = {name: outcome for name, outcome in outcomes.items() if outcome[0] in ("signal", "hung")}
+    died = {name: outcome for name, outcome in outcomes.items() if outcome[0] == "signal"}
     assert died == {}, f"on {cpu_native.cpu_report()}"
     # what may refuse: AMX where it is not usable, with the error its docstring promises
     raised = {name: detail for name, (kind, detail) in outcomes.items() if kind == "raised"}
