@@ -186,10 +186,16 @@ def _cpu_signature() -> str:
     return os.uname().machine
 
 
+@functools.cache
+def _compiler_version(compiler: str) -> str:
+    """What `compiler --version` says (part of every cache key: asked once for the probe and the kernels)."""
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+
+
 def _build(compiler: str, stem: str, sources: tuple[Path, ...], flags: list[str], identity: str) -> Path:
     """The shared object built from `sources` with `flags`, from the cache when there (its name:
     `stem`, a key of everything that goes into it, including `identity`, and its sha256)."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    version = _compiler_version(compiler)
     key = hashlib.sha256(
         "\0".join(
             [
