@@ -6,9 +6,6 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0
-# The folder operator/ would shadow the standard library's `operator` for `python -m ...` run
-# from the repository root; safe-path mode keeps the working directory off sys.path.
-export PYTHONSAFEPATH := 1
 
 .PHONY: install redis compiler qemu kernels proto test test-fast test-isa lint bench bench-transfer bench-serve bench-autoscale bench-kernels gpu-wheels gpu-check demo serve clean node-up node-down node-images test-node
 

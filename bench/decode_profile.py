@@ -25,8 +25,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from disagg.worker.model.precisions import QUANTIZATIONS
 
 ROOT = Path(__file__).resolve().parent.parent
-# Safe-path mode (PYTHONSAFEPATH=1, which the Makefile sets) keeps this folder off sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_model import ensure_model  # noqa: E402
 

@@ -35,8 +35,6 @@ import torch
 from disagg.worker.model.precisions import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 ROOT = Path(__file__).resolve().parent.parent
-# Safe-path mode (PYTHONSAFEPATH=1, which the Makefile sets) keeps this folder off sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import memory_floor  # noqa: E402
 from bench_model import ensure_model, log  # noqa: E402

@@ -30,9 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from bench_model import ensure_model, log  # noqa: E402
 from machine import cpu_name  # noqa: E402
 

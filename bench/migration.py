@@ -27,16 +27,12 @@ import os
 import shutil
 import signal
 import statistics
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from bench_model import ensure_model, log  # noqa: E402
 from machine import cpu_name  # noqa: E402
 

@@ -61,7 +61,6 @@ from disagg.worker.model.pretrained import require_default_model
 from disagg.worker.model.quantization import decode_weight_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
 
 import memory_floor  # noqa: E402
 from machine import cpu_name, kernel_report  # noqa: E402

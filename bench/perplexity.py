@@ -19,16 +19,12 @@ import math
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from machine import cpu_name  # noqa: E402
 
 from disagg.worker.engine.tokenizer import Tokenizer

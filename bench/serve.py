@@ -42,6 +42,7 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+from bench_model import ensure_model  # noqa: E402
 
 from disagg.worker.cli.ports import free_port
 from disagg.worker.cli.up import Deployment, add_arguments
@@ -51,11 +52,6 @@ from disagg.worker.planner.goodput import BASE_SCALE, SLO, SLO_SCALES, TARGET, a
 from disagg.worker.planner.profile import Profile
 from disagg.worker.planner.simulate import Outcome
 from disagg.worker.planner.workload import WORKLOADS, Workload
-
-# Safe-path mode (PYTHONSAFEPATH=1, which the Makefile sets) keeps this folder off sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_model import ensure_model  # noqa: E402
 
 
 @dataclass

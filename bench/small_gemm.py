@@ -39,13 +39,9 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from machine import cpu_name  # noqa: E402
 
 # (name, N, K) of the small preset: hidden 768, 12 q / 4 kv heads of 64, intermediate 2048, vocab 32000

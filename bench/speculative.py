@@ -26,15 +26,12 @@ import argparse
 import os
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-# Safe-path mode (PYTHONSAFEPATH=1, which the Makefile sets) keeps this folder off sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_model import ensure_model  # noqa: E402
 from memory_floor import read_bandwidth  # noqa: E402

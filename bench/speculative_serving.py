@@ -22,8 +22,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from speculative import checkpoint, prompts  # noqa: E402
 
 from disagg.worker.cli.ports import free_port  # noqa: E402

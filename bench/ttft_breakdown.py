@@ -38,10 +38,6 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
-
-# Safe-path mode (PYTHONSAFEPATH=1, which the Makefile sets) keeps this folder off sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import serve  # noqa: E402
 from bench_model import ensure_model  # noqa: E402
 

@@ -16,10 +16,7 @@ RUN apt-get update \
 
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
-COPY worker ./worker
-COPY kernels ./kernels
-COPY proto ./proto
-COPY operator ./operator
+COPY src ./src
 # tests/test_packaging.py runs this install line in a clean virtual environment.
 RUN pip install ".[operator]" \
  && rm -rf /src

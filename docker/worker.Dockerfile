@@ -24,10 +24,7 @@ COPY pyproject.toml setup.py README.md ./
 RUN pip install --upgrade pip \
  && pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cu128 \
  && pip install triton "huggingface_hub[cli]"
-COPY worker ./worker
-COPY kernels ./kernels
-COPY proto ./proto
-COPY operator ./operator
+COPY src ./src
 # The gRPC modules are generated while the wheel is built; tests/test_packaging.py runs this
 # install line in a clean virtual environment.
 RUN pip install ".[worker]"

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # What the Dockerfiles COPY into /src before installing.
-SOURCES = ("pyproject.toml", "setup.py", "README.md", "worker", "kernels", "proto", "operator")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "src")
 
 
 def project_install_line(dockerfile: Path) -> list[str]:
@@ -43,8 +43,7 @@ def _venv(tmp: Path, install: list[list[str]]) -> Path:
             shutil.copy(path, src / name)
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    # the pip script, as the Dockerfiles call it (`python -m pip` would put /src, and its operator/
-    # folder, ahead of the standard library's operator module)
+    # the pip script, as the Dockerfiles call it
     pip = [str(venv / "bin" / "pip"), "--disable-pip-version-check", "-q"]
     for args in install:
         subprocess.run([*pip, "install", *args], cwd=src, check=True, timeout=900)

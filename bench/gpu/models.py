@@ -15,8 +15,6 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # `make` runs scripts with PYTHONSAFEPATH=1
-
 from common import ROOT, log  # noqa: E402
 
 CARRIED = ROOT / ".gpu" / "models"

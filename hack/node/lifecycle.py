@@ -450,7 +450,7 @@ def test(cfg: Config, pytest_args: list[str]) -> None:
     layout = Layout(cfg.state)
     if not layout.kubeconfig.exists() or not _is_up(cfg, layout):
         raise RigError("the rig is not up: make node-up first")
-    env = dict(os.environ, DISAGG_NODE_KUBECONFIG=str(layout.kubeconfig), PYTHONSAFEPATH="1")
+    env = dict(os.environ, DISAGG_NODE_KUBECONFIG=str(layout.kubeconfig))
     argv = [sys.executable, "-m", "pytest", "tests/cluster/node", *pytest_args]
     os.chdir(REPO)
     os.execve(sys.executable, argv, env)

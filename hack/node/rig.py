@@ -2,7 +2,7 @@
 
 The folder is loaded as a package under a name of its own (`disagg_node_rig`), so its modules
 import each other relatively and no name here (`node`, `build`, ...) can collide with another
-package on sys.path; this works with PYTHONSAFEPATH=1 too."""
+package on sys.path. It runs as a file on a node host, with or without the project installed."""
 
 from __future__ import annotations
 

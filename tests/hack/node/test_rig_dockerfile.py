@@ -140,10 +140,7 @@ def test_worker_cpu_image_takes_torch_from_the_given_index():
         "pyproject.toml",
         "setup.py",
         "README.md",
-        "worker",
-        "kernels",
-        "proto",
-        "operator",
+        "src",
     )
 
 

@@ -9,8 +9,8 @@ import torch
 
 from disagg.worker import SamplingParams
 from disagg.worker.engine.llm_engine import LLMEngine
-from disagg.worker.engine.spec import batches
-from disagg.worker.engine.spec.ngram import lookup
+from disagg.worker.engine.speculative import batches
+from disagg.worker.engine.speculative.ngram import lookup
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -10,7 +10,7 @@ import torch
 
 from disagg.kernels import cpu_native
 from disagg.worker.engine.llm_engine import LLMEngine
-from disagg.worker.engine.spec import batches
+from disagg.worker.engine.speculative import batches
 
 BS = 8
 PROMPT = [11, 200, 37, 401, 5, 99, 123, 321, 77, 15, 260, 4, 88]

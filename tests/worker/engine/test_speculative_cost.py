@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.worker.engine.spec.acceptance import AcceptanceEstimate
-from disagg.worker.engine.spec.cost import StepCosts, choose_k, expected_tokens
+from disagg.worker.engine.speculative.acceptance import AcceptanceEstimate
+from disagg.worker.engine.speculative.cost import StepCosts, choose_k, expected_tokens
 
 MEMORY_BOUND = StepCosts([1, 2, 4, 8, 16], [1.0, 1.02, 1.05, 1.1, 1.3])
 COMPUTE_BOUND = StepCosts([1, 2, 4, 8, 16], [1.0, 1.9, 3.8, 7.6, 15.2])
@@ -90,7 +90,7 @@ def _probe_bursts(check, steps: int, spec_seconds: float, spec_tokens: int) -> l
 
 
 def test_a_batch_size_where_speculation_measured_slower_only_probes():
-    from disagg.worker.engine.spec.throughput import PROBE_EVERY, ThroughputCheck
+    from disagg.worker.engine.speculative.throughput import PROBE_EVERY, ThroughputCheck
 
     check = ThroughputCheck()
     assert not check.allows(1)  # plain decoding is measured first
@@ -106,7 +106,7 @@ def test_a_batch_size_where_speculation_measured_slower_only_probes():
 def test_a_probe_that_wins_resumes_speculation_after_a_long_losing_stretch():
     """A transient loss (load elsewhere, an unlucky proposal) must not lock speculation off: a probe
     is a few steps judged on their own time, not blended into the stale losing estimate."""
-    from disagg.worker.engine.spec.throughput import PROBE_STEPS, ThroughputCheck
+    from disagg.worker.engine.speculative.throughput import PROBE_STEPS, ThroughputCheck
 
     check = ThroughputCheck()
     check.plain_step(1, 0.001)

@@ -13,7 +13,7 @@ from disagg.worker import SamplingParams
 from disagg.worker.engine.llm_engine import LLMEngine
 from disagg.worker.engine.sampler import filter_logits
 from disagg.worker.engine.seeds import PositionRng
-from disagg.worker.engine.spec.rejection import accept_greedy, accept_sampled
+from disagg.worker.engine.speculative.rejection import accept_greedy, accept_sampled
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

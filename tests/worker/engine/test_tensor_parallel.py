@@ -131,7 +131,7 @@ def test_ranks_exit_when_rank_0_is_killed(tiny_llama_dir, tmp_path):
         "print(e.ranks.procs[0].pid, flush=True)\n"
         "time.sleep(120)\n"
     )
-    parent = subprocess.Popen([sys.executable, "-P", "-c", script], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
         os.kill(parent.pid, signal.SIGKILL)

@@ -43,7 +43,7 @@ def free_port_pair() -> int:
 
 def start_follower(port: int, *extra: str, token: str = TOKEN, first_rank: int = 1, count: int = 1):
     env = {**os.environ, "DISAGG_INTERNAL_TOKEN": token}
-    cmd = [sys.executable, "-P", "-m", "disagg.worker.cli", "tp-ranks", "--leader", f"127.0.0.1:{port}",
+    cmd = [sys.executable, "-m", "disagg.worker.cli", "tp-ranks", "--leader", f"127.0.0.1:{port}",
            "--first-rank", str(first_rank), "--count", str(count), "--threads", "1",
            "--connect-timeout", "60", *extra]  # fmt: skip
     return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)

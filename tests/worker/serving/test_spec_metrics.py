@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from disagg.worker.engine.spec.stats import SpecStats
+from disagg.worker.engine.speculative.stats import SpecStats
 from disagg.worker.serving.metrics import ServingMetrics
 
 

@@ -183,7 +183,7 @@ def test_prefill_and_decode_with_remote_ranks_move_kv_and_serve_the_single_rank_
 
 
 def test_prefill_role_refuses_tensor_parallelism_over_the_grpc_transport(tiny_model):
-    cmd = [sys.executable, "-P", "-m", "disagg.worker.cli", "worker", "--role", "prefill", "--model",
+    cmd = [sys.executable, "-m", "disagg.worker.cli", "worker", "--role", "prefill", "--model",
            str(tiny_model), "--tensor-parallel-size", "2", "--kv-transfer", "grpc"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .spec import AutoscalingSpec
+from disagg.operator.autoscaling.spec import AutoscalingSpec
 
 
 @dataclass(frozen=True)

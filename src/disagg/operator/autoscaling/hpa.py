@@ -28,10 +28,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from disagg.operator.autoscaling.scrape import LATENCY_METRIC
+from disagg.operator.autoscaling.spec import AutoscalingSpec
 from disagg.operator.builders import common
-
-from .scrape import LATENCY_METRIC
-from .spec import AutoscalingSpec
 
 if TYPE_CHECKING:
     from disagg.operator.spec import InferenceDeployment

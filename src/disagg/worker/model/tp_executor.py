@@ -151,9 +151,7 @@ class RankProcesses:
                 for rank in range(1, local_ranks):
                     spec = dict(control=control, rank=rank, device_index=rank_device(device, rank).index,
                                 threads=threads, connect_timeout_s=timeout.total_seconds())  # fmt: skip
-                    # -P: the working directory is not put on sys.path (a checkout's operator/
-                    # folder would shadow the standard library's)
-                    cmd = [sys.executable, "-P", "-m", "disagg.worker.model.tp_rank", json.dumps(spec)]
+                    cmd = [sys.executable, "-m", "disagg.worker.model.tp_rank", json.dumps(spec)]
                     self.procs.append(subprocess.Popen(cmd, env=env))
                 if remote:
                     log.info("waiting for tensor-parallel ranks %d..%d from other hosts on port %d",

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 import aiohttp
 
 from disagg.operator import constants as c
-
-from .control import Observation
-from .metrics import Exposition, Histogram, merge, parse_exposition, quantile
-from .spec import AutoscalingSpec
+from disagg.operator.autoscaling.control import Observation
+from disagg.operator.autoscaling.metrics import Exposition, Histogram, merge, parse_exposition, quantile
+from disagg.operator.autoscaling.spec import AutoscalingSpec
 
 LATENCY_METRIC = {
     "prefill": "disagg_time_to_first_token_seconds",

@@ -83,7 +83,7 @@ def run(args) -> int:
     for i in range(args.count):
         spec = dict(control=control, rank=first + i, device_index=i, threads=threads, host=args.host,
                     connect_timeout_s=args.connect_timeout)  # fmt: skip
-        cmd = [sys.executable, "-P", "-m", "disagg.worker.model.tp_rank", json.dumps(spec)]
+        cmd = [sys.executable, "-m", "disagg.worker.model.tp_rank", json.dumps(spec)]
         procs[first + i] = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
     log.info(
         "started tensor-parallel ranks %d..%d for rank 0 at %s", first, first + args.count - 1, args.leader

@@ -24,9 +24,9 @@ from disagg.worker.engine.block_manager import BlockManager
 from disagg.worker.engine.request import Request
 from disagg.worker.engine.sampler import filter_logits
 from disagg.worker.engine.seeds import DRAFT
-from disagg.worker.engine.spec import batches
-from disagg.worker.engine.spec.cost import measure_costs
-from disagg.worker.engine.spec.proposer import Proposal, Proposer
+from disagg.worker.engine.speculative import batches
+from disagg.worker.engine.speculative.cost import measure_costs
+from disagg.worker.engine.speculative.proposer import Proposal, Proposer
 from disagg.worker.engine.structured_output import apply_bitmask, fill_bitmasks
 from disagg.worker.model.runner import ModelRunner
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass, field
 
-from .control import Decision, Memory
-from .scrape import PoolScraper
-from .spec import AutoscalingSpec
+from disagg.operator.autoscaling.control import Decision, Memory
+from disagg.operator.autoscaling.scrape import PoolScraper
+from disagg.operator.autoscaling.spec import AutoscalingSpec
 
 DECISIONS_KEPT = 5
 

@@ -15,9 +15,9 @@ import math
 
 import aiohttp
 
-from .control import Observation
-from .scrape import KV_USAGE_METRIC, LATENCY_METRIC, WAITING_METRIC
-from .spec import AutoscalingSpec
+from disagg.operator.autoscaling.control import Observation
+from disagg.operator.autoscaling.scrape import KV_USAGE_METRIC, LATENCY_METRIC, WAITING_METRIC
+from disagg.operator.autoscaling.spec import AutoscalingSpec
 
 
 def selector(namespace: str, deployment: str, role: str) -> str:

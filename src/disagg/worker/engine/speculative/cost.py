@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from disagg.worker.engine.spec import batches
+from disagg.worker.engine.speculative import batches
 
 MARGIN = 1.1
 

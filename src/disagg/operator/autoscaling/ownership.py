@@ -16,13 +16,12 @@ from collections.abc import Callable
 
 from disagg.operator import constants as c
 from disagg.operator import events
+from disagg.operator.autoscaling.control import Decision, Memory
+from disagg.operator.autoscaling.spec import AutoscalingSpecError, autoscaled_roles
+from disagg.operator.autoscaling.state import role_status
 from disagg.operator.constants import FIELD_MANAGER
 from disagg.operator.kube import Kube
 from disagg.operator.replicas import AUTOSCALER_MANAGER, managers_of, replicas_patch
-
-from .control import Decision, Memory
-from .spec import AutoscalingSpecError, autoscaled_roles
-from .state import role_status
 
 
 def revert_message(role: str, sts_name: str, found: int, restored: int) -> str:

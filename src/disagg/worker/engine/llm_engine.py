@@ -45,8 +45,8 @@ from disagg.worker.engine.sampler import Sampler
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.engine.scheduler import Scheduler, SchedulerOutput
 from disagg.worker.engine.seeds import PositionRng
-from disagg.worker.engine.spec.config import SpeculativeConfig
-from disagg.worker.engine.spec.speculator import Speculator, make_proposer
+from disagg.worker.engine.speculative.config import SpeculativeConfig
+from disagg.worker.engine.speculative.speculator import Speculator, make_proposer
 from disagg.worker.engine.structured_output import Grammars
 from disagg.worker.engine.tiers.tiers import KVTiers
 from disagg.worker.model.runner import ModelRunner, plan_num_blocks

@@ -30,15 +30,20 @@ import prometheus_client
 
 from disagg.operator import constants as c
 from disagg.operator import events
+from disagg.operator.autoscaling import prometheus
+from disagg.operator.autoscaling.control import Decision, Observation, Tuning, decide
+from disagg.operator.autoscaling.ownership import ReplicaOwner, owned_replicas
+from disagg.operator.autoscaling.scrape import PoolScraper, pod_target
+from disagg.operator.autoscaling.spec import (
+    METRIC_LABEL,
+    ROLES,
+    AutoscalingSpec,
+    AutoscalingSpecError,
+    autoscaled_roles,
+)
+from disagg.operator.autoscaling.state import DeploymentState, role_status, worth_recording
+from disagg.operator.autoscaling.telemetry import metrics
 from disagg.operator.kube import Kube, label_selector, matches_labels
-
-from . import prometheus
-from .control import Decision, Observation, Tuning, decide
-from .ownership import ReplicaOwner, owned_replicas
-from .scrape import PoolScraper, pod_target
-from .spec import METRIC_LABEL, ROLES, AutoscalingSpec, AutoscalingSpecError, autoscaled_roles
-from .state import DeploymentState, role_status, worth_recording
-from .telemetry import metrics
 
 MANAGED_BY = {c.LABEL_MANAGED_BY: c.FIELD_MANAGER}
 # What the autoscaler does through the API, for the chart's RBAC (group, resource, verb).

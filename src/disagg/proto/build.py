@@ -1,8 +1,8 @@
-"""Generate the gRPC modules from proto/*.proto (never edit the output): into this folder for a
+"""Generate the gRPC modules from the .proto files here (never edit the output): into this folder for a
 development checkout (`make install`), into the wheel when the package is built (setup.py).
 
-Sources are staged under a `disagg/proto/` include path so that the generated modules
-import each other as `disagg.proto.x_pb2`, matching the installed package name.
+The include path is src/, so the sources are named `disagg/proto/x.proto` and the generated modules
+import each other as `disagg.proto.x_pb2`, the installed package name.
 Regenerates only when a .proto is newer than its outputs.
 """
 
@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1]  # the folder that holds disagg/
 
 
 def _stale(src: Path, out_dir: Path) -> bool:
@@ -30,14 +31,10 @@ def build(force: bool = False, out_dir: Path = HERE) -> list[str]:
     if not todo:
         return []
     with tempfile.TemporaryDirectory() as tmp:
-        stage = Path(tmp) / "disagg" / "proto"
-        stage.mkdir(parents=True)
-        for s in sources:
-            shutil.copy(s, stage / s.name)
         include = str(Path(protoc.__file__).parent / "_proto")
         args = [
             "protoc",
-            f"-I{tmp}",
+            f"-I{SRC}",
             f"-I{include}",
             f"--python_out={tmp}",
             f"--pyi_out={tmp}",
@@ -45,7 +42,7 @@ def build(force: bool = False, out_dir: Path = HERE) -> list[str]:
         ] + [f"disagg/proto/{s.name}" for s in todo]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed for {[s.name for s in todo]}")
-        for f in stage.glob("*_pb2*"):
+        for f in (Path(tmp) / "disagg" / "proto").glob("*_pb2*"):
             shutil.copy(f, out_dir / f.name)
     return [s.name for s in todo]
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from disagg.worker.engine.request import Request
-from disagg.worker.engine.spec.proposer import Proposal, Proposer
+from disagg.worker.engine.speculative.proposer import Proposal, Proposer
 
 
 def lookup(tokens: Sequence[int] | np.ndarray, num_tokens: int, n_min: int, n_max: int) -> list[int]:

@@ -25,16 +25,16 @@ from disagg.worker.engine.outputs import RequestOutput, TokenLogprob
 from disagg.worker.engine.request import Request
 from disagg.worker.engine.sampler import _top_logprobs
 from disagg.worker.engine.scheduler import SchedulerOutput
-from disagg.worker.engine.spec import batches
-from disagg.worker.engine.spec.acceptance import AcceptanceEstimate
-from disagg.worker.engine.spec.config import SpeculativeConfig
-from disagg.worker.engine.spec.cost import StepCosts, choose_k, measure_costs
-from disagg.worker.engine.spec.grammar import verified_masks
-from disagg.worker.engine.spec.proposer import Proposal, Proposer
-from disagg.worker.engine.spec.rejection import accept_greedy, accept_sampled
-from disagg.worker.engine.spec.stats import SpecStats
-from disagg.worker.engine.spec.target import final_logits, needs_processing
-from disagg.worker.engine.spec.throughput import ThroughputCheck
+from disagg.worker.engine.speculative import batches
+from disagg.worker.engine.speculative.acceptance import AcceptanceEstimate
+from disagg.worker.engine.speculative.config import SpeculativeConfig
+from disagg.worker.engine.speculative.cost import StepCosts, choose_k, measure_costs
+from disagg.worker.engine.speculative.grammar import verified_masks
+from disagg.worker.engine.speculative.proposer import Proposal, Proposer
+from disagg.worker.engine.speculative.rejection import accept_greedy, accept_sampled
+from disagg.worker.engine.speculative.stats import SpecStats
+from disagg.worker.engine.speculative.target import final_logits, needs_processing
+from disagg.worker.engine.speculative.throughput import ThroughputCheck
 
 if TYPE_CHECKING:
     from disagg.worker.engine.llm_engine import LLMEngine
@@ -46,10 +46,10 @@ def make_proposer(config: SpeculativeConfig, *, dtype: str, device: str, block_s
     sequences of the target's longest length plus as many again (sequences outside the current
     step give theirs back when it runs short)."""
     if config.method == "ngram":
-        from disagg.worker.engine.spec.ngram import NgramProposer
+        from disagg.worker.engine.speculative.ngram import NgramProposer
 
         return NgramProposer(config.ngram_min, config.ngram_max)
-    from disagg.worker.engine.spec.draft import DraftModelProposer
+    from disagg.worker.engine.speculative.draft import DraftModelProposer
     from disagg.worker.model.loader import load_model
 
     model, draft_config = load_model(config.draft_model, dtype=dtype, device=device)
