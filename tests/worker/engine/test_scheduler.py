@@ -71,7 +71,7 @@ def test_chunked_prefill_within_budget_then_decode():
 
 def test_decode_alternates_with_long_prefills():
     bm = BlockManager(64, 4)
-    s = Scheduler(bm, max_num_batched_tokens=8)
+    s = Scheduler(bm, max_num_batched_tokens=8, mixed_steps=False)
     s.add(make_req("short", 2, max_tokens=10))
     run_step(s)  # prefill of "short"
     s.add(make_req("long", 40, max_tokens=2, base=100))

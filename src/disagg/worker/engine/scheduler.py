@@ -7,10 +7,10 @@ Two queues: `waiting` (FIFO; preempted requests go back to its front) and `runni
   * prefill work: chunks of uncomputed tokens within `max_num_batched_tokens`: first the
     running requests still in prefill, then newly admitted waiting requests.
 
-With `mixed_steps` (the engine's default) every step carries all the decode work and fills
-the rest of the token budget with prefill chunks, decode tokens first in the batch, as vLLM's
-scheduler does: decoding never waits for a prompt and prompts progress every step, for the
-price of one pass over the weights. Without it, when both kinds of work exist the steps
+With `mixed_steps` (the default, `EngineArgs.mixed_steps`) every step carries all the decode
+work and fills the rest of the token budget with prefill chunks, decode tokens first in the
+batch, as vLLM's scheduler does: decoding never waits for a prompt and prompts progress every
+step, for the price of one pass over the weights. Without it, when both kinds of work exist the steps
 alternate, so a stream of long prompts never starves decoding and decoding never starves
 admission. Admission takes the longest cached
 prefix of full blocks (always leaving at least the last token to compute, whose logits
@@ -30,6 +30,7 @@ from collections.abc import Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.block_manager import BlockManager, NoFreeBlocksError
 from disagg.worker.engine.request import Request, RequestStatus
 
@@ -76,10 +77,10 @@ class Scheduler:
     def __init__(
         self,
         block_manager: BlockManager,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = EngineArgs.max_num_seqs,
+        max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens,
         watermark: float = 0.01,
-        mixed_steps: bool = False,
+        mixed_steps: bool = EngineArgs.mixed_steps,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
