@@ -607,9 +607,9 @@ async def test_router_serves_its_probe_paths_and_finds_the_registered_workers(
 
     with container_environ(env):
         router = router_cmd.build_router(args)
-    assert router.config.api_keys == frozenset({API_KEY})
-    assert router.config.model_name == idep.spec.model.name
-    assert router.config.max_model_len == idep.spec.model.max_model_length
+    assert router.api_keys == frozenset({API_KEY})
+    assert router.model_name == idep.spec.model.name
+    assert router.args.max_model_len == idep.spec.model.max_model_length
     assert router.pool._source() == [(POD_NAME, "decode", f"{POD_IP}:{wargs.port}")]
 
     server = TestServer(router.app())

@@ -14,6 +14,7 @@ import pytest
 
 from disagg.proto import worker_pb2 as pb
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.router.args import RouterArgs
 from disagg.worker.router.errors import APIError
 from disagg.worker.router.fanout import ChoiceState, derive_seed, plan_choices, total_usage
 from disagg.worker.router.openai_format import Logprob, ResponseBuilder
@@ -152,7 +153,10 @@ def test_builder_keeps_per_choice_stream_state_and_orders_full_choices():
 
 
 async def test_admission_counts_every_generation(tokenizer):
-    client = await _client(tokenizer, max_queue=3, max_choices=8)
+    # a queue smaller than max_choices (which the flags refuse): one request's generations fill it
+    args = RouterArgs(max_model_len=64, max_queue=8, max_choices=8)
+    args.max_queue = 3
+    client = await _client(tokenizer, args=args)
     try:
         r = await client.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "n": 2})
         assert r.status == 429 and r.headers["Retry-After"] == "1"  # 4 generations > a queue of 3

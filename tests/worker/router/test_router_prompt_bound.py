@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from disagg.worker.router.app import Router, RouterConfig
+from disagg.worker.router.app import Router
+from disagg.worker.router.args import RouterArgs
 from disagg.worker.router.errors import APIError
 from disagg.worker.router.validation import check_prompt_size, parse_chat, parse_completion
 from disagg.worker.router.workers import WorkerPool
@@ -52,8 +53,8 @@ def test_token_id_prompts_longer_than_the_context_are_refused_up_front():
 
 async def test_many_prompts_each_under_the_limit_are_refused_before_tokenizing(tokenizer):
     spy = CountingTokenizer(tokenizer)
-    router = Router(RouterConfig(model_name="tiny", max_model_len=64, max_prompt_bytes=1 << 16), spy,
-                    WorkerPool(None, []))  # fmt: skip
+    args = RouterArgs(max_model_len=64, max_prompt_bytes=1 << 16)
+    router = Router(args, spy, WorkerPool(None, []), model_name="tiny")
     client = TestClient(TestServer(router.app()))
     await client.start_server()
     try:

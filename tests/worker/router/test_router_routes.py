@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from disagg.worker.router.app import Router, RouterConfig
+from disagg.worker.router.app import Router
+from disagg.worker.router.args import RouterArgs
 from disagg.worker.router.workers import WorkerPool
 
 
 @pytest.fixture
 async def client(tokenizer):
-    router = Router(RouterConfig(model_name="org/tiny", max_model_len=64), tokenizer, WorkerPool(None, []))
+    router = Router(RouterArgs(max_model_len=64), tokenizer, WorkerPool(None, []), model_name="org/tiny")
     c = TestClient(TestServer(router.app()))
     await c.start_server()
     yield c

@@ -8,13 +8,14 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from disagg.worker.router.app import Router, RouterConfig
+from disagg.worker.router.app import Router
+from disagg.worker.router.args import RouterArgs
 
 from .fake_worker import FakePool, messages
 
 
 async def _client(tokenizer, pool: FakePool, **kw) -> tuple[TestClient, Router]:
-    router = Router(RouterConfig(model_name="tiny", max_model_len=256), tokenizer, pool, **kw)
+    router = Router(RouterArgs(max_model_len=256), tokenizer, pool, model_name="tiny", **kw)
     client = TestClient(TestServer(router.app()))
     await client.start_server()
     return client, router
@@ -153,8 +154,8 @@ async def test_prefill_targets_carry_the_prefix_each_one_holds(tokenizer):
 
 async def test_the_worker_is_told_how_many_tokens_to_gather_for_a_streaming_and_a_whole_response(tokenizer):
     pool = FakePool(lambda req: messages(["a", "b"], "length"))
-    config = RouterConfig(model_name="tiny", max_model_len=256, stream_interval=3, nonstreaming_interval=7)
-    client = TestClient(TestServer(Router(config, tokenizer, pool).app()))
+    args = RouterArgs(max_model_len=256, stream_interval=3, nonstreaming_interval=7)
+    client = TestClient(TestServer(Router(args, tokenizer, pool, model_name="tiny").app()))
     await client.start_server()
     try:
         for stream in (True, False):

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from disagg.worker.router.app import Router, RouterConfig
+from disagg.worker.router.app import Router
+from disagg.worker.router.args import RouterArgs
 from disagg.worker.router.workers import WorkerPool
 
 
 @pytest.fixture
 async def client(tokenizer):
-    router = Router(RouterConfig(model_name="tiny", max_model_len=64, max_prompt_bytes=1000), tokenizer,
-                    WorkerPool(None, []))  # fmt: skip
+    args = RouterArgs(max_model_len=64, max_prompt_bytes=1000)
+    router = Router(args, tokenizer, WorkerPool(None, []), model_name="tiny")
     c = TestClient(TestServer(router.app()))
     await c.start_server()
     yield c

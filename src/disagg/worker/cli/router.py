@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -76,7 +77,7 @@ def context_length(model_dir: Path) -> int:
 def build_router(args):
     from disagg.worker.engine.tokenizer import Tokenizer
     from disagg.worker.model.gguf_checkpoint import served_name
-    from disagg.worker.router.app import Router, RouterConfig
+    from disagg.worker.router.app import Router
     from disagg.worker.router.workers import WorkerPool
 
     if not args.model:
@@ -86,7 +87,8 @@ def build_router(args):
         raise SystemExit(f"disagg router: --model {args.model}: no such file or directory")
     model_name = args.model_name or served_name(model_dir)
     settings = router_args(args)
-    max_len = settings.max_model_len or context_length(model_dir)
+    if settings.max_model_len is None:  # the flag's default: the model's own context
+        settings = dataclasses.replace(settings, max_model_len=context_length(model_dir))
     tokenizer = Tokenizer.from_pretrained(model_dir)
     source = lookup = None
     if args.redis_url:
@@ -104,21 +106,15 @@ def build_router(args):
         raise SystemExit("disagg router: give --redis-url (worker registry) and/or --workers host:port,...")
     internal = auth.from_cli_args(args, "disagg router")
     pool = WorkerPool(source, static, model=model_name, auth=internal)
-    config = RouterConfig(
+    return Router(
+        settings,
+        tokenizer,
+        pool,
         model_name=model_name,
-        max_model_len=max_len,
-        block_size=settings.block_size,
         api_keys=api_keys(args),
-        max_queue=settings.max_queue,
-        max_choices=settings.resolved_max_choices(),
-        tool_call_parser=settings.tool_call_parser,
-        max_prompt_bytes=settings.max_prompt_bytes,
-        prefill_overflow=settings.prefill_overflow,
-        max_migrations=settings.max_migrations,
-        stream_interval=settings.stream_interval,
-        nonstreaming_interval=settings.nonstreaming_interval,
+        prefix_lookup=lookup,
+        internal_auth=internal,
     )
-    return Router(config, tokenizer, pool, lookup, internal_auth=internal)
 
 
 def run(args) -> int:
@@ -128,7 +124,7 @@ def run(args) -> int:
     from aiohttp import web
 
     router = build_router(args)
-    print(f"router serving {router.config.model_name} on http://{args.host}:{args.port}/v1", flush=True)
+    print(f"router serving {router.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     web.run_app(
         router.app(), host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True
     )

@@ -29,7 +29,7 @@ from disagg.proto import worker_pb2
 from disagg.worker.engine.block_hash import block_hashes
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.router import readiness
-from disagg.worker.router.args import DEFAULT_MAX_CHOICES, RouterArgs
+from disagg.worker.router.args import RouterArgs
 from disagg.worker.router.body import read_body
 from disagg.worker.router.errors import APIError, invalid
 from disagg.worker.router.fanout import ChoiceState, Echo, plan_choices, total_usage
@@ -73,6 +73,7 @@ from disagg.worker.router.workers import WorkerPool
 from disagg.worker.serving.auth import INSECURE, REFUSED, InternalAuth
 from disagg.worker.serving.convert import sampling_params_to_proto
 from disagg.worker.serving.metrics import CONTENT_TYPE, ServingMetrics
+from disagg.worker.serving.remote_prefill import MAX_ATTEMPTS
 
 log = logging.getLogger("disagg.router")
 
@@ -87,31 +88,9 @@ ECHO_HEADERS = web.RequestKey("echo_headers", dict)
 ARRIVAL = web.RequestKey("arrival", float)
 
 
-@dataclass
-class RouterConfig:
-    model_name: str
-    max_model_len: int
-    # the settings a command line gives (RouterArgs holds their defaults, help and checks)
-    block_size: int = RouterArgs.block_size
-    api_keys: frozenset[str] = field(default_factory=frozenset)
-    max_queue: int = RouterArgs.max_queue  # generations in flight in this router before 429
-    max_choices: int = DEFAULT_MAX_CHOICES  # generations one request may fan out to (n x prompts)
-    prefill_candidates: int = 2  # the first is tried, the next one on failure
-    request_timeout: float = 600.0
-    tool_call_parser: str | None = RouterArgs.tool_call_parser  # how `tool_choice: auto` finds calls
-    # Text one request may ask to tokenize (the sum over its prompts, or its messages and tools):
-    # bounds the CPU one request can take; larger is a 400. Token-id prompts are bounded by the
-    # context length instead (validation.check_prompt_size).
-    max_prompt_bytes: int = RouterArgs.max_prompt_bytes
-    # A request body, decoded (router/body.py): a compressed body stops inflating one byte past it.
-    max_body_bytes: int = 32 << 20
-    decode_attempts: int = 3  # decode workers tried for a generation before nothing was streamed
-    max_migrations: int = RouterArgs.max_migrations  # moves of a live stream to another decode worker
-    stream_interval: int = RouterArgs.stream_interval  # tokens a worker gathers per message, streaming
-    nonstreaming_interval: int = RouterArgs.nonstreaming_interval  # ... and for a whole response
-    # A prefill worker less loaded than every decode worker by more than this (in requests, as
-    # `policy.decode_cost` counts them) serves a request whole; None: prefill workers only prefill.
-    prefill_overflow: float | None = RouterArgs.prefill_overflow
+# A decode worker tries its first prefill candidate and, when that fails, the next
+# (serving/remote_prefill.py): offering it more would go unused.
+PREFILL_CANDIDATES = MAX_ATTEMPTS
 
 
 def _load_fields(v: WorkerView) -> dict[str, int | float]:
@@ -163,15 +142,24 @@ class _Choice:
 class Router:
     def __init__(
         self,
-        config: RouterConfig,
+        args: RouterArgs,
         tokenizer,
         pool: WorkerPool,
+        *,
+        model_name: str,
+        api_keys: frozenset[str] = frozenset(),
         prefix_lookup: Callable[[list[int]], dict[str, int]] | None = None,
         metrics: ServingMetrics | None = None,
         internal_auth: InternalAuth = INSECURE,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.config = config
+        """`args.max_model_len` is the model's context, resolved (the flag's None is not)."""
+        if args.max_model_len is None:
+            raise ValueError("the router needs max_model_len: the model's context, resolved before")
+        self.args = args
+        self.model_name = model_name
+        self.api_keys = api_keys
+        self.max_choices = args.resolved_max_choices()
         self.clock = clock  # every latency the router reports (tests inject theirs)
         self.internal_auth = internal_auth
         # Tokenizing and chat templates run here, off the event loop: a long prompt must not hold
@@ -180,7 +168,7 @@ class Router:
         self.tokenizer = tokenizer
         self.pool = pool
         self.prefix_lookup = prefix_lookup
-        self.metrics = metrics or ServingMetrics("router", config.model_name)
+        self.metrics = metrics or ServingMetrics("router", model_name)
         self.inflight = 0
         self.created = int(time.time())  # the model card's `created`: when this router started serving it
         self._prefix_warned = False
@@ -191,7 +179,7 @@ class Router:
         # bodies are decoded by read_body under max_body_bytes, not by aiohttp (router/body.py)
         app = web.Application(
             middlewares=[self._arrival_middleware, self._errors_middleware],
-            client_max_size=self.config.max_body_bytes,
+            client_max_size=self.args.max_body_bytes,
             handler_args={"auto_decompress": False},
         )
         served = {
@@ -260,11 +248,11 @@ class Router:
 
     # ---- small endpoints ----------------------------------------------------------------------
     def _check_key(self, request: web.Request) -> None:
-        if not self.config.api_keys:
+        if not self.api_keys:
             return
         auth = request.headers.get("Authorization", "")
         token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        if token not in self.config.api_keys:
+        if token not in self.api_keys:
             msg = (
                 "Incorrect API key provided."
                 if token
@@ -274,7 +262,7 @@ class Router:
 
     def _card(self) -> dict:
         return {
-            "id": self.config.model_name,
+            "id": self.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "disagg",
@@ -289,7 +277,7 @@ class Router:
         """`GET /v1/models/{id}` (the SDKs' `models.retrieve`)."""
         self._check_key(request)
         model_id = request.match_info["model_id"].rstrip("/")
-        if model_id != self.config.model_name:
+        if model_id != self.model_name:
             raise self._unknown_model(model_id)
         return web.json_response(self._card())
 
@@ -303,24 +291,24 @@ class Router:
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's `/tokenize`: a prompt, or chat messages rendered by the chat template."""
         self._check_key(request)
-        req = parse_tokenize(await read_body(request, self.config.max_body_bytes))
+        req = parse_tokenize(await read_body(request, self.args.max_body_bytes))
         self._check_model(req.model)
         if isinstance(req, TokenizeChat):
             messages = chat_messages(req)
             tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or []] or None
             spec = GenerationSpec("chat", "", SamplingParams(max_tokens=None), messages=messages)
-            check_prompt_size(spec, self.config.max_prompt_bytes, self.config.max_model_len)
+            check_prompt_size(spec, self.args.max_prompt_bytes, self.args.max_model_len)
             render = functools.partial(self._render_chat, messages, tools, req.add_generation_prompt,
                                        req.add_special_tokens)  # fmt: skip
         else:
             spec = GenerationSpec("completion", "", SamplingParams(max_tokens=None), prompts=[req.prompt])
-            check_prompt_size(spec, self.config.max_prompt_bytes, self.config.max_model_len)
+            check_prompt_size(spec, self.args.max_prompt_bytes, self.args.max_model_len)
             render = functools.partial(
                 self.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens
             )
         ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, render)
         strs = [self.tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs else None
-        return web.json_response(tokenize_body(ids, self.config.max_model_len, strs))
+        return web.json_response(tokenize_body(ids, self.args.max_model_len, strs))
 
     def _render_chat(
         self, messages, tools, add_generation_prompt: bool, add_special_tokens: bool
@@ -336,7 +324,7 @@ class Router:
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's `/detokenize`: token ids back to text."""
         self._check_key(request)
-        req = parse_detokenize(await read_body(request, self.config.max_body_bytes))
+        req = parse_detokenize(await read_body(request, self.args.max_body_bytes))
         self._check_model(req.model)
         vocab = self.tokenizer.vocab_size
         bad = next((i for i, t in enumerate(req.tokens) if t >= vocab), None)
@@ -347,11 +335,11 @@ class Router:
         return web.json_response({"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)})
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
+        if model is not None and model != self.model_name:
             raise self._unknown_model(model)
 
     async def openapi(self, _request: web.Request) -> web.Response:
-        return web.json_response(openapi_spec(self.config.model_name))
+        return web.json_response(openapi_spec(self.model_name))
 
     async def health(self, _request: web.Request) -> web.Response:
         """Readiness for clients and probes: counts only, no worker ids or internal addresses."""
@@ -454,7 +442,7 @@ class Router:
         """SageMaker's inference route, as vLLM serves it: the body's shape picks the API (`messages`:
         chat, `prompt`: completion, `input`: responses), with that API's validation and answer."""
         self._check_key(request)
-        raw = await read_body(request, self.config.max_body_bytes)
+        raw = await read_body(request, self.args.max_body_bytes)
         try:
             body = json.loads(raw)
         except ValueError as e:
@@ -478,13 +466,13 @@ class Router:
         arrival = request.get(ARRIVAL) or self.clock()
         self._check_key(request)
         if body is None:  # JSON decoding and validation in one pass (protocol.py)
-            spec = parse(await read_body(request, self.config.max_body_bytes))
+            spec = parse(await read_body(request, self.args.max_body_bytes))
         else:
             spec = parse(body)
-        if spec.model != self.config.model_name:
+        if spec.model != self.model_name:
             raise self._unknown_model(spec.model)
-        check_choice_count(spec, self.config.max_choices)
-        check_prompt_size(spec, self.config.max_prompt_bytes, self.config.max_model_len)
+        check_choice_count(spec, self.max_choices)
+        check_prompt_size(spec, self.args.max_prompt_bytes, self.args.max_model_len)
         seed = spec.sampling.seed
         if seed is None and not spec.sampling.greedy:
             # every sampled generation carries a seed: a stream moved to another worker goes on
@@ -493,27 +481,27 @@ class Router:
         plans = plan_choices(spec.num_prompts, spec.n, seed)
         # admission counts generations, not HTTP requests: n=8 weighs as much as 8 requests; the
         # count is taken together with the check, before any await, so a burst cannot slip past it
-        if self.inflight + len(plans) > self.config.max_queue:
+        if self.inflight + len(plans) > self.args.max_queue:
             raise APIError(429, "The server is at capacity; retry shortly.", code="queue_full", retry_after=1)
         self.inflight += len(plans)
         choices: list[_Choice] = []
         try:
             prompts = await self._tokenize_all(spec)
             max_tokens = [self._fit(spec, i, len(ids)) for i, ids in enumerate(prompts)]
-            hashes = [block_hashes(ids, self.config.block_size) for ids in prompts]
+            hashes = [block_hashes(ids, self.args.block_size) for ids in prompts]
             matches = await asyncio.gather(*(self._prefix_match(h) for h in hashes))
             # Our own id for the workers and Redis: a client's X-Request-Id is only echoed back, so
             # one client cannot name (and abort) another's generation.
             base_id = uuid.uuid4().hex
             client_id = request.headers.get("X-Request-Id")
             request[ECHO_HEADERS] = {"X-Request-Id": client_id or base_id}
-            tools = ToolCalls(spec.tools, self.config.tool_call_parser) if spec.tools is not None else None
+            tools = ToolCalls(spec.tools, self.args.tool_call_parser) if spec.tools is not None else None
             builder = builder_cls.for_spec(spec, self.token_text, tools)
             for plan in plans:
                 p = plan.prompt_index
                 # one routing decision per generation; each `begin` below weighs on the next choice
                 views = self.pool.views()
-                lend = Lending(self.config.prefill_overflow, len(prompts[p]), max_tokens[p])
+                lend = Lending(self.args.prefill_overflow, len(prompts[p]), max_tokens[p])
                 decode = choose_decode(views, matches[p], len(hashes[p]), lend)
                 if decode is None:
                     # a worker leaves rotation for a poll or two (restarting, one failed poll): wait
@@ -530,7 +518,7 @@ class Router:
                     params=sampling_params_to_proto(spec.sampling, max_tokens[p], plan.seed),
                     prefill_targets=self._prefill_targets(views, decode, matches[p]),
                     stream_interval=(
-                        self.config.stream_interval if spec.stream else self.config.nonstreaming_interval
+                        self.args.stream_interval if spec.stream else self.args.nonstreaming_interval
                     ),
                 )
                 self.pool.begin(decode.worker_id)
@@ -556,7 +544,7 @@ class Router:
                 address=w.address,
                 queued_prefill_tokens=w.queued_prefill_tokens,
                 prefill_tokens_per_s=w.prefill_tokens_per_s,
-                cached_tokens=match.get(w.worker_id, 0) * self.config.block_size,
+                cached_tokens=match.get(w.worker_id, 0) * self.args.block_size,
             )  # fmt: skip
             for w in self._prefill_candidates(views, decode, match)
         ]
@@ -566,9 +554,9 @@ class Router:
         for a colocated one, the workers holding a longer prefix of it (a pull it prices); none for
         a lent prefill worker, which prefills itself."""
         if decode.role == "decode":
-            return rank_prefill(views, match, self.config.prefill_candidates)
+            return rank_prefill(views, match, PREFILL_CANDIDATES)
         if decode.role == "both":
-            return rank_holders(views, decode, match, self.config.prefill_candidates)
+            return rank_holders(views, decode, match, PREFILL_CANDIDATES)
         return []
 
     def _echo(self, spec: GenerationSpec, prompt_index: int, ids: list[int]) -> Echo | None:
@@ -580,7 +568,7 @@ class Router:
 
     def _fit(self, spec: GenerationSpec, prompt_index: int, prompt_tokens: int) -> int:
         try:
-            return fit_to_context(spec.sampling, prompt_tokens, self.config.max_model_len, spec.kind)
+            return fit_to_context(spec.sampling, prompt_tokens, self.args.max_model_len, spec.kind)
         except APIError as e:
             if spec.num_prompts > 1:
                 e.message = f"prompt[{prompt_index}]: {e.message}"
@@ -590,9 +578,9 @@ class Router:
         """Open the worker's stream and wait for its first message. A decode worker that turns out
         unreachable or draining before answering anything is replaced by another one: nothing was
         sent to the client yet, and whatever the dead worker held is reclaimed by its leases."""
-        attempts = self.config.decode_attempts
+        attempts = self.args.decode_attempts
         for attempt in range(attempts):
-            call = self.pool.stub(decode.address).Generate(req, timeout=self.config.request_timeout)
+            call = self.pool.stub(decode.address).Generate(req, timeout=self.args.request_timeout)
             try:
                 first = await call.__aiter__().__anext__()
             except StopAsyncIteration:
@@ -618,7 +606,7 @@ class Router:
                 [v for v in self.pool.views() if v.worker_id not in taken],
                 match,
                 prompt_blocks,
-                Lending(self.config.prefill_overflow, len(req.prompt_token_ids), req.params.max_tokens),
+                Lending(self.args.prefill_overflow, len(req.prompt_token_ids), req.params.max_tokens),
             )
             if attempt + 1 == attempts or alt is None:
                 raise failure
@@ -700,7 +688,7 @@ class Router:
         try:
             while msg is not None:
                 if msg.HasField("error"):
-                    if msg.error.code in MOVABLE_ERRORS and c.migrations < self.config.max_migrations:
+                    if msg.error.code in MOVABLE_ERRORS and c.migrations < self.args.max_migrations:
                         return msg.error.code
                     events.put_nowait((c, msg))
                     return None
@@ -716,7 +704,7 @@ class Router:
                 if finished:  # it broke after the end was relayed: the generation is whole
                     events.put_nowait((c, None))
                     return None
-                if c.migrations < self.config.max_migrations:
+                if c.migrations < self.args.max_migrations:
                     return "unavailable"
             raise
         except asyncio.CancelledError:
@@ -728,7 +716,7 @@ class Router:
             if finished:
                 events.put_nowait((c, None))
                 return None
-            if c.migrations < self.config.max_migrations:
+            if c.migrations < self.args.max_migrations:
                 return "unresponsive"
             raise self._went_away(c) from None
 
@@ -744,13 +732,13 @@ class Router:
         c.migrations += 1
         holder = None  # a worker that handed the stream off (draining) still holds its K/V
         if broke == "migrate" and worth_pulling(
-            len(c.req.prompt_token_ids) + len(c.sent_ids), self.config.block_size
+            len(c.req.prompt_token_ids) + len(c.sent_ids), self.args.block_size
         ):
             holder = worker_pb2.PrefillTarget(worker_id=old.worker_id, address=old.address)
         req = resumed_request(c.req, c.original_id, c.migrations, c.sent_ids, c.sent_chars, holder)
         params = req.params
         done = (params.max_tokens and len(c.sent_ids) >= params.max_tokens) or (
-            len(req.prompt_token_ids) + len(c.sent_ids) >= self.config.max_model_len
+            len(req.prompt_token_ids) + len(c.sent_ids) >= self.args.max_model_len
         )
         if done:  # the old worker sent the last token but not the end: nothing is left to generate
             events.put_nowait((c, finished_message(len(req.prompt_token_ids), len(c.sent_ids))))
@@ -759,7 +747,7 @@ class Router:
             return None
         taken = {u.worker_id for u in c.used}
         views = [v for v in self.pool.views() if v.worker_id not in taken]
-        lend = Lending(self.config.prefill_overflow, len(req.prompt_token_ids), params.max_tokens)
+        lend = Lending(self.args.prefill_overflow, len(req.prompt_token_ids), params.max_tokens)
         alt = choose_decode(views, c.match, c.prompt_blocks, lend)
         if alt is None:
             await self.pool.next_refresh(timeout=2 * self.pool.refresh_seconds + 1)

@@ -1,8 +1,9 @@
 """`RouterArgs`: the router's serving settings (admission bounds, prompt hashing, tool calls,
-prefill overflow), each declared once with its default, help and check, like `EngineArgs`.
+prefill overflow, the worker call's attempts, timeout and moves), each declared once with its
+default, help and check, like `EngineArgs`.
 
-`disagg router` generates its flags from these fields (`DISAGG_<FLAG>` gives a pod's default),
-`RouterConfig` takes its defaults from them, `disagg up` passes them on with `to_cli_args`, and
+`disagg router` generates its flags from these fields (`DISAGG_<FLAG>` gives a pod's default) and
+hands them to the router (`Router(args, ...)`), `disagg up` passes them on with `to_cli_args`, and
 the operator names the flags it writes into the router's pod through `cli_flag`.
 Standard library only: the operator imports it without torch.
 """
@@ -42,6 +43,12 @@ class RouterArgs(Settings):
         f"default: {DEFAULT_MAX_CHOICES}, at most --max-queue",
         minimum=1,
     )
+    max_body_bytes: int = setting(
+        32 << 20,
+        "most bytes of a request body once decoded (a gzip or deflate body stops inflating one byte "
+        "past it); more is a 413",
+        minimum=1,
+    )
     max_prompt_bytes: int = setting(
         1 << 20,
         "most bytes of prompt text (or chat message text) one request may send, summed over its "
@@ -67,6 +74,19 @@ class RouterArgs(Settings):
         "drains mid-stream (it resumes there from the tokens already sent); 0: never, the client "
         "gets an error event",
         minimum=0,
+    )
+
+    decode_attempts: int = setting(
+        3,
+        "decode workers tried for a generation before its first token: one found unreachable or "
+        "draining is replaced by another, since nothing was sent to the client yet",
+        minimum=1,
+    )
+    request_timeout: float = setting(
+        600.0,
+        "seconds a generation may run on its decode worker; past it the client gets a 504",
+        minimum=0.0,
+        exclusive_min=True,
     )
 
     stream_interval: int = setting(
