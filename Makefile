@@ -50,7 +50,7 @@ compiler:
 	fi
 
 kernels: $(STAMP) compiler
-	@$(PY) -c "from disagg.kernels import cpu_native; print('native CPU kernels:', 'ready' if cpu_native.available() else 'unavailable')"
+	@$(PY) -c "from disagg.kernels import native_build; print('native CPU kernels:', 'ready' if native_build.available() else 'unavailable')"
 
 # gRPC modules are generated from proto/*.proto, never edited by hand.
 proto: $(STAMP)
@@ -67,12 +67,14 @@ test-fast: install
 
 # The kernel tests and the engine tests that choose kernels, again on an emulated AVX2 CPU (Haswell:
 # AVX2 and FMA, no AVX-512, no AMX) whatever this x86-64 host has: run it after any change under
-# kernels/. The kernels are built for the emulated CPU, in a cache of their own; a subprocess a test
-# starts (a compiler, a child interpreter) runs on the host. ISA_CPU names another qemu CPU model.
+# kernels/ (the C sources are in kernels/csrc/). The kernels are built for the emulated CPU, in a
+# cache of their own; a subprocess a test starts (a compiler, a child interpreter) runs on the host.
+# ISA_CPU names another qemu CPU model.
 ISA_CPU ?= Haswell-v4
-ISA_TESTS := tests/kernels/test_native_entries.py tests/kernels/test_cpu_native.py tests/kernels/test_cpu_gemm.py \
-	tests/kernels/test_cpu_gemm_int8.py tests/kernels/test_cpu_bf16.py tests/kernels/test_cpu_decode_step.py \
-	tests/kernels/test_cpu_kv_quant.py tests/kernels/test_cpu_amx.py tests/kernels/test_matmul_plan.py \
+ISA_TESTS := tests/kernels/test_native_entries.py tests/kernels/test_native_build.py tests/kernels/test_cpu_native.py \
+	tests/kernels/test_cpu_gemm.py tests/kernels/test_cpu_gemm_int8.py tests/kernels/test_cpu_bf16.py \
+	tests/kernels/test_cpu_decode_step.py tests/kernels/test_cpu_kv_quant.py tests/kernels/test_cpu_amx.py \
+	tests/kernels/test_matmul_plan.py \
 	tests/worker/model/test_bf16.py tests/worker/model/test_quantization.py tests/worker/model/test_attention_step.py \
 	tests/worker/model/test_cpu_attention.py tests/worker/engine/test_kv_quant.py
 # (the logits of the larger `small` model are left out: emulated, each takes minutes)

@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tensor_parallel.report(model_dir, args.tensor_parallel_size, log)
         return 0
-    from disagg.kernels import cpu_bf16, cpu_native
+    from disagg.kernels import cpu_bf16, cpu_native, native_build
     from disagg.worker.model.config import ModelConfig
 
     config = ModelConfig.from_pretrained(model_dir)
@@ -257,11 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     log("memory bandwidth: copy, read, GEMV")
     copy_bw, read_bw = memory_floor.copy_bandwidth(), memory_floor.read_bandwidth()
     gemvs = {"torch F.linear": memory_floor.gemv_bandwidth(config.hidden_size, model.dtype)}
-    if model.dtype == torch.float32 and cpu_native.available():
+    if model.dtype == torch.float32 and native_build.available():
         gemvs["native"] = memory_floor.gemv_bandwidth(config.hidden_size, model.dtype, cpu_native.gemv)
-    if model.dtype == torch.bfloat16 and cpu_native.available():
+    if model.dtype == torch.bfloat16 and native_build.available():
         gemvs["native bf16"] = memory_floor.gemv_bandwidth(config.hidden_size, model.dtype, cpu_bf16.gemv)
-    if args.quantization == "int8" and cpu_native.available():
+    if args.quantization == "int8" and native_build.available():
         ones = torch.ones(1 << 20)
         gemvs["native int8"] = memory_floor.gemv_bandwidth(
             config.hidden_size,

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from disagg.kernels import cpu_kv_quant, cpu_native
+from disagg.kernels import cpu_kv_quant, cpu_native, native_build
 from disagg.kernels.kv_quant import KVQuantFormat
 from disagg.worker.model.precisions import KV_CACHE_DTYPES
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="1x512,1x2048,16x1024", help="BxL, comma-separated")
     ap.add_argument("--reps", type=int, default=40)
     args = ap.parse_args(argv)
-    if not cpu_native.available():
+    if not native_build.available():
         raise SystemExit("native kernels unavailable (no C compiler?)")
     g = torch.Generator().manual_seed(0)
     print(

@@ -21,6 +21,6 @@ def kernel_report() -> str:
     """The CPU as the native kernels see it: its name, the instruction sets this process may
     execute and those the kernels were built for (`DISAGG_CPU_NATIVE_ARCH` chooses another level),
     and AMX; every figure of a CPU kernel depends on them."""
-    from disagg.kernels import cpu_native
+    from disagg.kernels import native_build
 
-    return cpu_native.cpu_report()
+    return native_build.cpu_report()

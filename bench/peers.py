@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from disagg.kernels import cpu_native
+from disagg.kernels import cpu_native, native_build
 from disagg.worker.model.forward_batch import ForwardBatch
 from disagg.worker.model.loader import load_model
 from disagg.worker.model.pretrained import require_default_model
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cpu: {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads")
     print(f"kernels: {kernel_report()}")
     peak, probe = fp32_fma_peak_gflops(
-        args.threads, cpu_native.gemm_vector_floats() if cpu_native.available() else 0
+        args.threads, cpu_native.gemm_vector_floats() if native_build.available() else 0
     )
     print(f"float32 FMA peak of {args.threads} threads: {peak:.0f} GFLOP/s ({probe}, one core x {args.threads}; "
           f"load {load():.2f})")  # fmt: skip

@@ -136,13 +136,13 @@ class Threshold:
         return sorted({r for r in (t // 4, t // 2, t, t + 1, 2 * (t + 1)) if r >= 1})
 
 
-def thresholds(quantized, cpu_native, cpu_bf16) -> list[Threshold]:
+def thresholds(quantized, cpu_native, cpu_bf16, native_build) -> list[Threshold]:
     """Every row threshold with the kernels on its two sides on this CPU."""
     wide, narrow = cpu_native.gemm_vector_floats() >= 16, cpu_native.narrow_tiles()
     vnni = (
         cpu_native.gemm_int8_is_fast() and not cpu_native.narrow_tiles()
     )  # AVX2 builds have a fast W8A8 path only
-    bf16_dot, amx = cpu_bf16.dot_native(), cpu_native.amx_usable()
+    bf16_dot, amx = cpu_bf16.dot_native(), native_build.amx_usable()
     no_avx2_build = "the kernels are built for AVX-512 here (DISAGG_CPU_NATIVE_ARCH=x86-64-v3: AVX2)"
     q = quantized
     return [
@@ -177,16 +177,16 @@ def thresholds(quantized, cpu_native, cpu_bf16) -> list[Threshold]:
 
 
 def threshold_tables(shapes: list[tuple[str, int, int]], args, gen: torch.Generator) -> None:
-    from disagg.kernels import cpu_bf16, cpu_native, quantized
+    from disagg.kernels import cpu_bf16, cpu_native, native_build, quantized
 
     print(
         f"row thresholds of disagg.kernels.quantized on {cpu_name()}: AVX-512 tiles "
         f"{cpu_native.gemm_vector_floats() >= 16}, VNNI {cpu_native.gemm_int8_is_fast()}, bf16 products "
-        f"{cpu_bf16.dot_native()}, AMX {cpu_native.amx_usable()}; {torch.get_num_threads()} threads, "
+        f"{cpu_bf16.dot_native()}, AMX {native_build.amx_usable()}; {torch.get_num_threads()} threads, "
         f"weights {'hot' if args.hot else 'cold'}; 1-min load average {os.getloadavg()[0]:.2f}"
     )
     print("  ratio: time beyond / time up to the threshold (above 1: the lower-rows kernel is faster)")
-    for t in thresholds(quantized, cpu_native, cpu_bf16):
+    for t in thresholds(quantized, cpu_native, cpu_bf16, native_build):
         print(f"{t.name} = {getattr(quantized, t.name)} ({t.weight} weights): {t.lower} | {t.upper}")
         if t.missing:
             print(f"  not timed: {t.missing}")
@@ -249,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from disagg.kernels import cpu_bf16, cpu_native
+    from disagg.kernels import cpu_bf16, cpu_native, native_build
 
-    if not cpu_native.available():
+    if not native_build.available():
         print("native CPU kernels unavailable here (no C compiler?)")
         return 1
     dtype = getattr(torch, args.dtype)

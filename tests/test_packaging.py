@@ -96,7 +96,7 @@ def test_worker_image_environment(tmp_path):
     assert done.returncode == 0, done.stderr
     # the native CPU kernels' sources ship in the wheel and build there (a C compiler is on the image)
     native = _run(venv, str(venv / "bin" / "python"), "-c",
-                  "from disagg.kernels import cpu_native; import sys; sys.exit(0 if cpu_native.available() else 1)")  # fmt: skip
+                  "from disagg.kernels import native_build; import sys; sys.exit(0 if native_build.available() else 1)")  # fmt: skip
     assert native.returncode == 0, native.stderr
     for command in ("worker", "router", "generate", "make-model"):
         shown = _run(venv, str(venv / "bin" / "disagg"), command, "--help")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from triton_cases import case_id, paged_cache
 
-from disagg.kernels import cpu_bf16, cpu_native, quantized, torch_ops
+from disagg.kernels import cpu_bf16, cpu_native, native_build, quantized, torch_ops
 
 pytestmark = needs.native
 
@@ -168,7 +168,7 @@ def test_linear_takes_the_amx_gemm_between_its_row_limits():
 
 
 def test_linear_takes_the_bf16_gemv_up_to_its_row_limit(monkeypatch):
-    monkeypatch.setattr(cpu_native, "amx_usable", lambda: False)  # where AMX is, BF16_AMX_* apply
+    monkeypatch.setattr(native_build, "amx_usable", lambda: False)  # where AMX is, BF16_AMX_* apply
     limit = quantized.BF16_GEMV_MAX_ROWS
     gen = torch.Generator().manual_seed(3)
     w, bias, x = _bf16(40, 48, gen=gen), _bf16(40, gen=gen), _bf16(limit + 1, 48, gen=gen)
@@ -211,7 +211,7 @@ def test_scaled_linear_bf16_rounds_only_inputs_and_products(monkeypatch, amx):
     """W8A16 equals the float32 product of the bf16-rounded inputs with the exact 8-bit values, up
     to (through torch's bf16 GEMM) the product's one rounding to bf16, then scaled in float32."""
     if not amx:
-        monkeypatch.setattr(cpu_native, "amx_usable", lambda: False)
+        monkeypatch.setattr(native_build, "amx_usable", lambda: False)
     g = torch.Generator().manual_seed(6)
     w = quantized.QuantizedWeight(
         torch.randint(-127, 128, (96, 200), generator=g, dtype=torch.int8), torch.rand(96, generator=g) + 0.5

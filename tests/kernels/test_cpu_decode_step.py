@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from triton_cases import TOLERANCE, case_id
 from worker.conftest import llama_config, save_hf_model
 
-from disagg.kernels import cpu_decode_step, cpu_native, torch_ops
+from disagg.kernels import cpu_decode_step, cpu_native, native_build, torch_ops
 from disagg.worker.model.llama import decode_layers
 from disagg.worker.model.loader import load_model
 
@@ -101,7 +101,7 @@ def decode_both_ways(
     whole step runs: where AMX is usable, the plans would multiply 2+ rows on it (other sums), so
     AMX is turned off unless `amx` (then both paths multiply on it)."""
     if per_op and not amx:
-        monkeypatch.setattr(cpu_native, "amx_usable", lambda: False)  # before the load resolves the plans
+        monkeypatch.setattr(native_build, "amx_usable", lambda: False)  # before the load resolves the plans
     model, config = load_model(model_dir, dtype=dtype, quantization_setting=quantization)
     whole_step = model._whole_step_native
     assert whole_step

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from triton_cases import case_id
 
-from disagg.kernels import cpu_bf16, cpu_isa, cpu_native, quantized
+from disagg.kernels import cpu_bf16, cpu_isa, cpu_native, native_build, quantized
 from disagg.kernels.quantized import QuantizedWeight, scaled_linear_torch, scaled_linear_w8a8_torch
 
 pytestmark = needs.native
@@ -147,7 +147,7 @@ def test_linear_takes_the_amx_gemm_between_its_row_limits():
 
 
 def test_linear_takes_the_int8_gemm_from_its_row_threshold(monkeypatch):
-    monkeypatch.setattr(cpu_native, "amx_usable", lambda: False)  # where AMX is, INT8_AMX_MAX_ROWS applies
+    monkeypatch.setattr(native_build, "amx_usable", lambda: False)  # where AMX is, INT8_AMX_MAX_ROWS applies
     x, w, bias = _operands(quantized.GEMV_INT8_MAX_ROWS_NO_VNNI + 1, 40, 48, seed=3)
     low, high = quantized.W8A8_MIN_ROWS, quantized.GEMM_INT8_MAX_ROWS
     # below the threshold: the W8A16 GEMV
@@ -225,9 +225,9 @@ def test_the_loops_without_vnni_give_the_same_numbers(tmp_path):
 
 def _build(tmp_path: Path, name: str, flags: list[str]) -> ctypes.CDLL:
     """cpu_gemm_int8.c alone, compiled and linked as the kernels are, with `flags` on top of their base flags."""
-    source = Path(cpu_native.__file__).with_name("cpu_gemm_int8.c")
+    source = native_build.SOURCE_DIR / "cpu_gemm_int8.c"
     lib_path = tmp_path / f"{name}.so"
-    cpu_native._compile("cc", [*cpu_native._BASE_FLAGS, *flags], [source], str(lib_path), tmp_path)
+    native_build._compile("cc", [*native_build._BASE_FLAGS, *flags], [source], str(lib_path), tmp_path)
     return ctypes.CDLL(str(lib_path))
 
 
@@ -262,7 +262,7 @@ def int8_builds(tmp_path_factory):
     assert plain.gemm_i8_vnni() == 0
     builds = {}
     for name, (cflags, needed) in AVX2_BUILDS.items():
-        if needed <= cpu_native.cpu_features():
+        if needed <= native_build.cpu_features():
             builds[name] = _build(tmp, name, cflags)
             assert builds[name].gemm_i8_vnni() == 1  # reported fast
     if not builds:

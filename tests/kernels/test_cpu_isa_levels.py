@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.kernels import cpu_isa, cpu_native
+from disagg.kernels import cpu_isa, native_build
 
 ROOT = Path(__file__).resolve().parents[2]
 LEVELS = ("x86-64-v3", "x86-64-v2")
@@ -30,11 +30,12 @@ KERNEL_TESTS = [
     "tests/kernels/test_cpu_bf16.py",
     "tests/kernels/test_cpu_kv_quant.py",
     "tests/kernels/test_cpu_native.py",
+    "tests/kernels/test_native_build.py",
     "tests/kernels/test_native_entries.py",
 ]
 
 
-# The instructions that choose a kernel's code path (the #if's of kernels/*.c).
+# The instructions that choose a kernel's code path (the #if's of kernels/csrc/*.c).
 PATH_FLAGS = {"avx512f", "avx512bw", "avx512vnni", "avx512bf16", "avxvnni", "avx2", "fma", "f16c"}
 
 
@@ -45,7 +46,7 @@ def test_native_kernel_tests_pass_when_built_for(level, tmp_path):
         pytest.skip("x86-64 levels")
     if shutil.which("cc") is None:
         pytest.skip("needs a C compiler (cc)")
-    flags = cpu_native.cpu_features()
+    flags = native_build.cpu_features()
     missing = cpu_isa.LEVELS[level] - flags
     if missing:
         pytest.skip(f"this CPU cannot run {level} code (no {', '.join(sorted(missing))})")

@@ -20,7 +20,7 @@ import needs
 import pytest
 import torch
 
-from disagg.kernels import cpu_bf16, cpu_kv_quant, cpu_native
+from disagg.kernels import cpu_bf16, cpu_kv_quant, cpu_native, native_build
 from disagg.kernels.kv_quant import KVQuantFormat
 from disagg.worker.model.loader import load_model
 
@@ -107,7 +107,7 @@ def _int8_gemm(bits: int):
 def _amx_pieces(int8: bool):
     """cpu_amx.c's GEMM pieces as a whole-step decode calls them, on one thread: begin (-2 where
     AMX is not usable, and then the pieces do nothing), pack, rows, end."""
-    lib = cpu_native.library()
+    lib = native_build.library()
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.amx_tiles_begin.restype = i64
     lib.amx_scratch_bytes.argtypes, lib.amx_scratch_bytes.restype = [i64, i64, i64], i64
@@ -159,8 +159,8 @@ def _entries(model_dir) -> dict[str, tuple[tuple[str, ...], object]]:
         "gemm": (("gemm_f32",), lambda: cpu_native.gemm(xs, w, b)),
         "gemm_packed float32": (("gemm_packed",), lambda: cpu_native.gemm_packed(xs, w, b)),
         "gemm_packed int8": (("gemm_packed",), lambda: cpu_native.gemm_packed(xs, wi, b, scale)),
-        "gemm_vector_floats": (("gemm_vector_floats",), lambda: cpu_native.library().gemm_vector_floats()),
-        "amx_usable": (("amx_usable",), lambda: cpu_native.library().amx_usable()),
+        "gemm_vector_floats": (("gemm_vector_floats",), lambda: native_build.library().gemm_vector_floats()),
+        "amx_usable": (("amx_usable",), lambda: native_build.library().amx_usable()),
         "gemm_8bit_amx": (("gemm_w8_amx",), lambda: cpu_native.gemm_8bit_amx(xs, wi, scale, b)),
         "gemm_int8_amx": (("gemm_i8_amx",), lambda: cpu_native.gemm_int8_amx(xs, wi, scale, b)),
         "gemv_int8": (("gemv_i8",), lambda: cpu_native.gemv_int8(x, wi, scale, b)),
@@ -230,7 +230,7 @@ BUILD_DEPENDENT = {"gemv_bf16_dp"}
 
 def _exported() -> set[str]:
     """The functions the loaded kernels' shared object exports."""
-    lib_path = cpu_native.library()._name
+    lib_path = native_build.library()._name
     out = subprocess.run(["nm", "-D", "--defined-only", lib_path], check=True, capture_output=True, text=True)
     return {
         parts[2] for parts in map(str.split, out.stdout.splitlines()) if len(parts) == 3 and parts[1] == "T"
@@ -277,26 +277,26 @@ def test_every_export_is_called(entries):
 def test_each_entry_returns_or_raises_and_never_dies_of_a_signal(entries):
     outcomes = {name: _in_child(call) for name, (_, call) in entries.items()}
     died = {name: outcome for name, outcome in outcomes.items() if outcome[0] == "signal"}
-    assert died == {}, f"on {cpu_native.cpu_report()}"
+    assert died == {}, f"on {native_build.cpu_report()}"
     # what may refuse: AMX where it is not usable, with the error its docstring promises
     raised = {name: detail for name, (kind, detail) in outcomes.items() if kind == "raised"}
     amx = {"gemm_8bit_amx", "gemm_int8_amx", "bf16 gemm_amx"}
     assert set(raised) <= amx, raised
     for name in raised:
         assert "AMX is not usable" in raised[name], raised[name]
-    assert set(raised) == (set() if cpu_native.amx_usable() else amx)
+    assert set(raised) == (set() if native_build.amx_usable() else amx)
 
 
 def test_the_amx_pieces_do_nothing_where_amx_is_not_usable():
     began, y = _amx_pieces(int8=False)
-    if cpu_native.amx_usable():
+    if native_build.amx_usable():
         assert began == 0 and y.abs().sum() > 0
     else:
         assert began == -2 and torch.equal(y, torch.zeros_like(y))
 
 
 def test_the_amx_gemms_raise_where_amx_is_not_usable():
-    if cpu_native.amx_usable():
+    if native_build.amx_usable():
         pytest.skip("AMX is usable here: tests/kernels/test_cpu_amx.py checks its products")
     with pytest.raises(RuntimeError, match="AMX is not usable"):
         cpu_bf16.gemm_amx(_bf16(20, 64), _bf16(40, 64))

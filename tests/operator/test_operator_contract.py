@@ -349,10 +349,10 @@ def test_worker_containers_parse_with_the_real_cli(example, variant, role, tmp_p
     _check_redis_url(cfg.redis_url, idep, kids, cfg.redis_password)
 
     # The native-kernel cache is a writable, pod-private volume (the root file system is read-only).
-    from disagg.kernels import cpu_native
+    from disagg.kernels import native_build
 
     with container_environ(env) as kernel_reads:
-        cache = str(cpu_native._cache_dirs()[0])
+        cache = str(native_build._cache_dirs()[0])
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert "emptyDir" in _mounted_volume(pod, container, cache), cache
     assert "emptyDir" in _mounted_volume(pod, container, env["HOME"])

@@ -6,55 +6,46 @@ is rounded to bf16 once.
 The GEMV multiplies bf16 values directly with AVX-512 BF16 (`vdpbf16ps`) where the CPU has it
 (`dot_native()`), else widens them to float32 (exact): both are correct everywhere, only speed
 differs. Where the CPU has no bf16 products, `gemm` serves the products of more rows (prefill
-chunks, batched decode) with the float32 GEMM's tiles, the weights widened in registers. Built and loaded with the other native kernels (`cpu_native.available()`).
+chunks, batched decode) with the float32 GEMM's tiles, the weights widened in registers. Built and loaded with the other native kernels (`native_build.available()`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import threading
+import functools
 
 import torch
 
-from disagg.kernels import cpu_native
+from disagg.kernels import cpu_native, native_build
 
-_bound: ctypes.CDLL | None = None
-_bind_lock = threading.Lock()
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "bf16_dot_native": ([], _i64),
+    "gemv_bf16": ([_p, _p, _p, _p, _i64, _i64, _i64, _i64], None),
+    "gemv_bf16_portable": ([_p, _p, _p, _p, _i64, _i64, _i64, _i64], None),
+    "gemm_bf16w": ([_p, _p, _p, _p, _i64, _i64, _i64, _i64], ctypes.c_int),
+    "gemm_bf16_amx": ([_p, _p, _p, _p, _i64, _i64, _i64, _i64], ctypes.c_int),
+    "i8_to_bf16": ([_p, _p, _i64, _i64], None),
+    "fp8_to_bf16": ([_p, _p, _i64, _i64], None),
+    "bf16_scale_cols": ([_p, _p, _p, _p, _i64, _i64, _i64], None),
+    "add_rms_norm_bf16": ([_p, _p, _p, _p, _i64, _i64, _f32], None),
+    "silu_and_mul_bf16": ([_p, _p, _i64, _i64], None),
+    "rotary_write_kv_bf16": ([_p, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64], None),
+    "paged_decode_attention_bf16": (
+        [_p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _f32, _p, _i64, _i64],
+        ctypes.c_int,
+    ),
+}
 
 
+@functools.cache
 def _lib() -> ctypes.CDLL:
-    global _bound
-    if _bound is None:
-        with _bind_lock:
-            lib = cpu_native.library()
-            p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-            signatures = {
-                "bf16_dot_native": ([], i64),
-                "gemv_bf16": ([p, p, p, p, i64, i64, i64, i64], None),
-                "gemv_bf16_portable": ([p, p, p, p, i64, i64, i64, i64], None),
-                "gemm_bf16w": ([p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
-                "gemm_bf16_amx": ([p, p, p, p, i64, i64, i64, i64], ctypes.c_int),
-                "i8_to_bf16": ([p, p, i64, i64], None),
-                "fp8_to_bf16": ([p, p, i64, i64], None),
-                "bf16_scale_cols": ([p, p, p, p, i64, i64, i64], None),
-                "add_rms_norm_bf16": ([p, p, p, p, i64, i64, f32], None),
-                "silu_and_mul_bf16": ([p, p, i64, i64], None),
-                "rotary_write_kv_bf16": ([p, i64, p, p, p, p, i64, i64, i64, i64, i64], None),
-                "paged_decode_attention_bf16": (
-                    [p, i64, p, p, i64, p, p, i64, i64, i64, i64, i64, f32, p, i64, i64],
-                    ctypes.c_int,
-                ),
-            }
-            for name, (argtypes, restype) in signatures.items():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = argtypes, restype
-            _bound = lib
-    return _bound
+    return native_build.bind(_SIGNATURES)
 
 
 def dot_native() -> bool:
     """Whether the GEMV multiplies bf16 in hardware here (AVX-512 BF16), not widened to float32."""
-    return cpu_native.available() and bool(_lib().bf16_dot_native())
+    return native_build.available() and bool(_lib().bf16_dot_native())
 
 
 def _check_bf16(**tensors: torch.Tensor) -> None:
@@ -104,7 +95,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 def gemm_amx(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for bf16 x [M, K] and weight [N, K] on AMX (cpu_amx.c): the
     weight's rows are read in place as tiles (no repacked copy), the inputs packed once, float32
-    sums, each output rounded to bf16 once. Only where `cpu_native.amx_usable()`."""
+    sums, each output rounded to bf16 once. Only where `native_build.amx_usable()`."""
     _check_bf16(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
     (m, k), n = x.shape, weight.shape[0]
     if weight.shape[1] != k or (bias is not None and bias.shape != (n,)):

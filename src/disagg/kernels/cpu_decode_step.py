@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.kernels import cpu_native
+from disagg.kernels import cpu_native, native_build
 from disagg.kernels.kv_quant import KVQuantFormat
 from disagg.kernels.quantized import (
     BF16_AMX_MAX_ROWS,
@@ -122,11 +122,25 @@ def _flatten(t: torch.Tensor | QuantizedWeight, dense: str = "f32") -> list[tupl
     return [(dense, t)]
 
 
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+_STEP = [_p, _p, _i64, _p, _p, _p, _i64, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _p]
+_SIGNATURES = {
+    "decode_step_f32": (_STEP, ctypes.c_int),
+    "decode_step_bf16": (_STEP, ctypes.c_int),
+    "decode_step_kvq8": (
+        [_p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, ctypes.c_int, _p, _i64, _p, _i64, _p, _p, _i64, _p],
+        ctypes.c_int,
+    ),
+    "decode_step_work_floats": ([_p, _i64, _i64, _i64], _i64),
+    "decode_step_phases": ([], _i64),
+}
+
+
 def amx_rows(weight: torch.Tensor | QuantizedWeight) -> tuple[int, int]:
     """(from, to) rows over which a step whose matmuls have weights like `weight` multiplies on AMX
     tiles, where AMX is usable: bf16 and int8 weights, over the rows the per-op path's AMX GEMMs
     take (cpu_amx.c, in pieces: the same numbers); (0, 0) where it does not."""
-    if not cpu_native.amx_usable():
+    if not native_build.amx_usable():
         return 0, 0
     if isinstance(weight, QuantizedWeight):
         return (W8A8_MIN_ROWS, INT8_AMX_MAX_ROWS) if weight.scheme == "int8" else (0, 0)
@@ -161,7 +175,7 @@ class NativeDecodeStep:
         eps: float,
         scale: float,
     ):
-        self._lib = cpu_native.library()
+        self._lib = native_build.bind(_SIGNATURES)
         hidden = final_norm.shape[0]
         inter = layers[0].down.shape[1]
         head_dim = cos_sin_cache.shape[1]
@@ -195,7 +209,9 @@ class NativeDecodeStep:
             tensors += [kt for t in vars(layer).values() if t is not None for kt in _flatten(t, dense)]
         if lm_head.shape[1] != hidden:
             raise ValueError(f"lm_head: shape {tuple(lm_head.shape)} does not match hidden size {hidden}")
-        cpu_native._check_f32(**{f"weight {i}": t for i, (kind, t) in enumerate(tensors) if kind == "f32"})
+        cpu_native.check_cpu(
+            torch.float32, **{f"weight {i}": t for i, (kind, t) in enumerate(tensors) if kind == "f32"}
+        )
         cpu_native.check_cpu(
             torch.bfloat16, **{f"weight {i}": t for i, (kind, t) in enumerate(tensors) if kind == "bf16"}
         )

@@ -4,10 +4,28 @@ agree with the torch twin in `disagg.kernels.kv_quant` (tests/kernels/test_cpu_k
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 
-from disagg.kernels import cpu_native
+from disagg.kernels import cpu_native, native_build
 from disagg.kernels.kv_quant import KVQuantFormat
+
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "rotary_write_kv_q8": ([_p, _i64, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_int], None),
+    "paged_decode_attention_q8": (
+        [_p, _i64, _p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_int, ctypes.c_float, _p,
+         _i64, _i64],
+        ctypes.c_int,
+    ),
+}  # fmt: skip
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    return native_build.bind(_SIGNATURES)
 
 
 def _check_layer_cache(layer_cache: torch.Tensor, fmt: KVQuantFormat) -> None:
@@ -38,7 +56,7 @@ def rotary_write_kv(
     """`cpu_native.rotary_write_kv` into one layer of a quantized cache: q and k rotated in place
     in qkv, then k and v quantized into their slots (negative slots skipped). Positions and
     slots are the caller's to bounds-check (`cpu_native.check_step_bounds`)."""
-    cpu_native._check_f32(qkv=qkv, cos_sin_cache=cos_sin_cache)
+    cpu_native.check_cpu(torch.float32, qkv=qkv, cos_sin_cache=cos_sin_cache)
     _check_layer_cache(layer_cache, fmt)
     d = fmt.head_dim
     if qkv.shape[-1] != (num_q_heads + 2 * num_kv_heads) * d or fmt.num_kv_heads != num_kv_heads:
@@ -48,7 +66,7 @@ def rotary_write_kv(
     if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
         raise ValueError("positions and slot_mapping must be int64")
     positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()  # alive through the call
-    cpu_native.library().rotary_write_kv_q8(
+    _lib().rotary_write_kv_q8(
         qkv.data_ptr(), qkv.shape[-1], cos_sin_cache.data_ptr(), positions.data_ptr(), layer_cache.data_ptr(),
         slot_mapping.data_ptr(), qkv.shape[0], num_q_heads, num_kv_heads, d, fmt.block_size, fmt.region_bytes,
         int(fmt.name == "fp8"),
@@ -72,7 +90,7 @@ class QuantizedPagedDecodeAttention(cpu_native.PagedDecodeAttention):
         if q.stride(2) != 1 or q.stride(1) != d:  # heads of a row must be contiguous; rows may be apart
             q = q.contiguous()
         out = torch.empty(b, hq, d, dtype=torch.float32)
-        code = cpu_native.library().paged_decode_attention_q8(
+        code = _lib().paged_decode_attention_q8(
             q.data_ptr(), q.stride(0), kv_cache.data_ptr(), self.tables.data_ptr(), self.tables.shape[1],
             self.lens.data_ptr(), out.data_ptr(), b, hq, self.num_kv_heads, d, self.fmt.block_size,
             self.fmt.region_bytes, int(self.fmt.name == "fp8"), scale, self.scratch.data_ptr(), self.max_len,

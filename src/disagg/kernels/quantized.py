@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from disagg.kernels import cpu_bf16, cpu_native
+from disagg.kernels import cpu_bf16, cpu_native, native_build
 
 SCHEMES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # Row thresholds of the plans; each one's crossover: `python bench/small_gemm.py --thresholds`.
@@ -135,7 +135,7 @@ def scaled_linear_torch(
 
 def gemm_native_max_rows() -> int:
     """Rows up to which the native float32 GEMM beats torch's: by the width its tiles were built for."""
-    if not cpu_native.available():
+    if not native_build.available():
         return 0
     return GEMM_NATIVE_MAX_ROWS if cpu_native.gemm_vector_floats() >= 16 else GEMM_NATIVE_MAX_ROWS_AVX2
 
@@ -157,13 +157,13 @@ def scaled_linear_w8a8_torch(
 def scaled_linear_bf16(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """W8A16 for many rows: x [M, K] rounded to bfloat16, the 8-bit weight widened exactly to bf16,
     float32 sums, times the float32 row scales (+ bias) in float32. Where AMX is usable
-    (`cpu_native.amx_usable()`), one native call does it all
+    (`native_build.amx_usable()`), one native call does it all
     (`cpu_native.gemm_8bit_amx`: the weight widened block by block into tiles, never to memory);
     elsewhere torch's bf16 GEMM (oneDNN) on the weight widened natively (`cpu_bf16.widen_8bit`), its
     bf16 product scaled natively (`cpu_bf16.scale_columns`), which also rounds the product to
     bf16."""
     b = None if bias is None else bias.contiguous()
-    if cpu_native.amx_usable():
+    if native_build.amx_usable():
         return cpu_native.gemm_8bit_amx(x.contiguous(), w.data, w.scale, b)
     y = F.linear(x.to(torch.bfloat16), cpu_bf16.widen_8bit(w.data))
     return cpu_bf16.scale_columns(y, w.scale, b)
@@ -335,7 +335,7 @@ def plan_for(w: torch.Tensor | QuantizedWeight) -> MatmulPlan:
         return _quantized_plan(w)
     if w.device.type != "cpu":
         return MatmulPlan((), torch_gemm)
-    native = cpu_native.available()
+    native = native_build.available()
     if not native or not w.is_contiguous() or w.dtype not in (torch.float32, torch.bfloat16):
         return MatmulPlan((), torch_gemm, native=native)
     if w.dtype == torch.float32:
@@ -344,7 +344,7 @@ def plan_for(w: torch.Tensor | QuantizedWeight) -> MatmulPlan:
         if cpu_native.narrow_tiles():
             tiers.append(Tier(limit + 1, ROWS_UNBOUNDED, packed_gemm))
         return MatmulPlan(tuple(tiers), torch_gemm, _float32_plain_rows, native)
-    if cpu_native.amx_usable():
+    if native_build.amx_usable():
         tiers = [
             Tier(0, BF16_AMX_MIN_ROWS - 1, bf16_gemv),
             Tier(BF16_AMX_MIN_ROWS, BF16_AMX_MAX_ROWS, bf16_amx),
@@ -361,10 +361,10 @@ def _quantized_plan(w: QuantizedWeight) -> MatmulPlan:
         return MatmulPlan((), triton_scaled_matmul)
     if w.device.type != "cpu":
         return MatmulPlan((), twin)
-    if not cpu_native.available():
+    if not native_build.available():
         return MatmulPlan((), twin, native=False)
     tiers = []
-    if w.scheme == "int8" and cpu_native.amx_usable():
+    if w.scheme == "int8" and native_build.amx_usable():
         tiers.append(Tier(W8A8_MIN_ROWS, INT8_AMX_MAX_ROWS, int8_amx, _16bit_inputs))
     if cpu_bf16.dot_native():
         tiers.append(Tier(BF16_PRODUCT_MIN_ROWS, ROWS_UNBOUNDED, bf16_product, _float32_bias_no_grad))
@@ -414,6 +414,6 @@ def linear(
     A weight `resolve` has not seen, or seen before `DISAGG_CPU_NATIVE` changed, gets a plan for
     this call only: one built by hand follows the CPU's probes as they answer at each call."""
     plan = getattr(w, "matmul_plan", None)
-    if plan is None or (plan.native is not None and plan.native != cpu_native.available()):
+    if plan is None or (plan.native is not None and plan.native != native_build.available()):
         plan = plan_for(w)
     return plan(x, w, bias, w8a8)

@@ -85,9 +85,9 @@ def test_native_decode_steps_agree_with_the_torch_path(tiny_dir, kv_dtype, monke
     K/V value lying near the middle between two grid points to the other one: a few logits move
     by ~1e-3 (fp8, one step of one value), the mean by ~1e-4 at most, far below the quantization's
     own error (tiny: mean 5e-3 int8, 2e-2 fp8)."""
-    from disagg.kernels import cpu_native
+    from disagg.kernels import native_build
 
-    if not cpu_native.available():
+    if not native_build.available():
         pytest.skip("needs a C compiler (cc)")
     model, config = load_model(tiny_dir)
     model.use_kv_cache_dtype(kv_dtype)
@@ -109,9 +109,9 @@ def test_whole_step_native_decode_over_a_quantized_cache(tiny_dir, kv_dtype, mon
     """Decode steps of a few sequences run whole in one native call over the quantized cache too
     (rotary + quantizing write and attention over 8-bit K/V inside it); against the per-op native
     kernels the logits differ as in the test above (other matmul kernels, same K/V kernels)."""
-    from disagg.kernels import cpu_native
+    from disagg.kernels import native_build
 
-    if not cpu_native.available():
+    if not native_build.available():
         pytest.skip("needs a C compiler (cc)")
     model, config = load_model(tiny_dir)
     model.use_kv_cache_dtype(kv_dtype)

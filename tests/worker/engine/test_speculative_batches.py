@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagg.kernels import cpu_native
+from disagg.kernels import native_build
 from disagg.worker.engine.llm_engine import LLMEngine
 from disagg.worker.engine.speculative import batches
 
@@ -33,10 +33,10 @@ def logits_of(e: LLMEngine, shape: str, blocks: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_verify_logits_match_sequential_decoding(tiny_llama_dir, monkeypatch, native, threads):
-    if native and not cpu_native.available():
+    if native and not native_build.available():
         pytest.skip("no C compiler for the native kernels")
     if not native:
-        monkeypatch.setattr(cpu_native, "available", lambda: False)
+        monkeypatch.setattr(native_build, "available", lambda: False)
     n = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagg.kernels import cpu_native
+from disagg.kernels import native_build
 from disagg.worker.model import attention_step as steps
 from disagg.worker.model.loader import load_model
 
@@ -19,7 +19,7 @@ def _step(model, seqs, cache, prefill: bool):
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["native", "torch"])
 def test_each_setting_takes_its_path(tiny_llama_dir, paged, native, monkeypatch):
-    if native == "1" and not cpu_native.available():
+    if native == "1" and not native_build.available():
         pytest.skip("needs a C compiler (cc)")
     monkeypatch.setenv("DISAGG_CPU_NATIVE", native)
     model, _ = load_model(tiny_llama_dir)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagg.kernels import cpu_native
+from disagg.kernels import native_build
 from disagg.worker.model.loader import load_model
 from disagg.worker.tools.make_model import make_model
 from worker.model.test_quantization import compare, ragged_logits
@@ -56,18 +56,18 @@ def check_bf16(model_dir, monkeypatch, label: str):
         assert errors.mean_rel < rel and errors.kl_mean < kl and errors.greedy_agree >= agree, (name, errors)
 
 
-@pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
+@pytest.mark.skipif(not native_build.available(), reason="needs a C compiler (cc)")
 def test_bf16_logits_against_float32_tiny(tmp_path, monkeypatch, one_torch_thread):
     check_bf16(make_model(tmp_path / "tiny", preset="tiny", seed=0), monkeypatch, "tiny")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
+@pytest.mark.skipif(not native_build.available(), reason="needs a C compiler (cc)")
 def test_bf16_logits_against_float32_small(tmp_path, monkeypatch):
     check_bf16(make_model(tmp_path / "small", preset="small", seed=0), monkeypatch, "small")
 
 
-@pytest.mark.skipif(not cpu_native.available(), reason="needs a C compiler (cc)")
+@pytest.mark.skipif(not native_build.available(), reason="needs a C compiler (cc)")
 def test_bf16_engine_generates_what_the_float32_engine_does(tmp_path, one_torch_thread):
     """Through the engine (scheduler, mixed steps, decode of ten sequences: past the bf16 GEMV's
     row limit): greedy outputs agree with float32's for most tokens."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from disagg.kernels import cpu_decode_step, cpu_native, get_ops
+from disagg.kernels import cpu_decode_step, get_ops, native_build
 from disagg.kernels.kv_quant import KVQuantFormat
 from disagg.kernels.quantized import QuantizedWeight, linear
 from disagg.worker.model import kv_memory
@@ -249,7 +249,7 @@ class LlamaForCausalLM:
             and kv_caches.dtype == (self.dtype if self.kv_format is None else torch.uint8)
             and kv_caches.device.type == "cpu"
             and kv_caches.is_contiguous()
-            and cpu_native.available()
+            and native_build.available()
         )
 
     def native_decode_step(self) -> cpu_decode_step.NativeDecodeStep:

@@ -1,6 +1,6 @@
 /* Native CPU kernels of the bfloat16 path: weights, activations and the KV cache in bf16, every
  * sum in float32 inside, each result rounded to bf16 once (round to nearest even), as torch's own
- * bf16 kernels do. Built with the other native sources by disagg.kernels.cpu_native.
+ * bf16 kernels do. Built with the other native sources by disagg.kernels.native_build.
  *
  * The matrix-vector product (decode) is bound by reading the weight, which bf16 halves against
  * float32. With AVX-512 BF16 (`vdpbf16ps`: 32 bf16 products summed pairwise into 16 float32

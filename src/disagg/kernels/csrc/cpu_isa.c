@@ -8,8 +8,8 @@
  * that ran in a forked child and exited cleanly: a hypervisor that still traps the instructions then
  * kills the child, not this process.
  *
- * With DISAGG_NO_AMX (kernels built for an x86-64 level, cpu_native.py) it is never usable, as on
- * a CPU of that level. The other kernels are built with AMX turned off (cpu_native.py passes
+ * With DISAGG_NO_AMX (kernels built for an x86-64 level, native_build.py) it is never usable, as on
+ * a CPU of that level. The other kernels are built with AMX turned off (native_build.py passes
  * -mno-amx-*): -march=native on a CPU that lists it must not let the compiler assume it. */
 #include "cpu_kernels.h"
 

@@ -1,6 +1,6 @@
 /* Native CPU kernels over a quantized KV cache (disagg.kernels.kv_quant): the rotary + KV write
  * that quantizes each token's K/V as it stores them, and the paged decode attention that reads
- * 8-bit values with their scales. Built with the other kernels by disagg.kernels.cpu_native.
+ * 8-bit values with their scales. Built with the other kernels by disagg.kernels.native_build.
  *
  * Cache layout (one layer): regions of `region_bytes` per block; a region holds the 8-bit
  * values [2][block_size][Hkv][D] (K at index 0), then float32 scales [2][block_size][Hkv].

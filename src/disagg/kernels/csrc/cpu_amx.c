@@ -21,7 +21,7 @@
  * sums scaled per column. No widened copy of the weight goes to memory and no bf16 product is
  * rounded: unlike the torch route, the sums reach the scale in float32.
  *
- * Built with AMX off (cpu_native.py); the bodies turn it (and AVX-512) on for themselves in a
+ * Built with AMX off (native_build.py); the bodies turn it (and AVX-512) on for themselves in a
  * target region, and every public entry, outside it, first checks amx_usable() (cpu_isa.c): where
  * the CPU or the kernel does not allow the tiles, the GEMMs return -2 and the pieces do nothing. */
 #include "cpu_kernels.h"

@@ -1,4 +1,4 @@
-/* Native CPU kernels of the float32 path, built on first use by disagg.kernels.cpu_native and
+/* Native CPU kernels of the float32 path, built on first use by disagg.kernels.native_build and
  * called through ctypes.
  *
  * Each replaces several torch ops of a decoder layer whose cost at small batches is dispatch and
