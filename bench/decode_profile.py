@@ -64,7 +64,7 @@ def instrument(engine) -> None:
     engine.scheduler.schedule = _ranged("engine::schedule", engine.scheduler.schedule)
     engine.runner.forward = _ranged("engine::forward (Python)", engine.runner.forward)
     engine.sampler = _ranged("engine::sample", engine.sampler)
-    engine._append_token = _ranged("engine::append_token", engine._append_token)
+    engine.outputs.process = _ranged("engine::append_token", engine.outputs.process)
 
 
 def main(argv: list[str] | None = None) -> int:

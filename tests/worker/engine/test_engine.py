@@ -247,18 +247,18 @@ def test_stop_token_ids_max_tokens_min_tokens(llama_llm):
 
 def test_eos_stops_unless_ignored(llama_llm):
     engine = llama_llm.engine
-    saved = engine.eos_token_ids
+    saved = engine.inputs.eos_token_ids
     prompt = ragged_prompts(seed=8, lens=(9,))[0]
     ref = llama_llm.generate([prompt], greedy(12))[0].outputs[0].token_ids
     # make the 4th generated token an EOS by declaring it one for this check
-    engine.eos_token_ids = frozenset({ref[3]})
+    engine.inputs.eos_token_ids = frozenset({ref[3]})
     try:
         out = llama_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
         assert out.outputs[0].token_ids == ref[: ref.index(ref[3]) + 1] and out.finish_reason == "stop"
         out = llama_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
         assert len(out.outputs[0].token_ids) == 12
     finally:
-        engine.eos_token_ids = saved
+        engine.inputs.eos_token_ids = saved
     assert_all_free(engine)
 
 

@@ -83,7 +83,7 @@ def test_constrained_and_free_requests_share_a_batch(llm):
 def test_compiled_grammars_are_cached(llm):
     so = StructuredOutputParams(regex=r"\d{3}")
     _sample(llm, so, 2)
-    grammars = llm.engine.grammars
+    grammars = llm.engine.inputs.grammars
     compiled = grammars._cache[so]
     _sample(llm, so, 2)
     assert grammars._cache[so] is compiled

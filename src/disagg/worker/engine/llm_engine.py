@@ -5,7 +5,9 @@
         for out in engine.step():
             print(out.new_text, end="")
 
-Single-threaded by design: one loop thread owns the engine and calls every method.
+Single-threaded by design: one loop thread owns the engine and calls every method. A prompt becomes
+a `Request` in `input_processor.py`; sampled tokens become request state and outputs in
+`output_processor.py`, which plain and speculative steps share.
 
 For disaggregated serving:
   * prefill side: `add_request(..., prefill_only=True)` runs the prompt and samples the first
@@ -22,8 +24,6 @@ For disaggregated serving:
 from __future__ import annotations
 
 import dataclasses
-import logging
-import random
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -33,25 +33,22 @@ import torch
 
 from disagg.kernels import cpu_native
 from disagg.worker.engine import prompt_logprobs
-from disagg.worker.engine import resume as resumption
 from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.batch_builder import build_batch
 from disagg.worker.engine.block_hash import block_hashes
 from disagg.worker.engine.block_manager import BlockManager
-from disagg.worker.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from disagg.worker.engine.input_processor import InputProcessor
+from disagg.worker.engine.output_processor import OutputProcessor
+from disagg.worker.engine.outputs import RequestOutput, TokenLogprob
 from disagg.worker.engine.request import Request, RequestStatus
 from disagg.worker.engine.resume import Resumption
 from disagg.worker.engine.sampler import Sampler
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.engine.scheduler import Scheduler, SchedulerOutput
-from disagg.worker.engine.seeds import PositionRng
 from disagg.worker.engine.speculative.config import SpeculativeConfig
 from disagg.worker.engine.speculative.speculator import Speculator, make_proposer
-from disagg.worker.engine.structured_output import Grammars
 from disagg.worker.engine.tiers.tiers import KVTiers
 from disagg.worker.model.runner import ModelRunner, plan_num_blocks
-
-log = logging.getLogger(__name__)
 
 
 class Reservation(list):
@@ -133,7 +130,6 @@ class LLMEngine:
             from disagg.worker.engine.tokenizer import Tokenizer
 
             self.tokenizer = Tokenizer.from_pretrained(model)
-        self.eos_token_ids = frozenset(self._eos_ids())
 
         model_len = self.model.max_model_len
         if args.max_model_len is not None:
@@ -186,10 +182,16 @@ class LLMEngine:
             self.block_manager.on_evict = self.tiers.offload
             self.scheduler.tiers = self.tiers
         self.sampler = Sampler()
-        self.speculator = Speculator(spec, proposer, self) if spec else None
-        self.grammars: Grammars | None = None
         self.requests: dict[str, Request] = {}
-        self._seeds = random.Random(args.seed)
+        self.inputs = InputProcessor(self.tokenizer, self.config, self.max_model_len, self.device, args.seed)
+        self.outputs = OutputProcessor(self.scheduler, self.requests, self.max_model_len)
+        self.speculator = None
+        if spec:
+            self.speculator = Speculator(
+                spec, proposer, runner=self.runner, scheduler=self.scheduler, sampler=self.sampler,
+                outputs=self.outputs, max_model_len=self.max_model_len, vocab_size=self.config.vocab_size,
+            )  # fmt: skip
+            self.outputs.on_finish = self.speculator.forget
         # what the current (or last) step computes; read by layer hooks
         self.scheduled: SchedulerOutput | None = None
 
@@ -203,12 +205,6 @@ class LLMEngine:
             runner.close()
         elif self.ranks is not None:
             self.ranks.close()
-
-    def _eos_ids(self) -> set[int]:
-        ids = set(self.config.eos_token_ids or ())
-        if self.tokenizer is not None:
-            ids |= set(self.tokenizer.eos_token_ids)
-        return ids
 
     # ---- accessors --------------------------------------------------------------------
     @property
@@ -276,76 +272,17 @@ class LLMEngine:
         return list(req.block_ids)
 
     # ---- requests ---------------------------------------------------------------------
-    def _make_request(
+    def _new_request(
         self,
         request_id: str,
         prompt: str | Sequence[int],
         params: SamplingParams | None,
         prefill_only: bool,
-        resume: Resumption | None = None,
+        resume: Resumption | None,
     ) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        text = None
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    "prompt is text but the engine was built without a tokenizer; pass token ids"
-                )
-            text = prompt
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(ids)} tokens but max_model_len is {self.max_model_len}: "
-                f"the prompt and at least one generated token must fit in the context"
-            )
-        rng = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else self._seeds.randrange(2**63)
-            rng = PositionRng(seed, self.device)
-        req = Request(
-            request_id=request_id,
-            prompt_token_ids=ids,
-            params=params,
-            prompt=text,
-            prefill_only=prefill_only,
-            eos_token_ids=self.eos_token_ids,
-            rng=rng,
-        )
-        if params.structured_output is not None:
-            req.grammar = self._grammars().matcher(params.structured_output)
-        if self.tokenizer is not None:
-            from disagg.worker.engine.detokenizer import IncrementalDetokenizer
-
-            req.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens
-            )
-        if resume is not None:
-            if prefill_only:
-                raise ValueError("a prefill-only request cannot resume outputs")
-            resumption.apply(req, resume, self.config.vocab_size, self.max_model_len)
-        return req
-
-    def _grammars(self) -> Grammars:
-        """The grammar compiler, built on first use (it reads the whole vocabulary)."""
-        if self.grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("structured output needs the engine's tokenizer")
-            self.grammars = Grammars(
-                self.tokenizer.backend.to_str(), self.config.vocab_size, sorted(self.eos_token_ids)
-            )
-        return self.grammars
+        return self.inputs.request(request_id, prompt, params, prefill_only, resume)
 
     def add_request(
         self,
@@ -358,7 +295,7 @@ class LLMEngine:
     ) -> None:
         """Queue a request; its tokens come out of later `step()` calls. With `resume`, it
         continues from outputs another worker produced (`resume.py`)."""
-        req = self._make_request(request_id, prompt, params, prefill_only, resume)
+        req = self._new_request(request_id, prompt, params, prefill_only, resume)
         self.requests[request_id] = req
         self.scheduler.add(req)
         if self.tiers is not None and self.tiers.disk is not None:
@@ -404,7 +341,7 @@ class LLMEngine:
         With `resume`, the blocks hold the prompt and the resumed outputs (a moved stream, whose
         K/V a prefill worker or the worker that handed it off writes): see `commit_remote_prefill`.
         """
-        req = self._make_request(request_id, prompt_ids, params, prefill_only=False, resume=resume)
+        req = self._new_request(request_id, prompt_ids, params, False, resume)
         blocks = self.scheduler.reserve(req)
         if self.tiers is not None:
             self.tiers.wait_copies()  # blocks it evicted are safe below before another worker writes them
@@ -439,7 +376,7 @@ class LLMEngine:
         self.scheduler.commit_reserved(req)
         if prompt_logprobs is not None:
             req.prompt_logprobs = list(prompt_logprobs)
-        return self._append_token(req, first_token, first_logprob)
+        return self.outputs.process([req], [first_token], [first_logprob])[0]
 
     # ---- stepping ---------------------------------------------------------------------
     def step(self, layer_hook: Callable[[int], None] | None = None) -> list[RequestOutput]:
@@ -464,115 +401,7 @@ class LLMEngine:
         if not reqs:
             return []
         sampled = self.sampler(logits, reqs)
-        outputs = [
-            self._append_token(req, tok, lp)
-            for req, tok, lp in zip(reqs, sampled.token_ids, sampled.logprobs, strict=True)
-        ]
+        outputs = self.outputs.process(reqs, sampled.token_ids, sampled.logprobs)
         if plain_decode_from is not None:  # what speculating is measured against
             self.speculator.plain_step(len(out.chunks), time.perf_counter() - plain_decode_from)
         return outputs
-
-    def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        self._add_token(req, token, logprob)
-        return self._output(req)
-
-    def _add_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> bool:
-        """Append one sampled token and apply the stop conditions; True when it ends the request."""
-        req.output_token_ids.append(token)
-        if req.grammar is not None and not req.grammar.consume_token(token):
-            log.warning("request %s: token %d is outside its grammar: %s", req.request_id, token,
-                        req.grammar.get_error())  # fmt: skip
-        if logprob is not None:
-            req.logprobs.append(logprob)
-        text_before = len(req.text)
-        if req.detokenizer is not None:
-            req.text += req.detokenizer.add(token)
-        # a prefill-only request always ends here with its blocks pinned: the decode side
-        # applies the stop conditions to the first token when it commits it
-        status = (
-            RequestStatus.FINISHED_PREFILLED
-            if req.prefill_only
-            else self._check_stop(req, token, text_before)
-        )
-        if (
-            status is not None
-            and status != RequestStatus.FINISHED_PREFILLED
-            and req.detokenizer is not None
-            and not isinstance(req.stop_reason, str)
-        ):
-            # the end: emit a held-back incomplete character as a full decode would show it
-            req.text += req.detokenizer.flush()
-        if status is not None:
-            self.scheduler.finish(req, status)
-            if status != RequestStatus.FINISHED_PREFILLED:
-                del self.requests[req.request_id]
-            if self.speculator is not None:
-                self.speculator.forget(req.request_id)
-        return status is not None
-
-    def _check_stop(self, req: Request, token: int, text_before: int) -> RequestStatus | None:
-        p = req.params
-        n = req.num_output_tokens
-        if n >= p.min_tokens:
-            if not p.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in p.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            if p.stop_strings and self._find_stop_string(req, text_before):
-                return RequestStatus.FINISHED_STOPPED
-        if p.max_tokens is not None and n >= p.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    @staticmethod
-    def _find_stop_string(req: Request, text_before: int) -> bool:
-        """Cut the text at the earliest stop string that the new text completes."""
-        p = req.params
-        # a match must end inside the new text, so it starts at most max_stop_len - 1 before it
-        search_from = max(0, text_before - p.max_stop_len + 1)
-        best = None
-        for s in p.stop_strings:
-            i = req.text.find(s, search_from)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
-            return False
-        i, s = best
-        req.text = req.text[: i + len(s)] if p.include_stop_str_in_output else req.text[:i]
-        req.stop_reason = s
-        return True
-
-    def _output(self, req: Request) -> RequestOutput:
-        done = req.is_finished
-        # while running, hold back a tail that could still grow into a stop string
-        hold = 0 if done or req.params.include_stop_str_in_output else max(req.params.max_stop_len - 1, 0)
-        upto = max(len(req.text) - hold, req.num_sent_chars)
-        new_text = req.text[req.num_sent_chars : upto]
-        req.num_sent_chars = upto
-        new_ids = req.output_token_ids[req.num_sent_tokens :]
-        want_lp = req.params.logprobs is not None
-        new_lp = req.logprobs[req.num_sent_tokens :] if want_lp else None
-        req.num_sent_tokens = req.num_output_tokens
-        completion = CompletionOutput(
-            index=0,
-            text=req.text[:upto],
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            logprobs=list(req.logprobs) if want_lp else None,
-        )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=done,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            new_logprobs=new_lp,
-            num_cached_tokens=req.num_cached_tokens,
-            prompt_logprobs=req.prompt_logprobs if req.params.prompt_logprobs is not None else None,
-        )

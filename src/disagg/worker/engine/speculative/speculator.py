@@ -3,8 +3,8 @@
 Each running sequence of the step contributes its last sampled token and its k proposals (k may be
 0, and differs per sequence) as one run of a packed batch; the logits of every position give the
 target's distribution after each prefix of the proposals (`target.py`), and `rejection.py` decides
-how many are kept plus one token of the target's own. Tokens go through the engine's usual
-append path one by one, so stop ids, stop strings, max_tokens and logprobs apply at every length
+how many are kept plus one token of the target's own. Tokens go through the engine's output
+processor one by one, so stop ids, stop strings, max_tokens and logprobs apply at every length
 and end the request where a plain decode would. Afterwards the request's computed length is its
 kept tokens; blocks only rejected tokens used go back to the pool, and only full blocks of kept
 tokens reach the prefix cache.
@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from disagg.worker.engine.block_manager import BlockManager
+from disagg.worker.engine.output_processor import OutputProcessor
 from disagg.worker.engine.outputs import RequestOutput, TokenLogprob
 from disagg.worker.engine.request import Request
-from disagg.worker.engine.sampler import _top_logprobs
-from disagg.worker.engine.scheduler import SchedulerOutput
+from disagg.worker.engine.sampler import Sampler, _top_logprobs
+from disagg.worker.engine.scheduler import Scheduler, SchedulerOutput
 from disagg.worker.engine.speculative import batches
 from disagg.worker.engine.speculative.acceptance import AcceptanceEstimate
 from disagg.worker.engine.speculative.config import SpeculativeConfig
@@ -35,9 +37,14 @@ from disagg.worker.engine.speculative.rejection import accept_greedy, accept_sam
 from disagg.worker.engine.speculative.stats import SpecStats
 from disagg.worker.engine.speculative.target import final_logits, needs_processing
 from disagg.worker.engine.speculative.throughput import ThroughputCheck
+from disagg.worker.model.forward_batch import ForwardBatch
 
-if TYPE_CHECKING:
-    from disagg.worker.engine.llm_engine import LLMEngine
+
+class Runner(Protocol):
+    """What the speculator runs the target's verify passes on (`ModelRunner`, or its
+    tensor-parallel twin)."""
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
 
 
 def make_proposer(config: SpeculativeConfig, *, dtype: str, device: str, block_size: int, vocab_size: int,
@@ -65,10 +72,30 @@ def make_proposer(config: SpeculativeConfig, *, dtype: str, device: str, block_s
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, engine: LLMEngine):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer,
+        *,
+        runner: Runner,
+        scheduler: Scheduler,
+        sampler: Sampler,
+        outputs: OutputProcessor,
+        max_model_len: int,
+        vocab_size: int,
+    ):
+        """The engine's parts one speculative step uses: `runner` verifies, `scheduler`'s block
+        manager holds the proposals' K/V, `sampler` samples sequences without proposals,
+        `outputs` appends the accepted tokens (and tells `forget` of a request it finishes)."""
         self.config = config
         self.proposer = proposer
-        self.engine = engine
+        self.runner = runner
+        self.scheduler = scheduler
+        self.block_manager: BlockManager = scheduler.bm
+        self.sampler = sampler
+        self.outputs = outputs
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.estimate = AcceptanceEstimate(config.min_acceptance)
         self.stats = SpecStats(proposer.name, config.num_tokens)
         # measured step times that decide whether (and how far) to speculate; None: always propose
@@ -78,10 +105,10 @@ class Speculator:
         self.costs: StepCosts | None = None
         self.draft_costs: StepCosts | None = None
         if config.adaptive:
+            bm = self.block_manager
             self.costs = measure_costs(
-                engine.runner, engine.block_size, engine.block_manager.num_blocks,
-                config.max_batch * (config.num_tokens + 1),
-            )  # fmt: skip
+                runner, bm.block_size, bm.num_blocks, config.max_batch * (config.num_tokens + 1)
+            )
             self.draft_costs = proposer.step_costs(config.max_batch)
 
     def forget(self, request_id: str) -> None:
@@ -108,12 +135,11 @@ class Speculator:
             for req in reqs:  # a draft ran ahead on tokens no one verifies: cut it back
                 self.proposer.verified(req)
             return None
-        engine = self.engine
         runs = [
             batches.Run([r.token_at(r.num_tokens - 1), *p.token_ids], r.num_tokens - 1, r.block_ids)
             for r, p in zip(reqs, proposals, strict=True)
         ]
-        logits = engine.runner.forward(batches.build(runs, engine.block_size, all_logits=True))
+        logits = self.runner.forward(batches.build(runs, self.block_manager.block_size, all_logits=True))
         self.stats.num_verify_steps += 1
         emitted = self._accept(logits, reqs, proposals, masks)
         outputs = []
@@ -152,7 +178,7 @@ class Speculator:
     def _budget(self, req: Request) -> int:
         """How many tokens `req` may propose: never more than its output or the context can still
         take beyond the token the step samples anyway."""
-        k = min(self.config.num_tokens, self.engine.max_model_len - req.num_tokens - 1)
+        k = min(self.config.num_tokens, self.max_model_len - req.num_tokens - 1)
         if req.params.max_tokens is not None:
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
         return max(k, 0)
@@ -160,7 +186,7 @@ class Speculator:
     def _fit(self, req: Request, proposal: Proposal) -> Proposal:
         """Give `req` blocks for its proposals' K/V, cutting them to what the free blocks hold
         (speculation never preempts)."""
-        bm = self.engine.block_manager
+        bm = self.block_manager
         n = req.num_tokens  # positions n - 1 .. n - 1 + k are computed
         k = len(proposal.token_ids)
         capacity = (len(req.block_ids) + bm.num_free_blocks) * bm.block_size
@@ -177,7 +203,7 @@ class Speculator:
         """For requests under a grammar: proposals cut to what the grammar allows (in place) and
         the mask of every verified position, by index in the step."""
         masks = {}
-        vocab = self.engine.config.vocab_size
+        vocab = self.vocab_size
         for i, (req, p) in enumerate(zip(reqs, proposals, strict=True)):
             if req.grammar is None or not p.token_ids:
                 continue
@@ -212,7 +238,7 @@ class Speculator:
         sampled = {}
         if plain and argmax is None:
             rows = logits.index_select(0, torch.tensor([starts[i] for i in plain], device=logits.device))
-            s = self.engine.sampler(rows, [reqs[i] for i in plain])
+            s = self.sampler(rows, [reqs[i] for i in plain])
             sampled = {i: ([t], [lp]) for i, t, lp in zip(plain, s.token_ids, s.logprobs, strict=True)}
         out = []
         for i, (req, p) in enumerate(zip(reqs, proposals, strict=True)):
@@ -246,7 +272,6 @@ class Speculator:
         self, req: Request, proposal: Proposal, tokens: list[int], logprobs: list[TokenLogprob | None]
     ) -> RequestOutput:
         """Append the emitted tokens until one ends the request, then roll the cache back to them."""
-        engine = self.engine
         k = len(proposal.token_ids)
         if k:
             self.stats.record(k, len(tokens) - 1)
@@ -255,16 +280,16 @@ class Speculator:
             self.estimate.idle(req.request_id)
         for token, lp in zip(tokens, logprobs, strict=True):
             self.stats.num_emitted += 1
-            if engine._add_token(req, token, lp):
-                return engine._output(req)  # finished: the engine released its blocks
+            if self.outputs.add_token(req, token, lp):
+                return self.outputs.output(req)  # finished: its blocks were released
         # K/V is valid for every token but the last emitted one (never computed): drop the blocks
         # past it, which only rejected proposals wrote
         req.num_computed_tokens = req.num_tokens - 1
-        bm = engine.block_manager
+        bm = self.block_manager
         keep = bm.blocks_for(req.num_computed_tokens)
         if len(req.block_ids) > keep:
             bm.free(req.block_ids[keep:])
             del req.block_ids[keep:]
-        engine.scheduler._register_computed_blocks(req)
+        self.scheduler._register_computed_blocks(req)
         self.proposer.verified(req)
-        return engine._output(req)
+        return self.outputs.output(req)
