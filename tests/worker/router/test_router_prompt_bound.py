@@ -63,6 +63,6 @@ async def test_many_prompts_each_under_the_limit_are_refused_before_tokenizing(t
         err = (await r.json())["error"]
         assert r.status == 400 and err["code"] == "prompt_too_large" and err["param"] == "prompt", err
         assert spy.calls == 0
-        assert router.inflight == 0
+        assert router.admission.inflight == 0
     finally:
         await client.close()

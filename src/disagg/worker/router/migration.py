@@ -5,7 +5,7 @@ decode worker with the prompt and every token already relayed; the new worker ta
 own outputs (recomputing their K/V, or pulling it from a draining worker that handed the stream
 off) and goes on (`disagg.worker.engine.resume`), drawing token N from the same
 seeded random numbers (`disagg.worker.engine.seeds`), so the client's stream continues with
-nothing repeated and nothing missing. Pure: the router's `_move` does the I/O.
+nothing repeated and nothing missing. Pure: `Generation` (generation.py) does the I/O.
 """
 
 from __future__ import annotations
