@@ -1,7 +1,8 @@
 """What every settings class (`EngineArgs`, `ServingArgs`, `RouterArgs`) shares: a dataclass field
 per setting carrying its default, help and check; one command-line flag per field
 (`--block-size` for `block_size`), `DISAGG_<FLAG>` as its environment name; the flags that
-reproduce a value (`to_cli_args`), which is how one command hands its settings to another.
+reproduce a value (`to_cli_args`), which is how one command hands its settings to another, and
+those of named values (`cli_args`), how a command line is written from the declarations alone.
 
 Standard library only: the operator imports the settings classes without torch.
 """
@@ -78,14 +79,14 @@ class Settings:
         for f in dataclasses.fields(cls):
             if f.name in skip:
                 continue
-            default = (defaults or {}).get(f.name, f.default)
+            default = shown = (defaults or {}).get(f.name, f.default)
             if env and (raw := os.environ.get(env_name(f.name))) is not None:
                 try:
                     default = parse_value(f, raw)
                     check_value(f, default)
                 except ValueError as exc:
                     raise SystemExit(f"disagg: {env_name(f.name)}: {exc}") from None
-            kwargs: dict[str, Any] = {"default": default, "dest": f.name, "help": help_text(f)}
+            kwargs: dict[str, Any] = {"default": default, "dest": f.name, "help": help_text(f, shown)}
             if kind(f) is bool:
                 kwargs["action"] = _GivenBool
             else:
@@ -108,10 +109,20 @@ class Settings:
             value = getattr(self, f.name)
             if f.name in self.CLI_EXCLUDED or value == f.default:
                 continue
-            if kind(f) is bool:
-                out.append(flag(f.name) if value else "--no-" + flag(f.name)[2:])
-            else:
-                out += [flag(f.name), str(value)]
+            out += cli_value(f, value)
+        return out
+
+    @classmethod
+    def cli_args(cls, **values: Any) -> list[str]:
+        """Flags giving exactly these settings, in this order, defaults included: a command line
+        whose meaning does not depend on the DISAGG_* variables its process inherits."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        out: list[str] = []
+        for name, value in values.items():
+            if name not in fields:
+                raise KeyError(f"{name!r} is not a setting of {cls.__name__}")
+            check_value(fields[name], value)
+            out += cli_value(fields[name], value)
         return out
 
 
@@ -140,6 +151,13 @@ class _GivenBool(argparse.BooleanOptionalAction):
 
 
 # ---- field helpers ------------------------------------------------------------------------
+def cli_value(f: dataclasses.Field, value: Any) -> list[str]:
+    """The flag (and its value) that sets `value`."""
+    if kind(f) is bool:
+        return [flag(f.name) if value else "--no-" + flag(f.name)[2:]]
+    return [flag(f.name), str(value)]
+
+
 def kind(f: dataclasses.Field) -> type:
     """bool, int, float or str, from the annotation (which is a string under postponed evaluation)."""
     base = str(f.type).split("|")[0].strip()
@@ -201,8 +219,10 @@ def check_value(f: dataclasses.Field, value: Any) -> None:
         raise ValueError(f"{f.name} must be <= {high:g}, got {value}")
 
 
-def help_text(f: dataclasses.Field) -> str:
+def help_text(f: dataclasses.Field, default: Any = dataclasses.MISSING) -> str:
+    """The help of a setting and its default (`default`: the command's own, where it has one)."""
     text = f.metadata.get("help", "")
-    if f.default not in (None, "") and kind(f) is not bool:  # argparse adds a bool flag's default itself
-        text += f" (default: {f.default})"
+    default = f.default if default is dataclasses.MISSING else default
+    if default not in (None, "") and kind(f) is not bool:  # argparse adds a bool flag's default itself
+        text += f" (default: {default})"
     return text
