@@ -40,11 +40,13 @@ NOT_MIRRORED = ("cluster",)
 TOOLING = ("hack",)
 # The operator image carries no torch: of the worker it may use only these torch-free modules.
 OPERATOR_MAY_IMPORT = (
+    "disagg.worker.cli.flags",
     "disagg.worker.engine.args",
     "disagg.worker.kv_state.keys",
     "disagg.worker.model.precisions",
     "disagg.worker.router.args",
     "disagg.worker.serving.args",
+    "disagg.worker.serving.process_args",
 )
 
 

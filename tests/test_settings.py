@@ -1,6 +1,7 @@
 """Every setting declared once: each command's flags carry their Args class's defaults and show
-them in `--help`, `disagg up` and `disagg worker` agree on every flag they share, the planner
-simulates the workers' defaults, and each value set is the one the others are checked against."""
+them in `--help`, `disagg up` and `disagg worker` agree on every flag they share, the planner and
+the scheduler run the workers' defaults, command lines written from the classes parse back to the
+same values, and each value set is the one the others are checked against."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.settings import env_name, given
 from disagg.worker.router.args import RouterArgs
 from disagg.worker.serving.args import ServingArgs
+from disagg.worker.serving.process_args import WorkerProcessArgs
 
-ARGS_CLASSES = (EngineArgs, ServingArgs, RouterArgs)
+ARGS_CLASSES = (EngineArgs, ServingArgs, RouterArgs, WorkerProcessArgs)
 # the operator's flags are kopf's and its own: no settings class owns them
 COMMANDS = [name for name in cli.COMMANDS if name != "operator"]
 
@@ -126,6 +128,39 @@ def test_the_planner_simulates_the_workers_defaults():
         assert plan[dest].default == ServingArgs.default(dest), dest
 
 
+def test_the_scheduler_and_the_worker_config_default_as_the_flags_do():
+    import inspect
+
+    from disagg.worker.engine.scheduler import Scheduler
+    from disagg.worker.serving.main import WorkerConfig
+
+    params = inspect.signature(Scheduler).parameters
+    for name in ("max_num_seqs", "max_num_batched_tokens", "mixed_steps"):
+        assert params[name].default == EngineArgs.default(name), name
+    defaults = {f.name: f.default for f in dataclasses.fields(WorkerConfig)}
+    for name in ("host", "advertise_host", "port", "metrics_port", "redis_url", "deployment"):
+        assert defaults[name] == WorkerProcessArgs.default(name), name
+
+
+def test_process_settings_travel_as_flags_and_back(monkeypatch):
+    sent = dict(role="decode", worker_id="d-0", host="0.0.0.0", port=7000, metrics_port=0,
+                redis_url="redis://r:6379/0", deployment="default")  # fmt: skip
+    flags = WorkerProcessArgs.cli_args(**sent)
+    # every value named, defaults included: what a child inherits from DISAGG_* cannot move them
+    assert flags[-2:] == [WorkerProcessArgs.cli_flag("deployment"), "default"]
+    monkeypatch.setenv("DISAGG_DEPLOYMENT", "elsewhere")
+    monkeypatch.setenv("POD_IP", "10.0.0.7")
+    _, args = cli.parse(["worker", *flags])
+    got = WorkerProcessArgs.from_cli_args(args)
+    assert {name: getattr(got, name) for name in sent} == sent
+    assert got.advertise_host == "10.0.0.7"  # in a pod, the worker advertises the pod's address
+    with pytest.raises(KeyError, match="rank"):
+        WorkerProcessArgs.cli_args(rank=1)
+    with pytest.raises(ValueError, match="role must be one of"):
+        WorkerProcessArgs.cli_args(role="router")
+    assert EngineArgs.cli_args(enable_prefix_caching=False) == ["--no-enable-prefix-caching"]
+
+
 def test_env_names_are_the_flag_without_a_repeated_prefix(monkeypatch):
     assert env_name("disagg_busy_slack") == "DISAGG_BUSY_SLACK"
     assert env_name("disagg_threshold") == "DISAGG_THRESHOLD"
@@ -178,10 +213,12 @@ def test_each_value_set_is_the_one_its_users_check_against():
     from disagg.kernels import kv_quant
     from disagg.operator import spec
     from disagg.worker import kv_transfer
+    from disagg.worker.kv_state import records
     from disagg.worker.kv_transfer import layout
     from disagg.worker.model import loader, precisions
     from disagg.worker.router import tool_parsers
     from disagg.worker.router.args import TOOL_CALL_PARSERS
+    from disagg.worker.serving import process_args
     from disagg.worker.serving.args import KV_TRANSFERS
 
     # the kernels sit below the layer that names the KV kinds: their storage table must cover them
@@ -193,3 +230,6 @@ def test_each_value_set_is_the_one_its_users_check_against():
     assert kv_transfer.BACKENDS == KV_TRANSFERS
     assert tuple(tool_parsers.PARSERS) == TOOL_CALL_PARSERS
     assert spec.KV_TRANSFERS is KV_TRANSFERS
+    # the operator's settings module cannot import kv_state (its Redis gauge would join the
+    # operator's /metrics): the roles a worker takes are the ones the registry admits
+    assert process_args.ROLES == records.ROLES

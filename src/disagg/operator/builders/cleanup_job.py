@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from disagg.operator.builders import common, hardening, secrets
 from disagg.operator.spec import InferenceDeployment
+from disagg.worker.serving.process_args import WorkerProcessArgs
 
 TTL_AFTER_FINISHED_SECONDS = 600
 DEADLINE_SECONDS = 300
@@ -23,7 +24,15 @@ def job_name(idep: InferenceDeployment) -> str:
 
 
 def command(idep: InferenceDeployment) -> list[str]:
-    return ["disagg", "cleanup", "--redis-url", common.redis_url(idep), "--deployment", idep.deployment_id]
+    flag = WorkerProcessArgs.cli_flag  # `disagg cleanup` names the Redis and deployment as workers do
+    return [
+        "disagg",
+        "cleanup",
+        flag("redis_url"),
+        common.redis_url(idep),
+        flag("deployment"),
+        idep.deployment_id,
+    ]
 
 
 def job(idep: InferenceDeployment) -> dict:

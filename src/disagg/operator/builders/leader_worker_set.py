@@ -23,6 +23,7 @@ from __future__ import annotations
 from disagg.operator.builders import common, hardening, model, secrets, workers
 from disagg.operator.settings import Settings
 from disagg.operator.spec import InferenceDeployment, Role, SpecError
+from disagg.worker.cli.flags import TpRanks
 from disagg.worker.engine.args import cli_flag, default
 
 GROUP = "leaderworkerset.x-k8s.io"
@@ -66,13 +67,13 @@ def _follower_container(idep: InferenceDeployment, role: Role, pod_ranks: int) -
     redis_env = {e["name"] for e in secrets.redis_password_env(idep)}
     args = [
         "tp-ranks",
-        "--leader",
+        TpRanks.LEADER,
         f"$(LWS_LEADER_ADDRESS):{TP_PORT}",
-        "--node-index",
+        TpRanks.NODE_INDEX,
         "$(LWS_WORKER_INDEX)",
-        "--count",
+        TpRanks.COUNT,
         str(pod_ranks),
-        "--host",
+        TpRanks.HOST,
         "$(POD_IP)",
     ]
     container = {

@@ -12,6 +12,7 @@ import posixpath
 from disagg.operator.builders import hardening
 from disagg.operator.constants import MODEL_MOUNT
 from disagg.operator.spec import InferenceDeployment
+from disagg.worker.cli.flags import MakeModel
 
 VOLUME = "model"
 # `make-model` is deterministic for a preset and seed: every pod writes byte-identical files.
@@ -62,7 +63,7 @@ def mount(idep: InferenceDeployment, read_only: bool | None = None) -> dict:
 
 def make_model_args(idep: InferenceDeployment) -> list[str]:
     src = idep.spec.model.source
-    return ["make-model", model_dir(idep), "--preset", src.preset, "--seed", str(GENERATE_SEED)]
+    return ["make-model", model_dir(idep), MakeModel.PRESET, src.preset, MakeModel.SEED, str(GENERATE_SEED)]
 
 
 def init_containers(idep: InferenceDeployment, tokenizer_only: bool = False) -> list[dict]:

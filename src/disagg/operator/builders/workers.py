@@ -1,6 +1,6 @@
 """Prefill and decode workers: one StatefulSet and one headless Service per role.
 
-Role identity (the `--role` flag, the `disagg.dev/role` label, the `DISAGG_ROLE` variable) is set
+Role identity (the worker's role flag, the `disagg.dev/role` label, the `DISAGG_ROLE` variable) is set
 here and nowhere else; user-supplied env may not override it.
 """
 
@@ -11,8 +11,10 @@ import posixpath
 from disagg.operator import constants as c
 from disagg.operator.builders import common, config, hardening, model, secrets
 from disagg.operator.spec import InferenceDeployment, Role, SpecError, quantity_bytes
+from disagg.worker.cli.flags import Drain
 from disagg.worker.engine.args import cli_flag
 from disagg.worker.serving.args import ServingArgs
+from disagg.worker.serving.process_args import WorkerProcessArgs
 
 GPU = "nvidia.com/gpu"
 SHM_VOLUME = "dshm"
@@ -124,28 +126,29 @@ def resources_of(idep: InferenceDeployment, role: Role, pod_ranks: int | None = 
 
 def _args(idep: InferenceDeployment, role: Role) -> list[str]:
     spec = idep.spec
+    process = WorkerProcessArgs.cli_flag
     args = [
         "worker",
-        "--role",
+        process("role"),
         role.name,
-        "--model",
+        cli_flag("model"),
         model.model_dir(idep),
-        "--model-name",
+        process("model_name"),
         spec.model.name,
         # $(VAR) is expanded by the kubelet from the container's env (the downward API values).
-        "--worker-id",
+        process("worker_id"),
         "$(POD_NAME)",
-        "--host",
+        process("host"),
         BIND_ALL,
-        "--advertise-host",
+        process("advertise_host"),
         "$(POD_IP)",
-        "--port",
+        process("port"),
         str(c.WORKER_GRPC_PORT),
-        "--metrics-port",
+        process("metrics_port"),
         str(c.WORKER_METRICS_PORT),
-        "--redis-url",
+        process("redis_url"),
         common.redis_url(idep),
-        "--deployment",
+        process("deployment"),
         idep.deployment_id,
         ServingArgs.cli_flag("kv_transfer"),
         spec.kv_transfer.backend,
@@ -202,9 +205,9 @@ def prestop_command(role: Role) -> list[str]:
     return [
         "disagg",
         "drain",
-        "--url",
+        Drain.URL,
         f"http://127.0.0.1:{c.WORKER_METRICS_PORT}{DRAIN_PATH}",
-        "--timeout",
+        Drain.TIMEOUT,
         str(role.termination_grace_seconds),
     ]
 

@@ -12,6 +12,9 @@ import argparse
 import os
 import sys
 
+from disagg.worker.engine.settings import env_name
+from disagg.worker.serving.process_args import WorkerProcessArgs
+
 BATCH = 500
 
 
@@ -38,10 +41,15 @@ def delete_keys(client, deployment_id: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=os.environ.get("DISAGG_REDIS_URL"), help="Redis URL (no password)")
-    p.add_argument("--deployment", default=os.environ.get("DISAGG_DEPLOYMENT"),
+    # the workers' flags and variables for the same Redis and deployment, here without defaults:
+    # a cleanup deletes the keys of the deployment it is named, never of "default"
+    flag = WorkerProcessArgs.cli_flag
+    p.add_argument(
+        flag("redis_url"), default=os.environ.get(env_name("redis_url")), help="Redis URL (no password)"
+    )
+    p.add_argument(flag("deployment"), default=os.environ.get(env_name("deployment")),
                    help="the deployment id whose keys go (<namespace>.<name>)")  # fmt: skip
-    p.add_argument("--redis-password-file", default=None,
+    p.add_argument(flag("redis_password_file"), default=None,
                    help="file with the Redis password (or DISAGG_REDIS_PASSWORD / DISAGG_REDIS_PASSWORD_FILE)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for Redis")
 

@@ -14,12 +14,14 @@ import sys
 import urllib.error
 import urllib.request
 
+from disagg.worker.cli.flags import Drain
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     port = os.environ.get("DISAGG_METRICS_PORT", "")
-    p.add_argument("--url", default=f"http://127.0.0.1:{port}/drain" if port else None,
+    p.add_argument(Drain.URL, default=f"http://127.0.0.1:{port}/drain" if port else None,
                    help="the worker's /drain (default: 127.0.0.1 on DISAGG_METRICS_PORT)")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the answer")
+    p.add_argument(Drain.TIMEOUT, type=float, default=3600.0, help="seconds to wait for the answer")
     from disagg.worker.serving import auth
 
     auth.add_cli_args(p)

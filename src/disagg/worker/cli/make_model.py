@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from disagg.worker.cli.flags import MakeModel
 from disagg.worker.model.precisions import DTYPES
 from disagg.worker.tools.make_model import PRESETS, make_model
 
@@ -12,23 +13,25 @@ from disagg.worker.tools.make_model import PRESETS, make_model
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="directory to write the checkpoint into")
     parser.add_argument(
-        "--preset",
+        MakeModel.PRESET,
         choices=sorted(PRESETS),
         default="tiny",
         help="tiny: ~1M parameters, for tests; tiny-trained(-draft): trained on a generated corpus, the "
         "demo and its draft; wide-trained: 25M trained, a memory-bound speculative-decoding target; "
         "small: ~100M random, for benchmarks",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the written weights")
+    parser.add_argument(MakeModel.SEED, type=int, default=0, help="seed of the random weights")
     parser.add_argument(
-        "--shard-size",
+        MakeModel.DTYPE, choices=DTYPES, default="float32", help="dtype of the written weights"
+    )
+    parser.add_argument(
+        MakeModel.SHARD_SIZE,
         type=_size,
         default=None,
         help="split the weights into files of at most this size (e.g. 50MB; default 200MB)",
     )
     parser.add_argument(
-        "--force", action="store_true", help="overwrite the checkpoint in a non-empty directory"
+        MakeModel.FORCE, action="store_true", help="overwrite the checkpoint in a non-empty directory"
     )
 
 

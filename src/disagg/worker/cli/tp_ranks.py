@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+from disagg.worker.cli.flags import TpRanks as F
 from disagg.worker.model.tp_join import AUTHKEY_ENV, authkey_from_token
 from disagg.worker.serving.auth import TOKEN_ENV, TOKEN_FILE_ENV, read_token
 
@@ -30,23 +31,23 @@ STOP_GRACE_S = 5.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--leader", required=True, help="HOST:PORT of rank 0's control port (its --tensor-parallel-port)"
+        F.LEADER, required=True, help="HOST:PORT of rank 0's control port (its --tensor-parallel-port)"
     )
     first = p.add_mutually_exclusive_group(required=True)
-    first.add_argument("--first-rank", type=int, help="the first rank this host runs (>= 1)")
-    first.add_argument("--node-index", type=int,
+    first.add_argument(F.FIRST_RANK, type=int, help="the first rank this host runs (>= 1)")
+    first.add_argument(F.NODE_INDEX, type=int,
                        help="this host's index in the group (1, 2, ...): the first rank is index x --count")  # fmt: skip
-    p.add_argument("--count", type=int, required=True, help="ranks this host runs (one per GPU)")
-    p.add_argument("--host", default=os.environ.get("POD_IP", "127.0.0.1"),
+    p.add_argument(F.COUNT, type=int, required=True, help="ranks this host runs (one per GPU)")
+    p.add_argument(F.HOST, default=os.environ.get("POD_IP", "127.0.0.1"),
                    help="this host's address: the ranks' KV transports (UCX) bind its interface "
                         "(default: $POD_IP, else 127.0.0.1)")  # fmt: skip
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument(F.THREADS, type=int, default=None,
                    help="torch threads per rank on CPU (default: this host's cores / --count)")  # fmt: skip
-    p.add_argument("--connect-timeout", type=float, default=600.0,
+    p.add_argument(F.CONNECT_TIMEOUT, type=float, default=600.0,
                    help="seconds to keep trying to reach rank 0 (it may start later)")  # fmt: skip
-    p.add_argument("--internal-token-file", default=os.environ.get(TOKEN_FILE_ENV),
+    p.add_argument(F.INTERNAL_TOKEN_FILE, default=os.environ.get(TOKEN_FILE_ENV),
                    help=f"file holding the deployment's internal credential (or set {TOKEN_ENV})")  # fmt: skip
-    p.add_argument("--log-level", default="info")
+    p.add_argument(F.LOG_LEVEL, default="info")
 
 
 def _first_rank(args) -> int:

@@ -31,6 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from disagg.worker.cli.flags import Up
 from disagg.worker.cli.ports import free_port
 from disagg.worker.cli.restart_policy import RestartPolicy
 from disagg.worker.engine.args import EngineArgs
@@ -40,6 +41,7 @@ from disagg.worker.model.gguf_checkpoint import served_name
 from disagg.worker.router.args import RouterArgs
 from disagg.worker.serving.args import ServingArgs
 from disagg.worker.serving.auth import PEER_IDENTITIES
+from disagg.worker.serving.process_args import WorkerProcessArgs
 
 
 def redis_command(port: int, data_dir: Path | None = None, config: Path | None = None) -> list[str]:
@@ -75,6 +77,7 @@ def new_secret() -> str:
 
 
 _PR_SET_PDEATHSIG = 1
+DEPLOYMENT = "local"  # the Redis key namespace of the workers and the router
 
 # A factual question: the pretrained default's answer can be checked by eye.
 DEMO_MESSAGE = "What is the capital of France?"
@@ -82,29 +85,29 @@ DEMO_MESSAGE = "What is the capital of France?"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", help=f"model directory or GGUF file (default: {pretrained.NAME}, `{pretrained.INSTALL}`)"
+        Up.MODEL, help=f"model directory or GGUF file (default: {pretrained.NAME}, `{pretrained.INSTALL}`)"
     )
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="number of decode workers")
-    p.add_argument("--both", type=int, default=0, help="number of colocated workers (role both)")
-    p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument(Up.PREFILL, type=int, default=1, help="number of prefill workers")
+    p.add_argument(Up.DECODE, type=int, default=1, help="number of decode workers")
+    p.add_argument(Up.BOTH, type=int, default=0, help="number of colocated workers (role both)")
+    p.add_argument(Up.PORT, type=int, default=8000, help="router port")
     p.add_argument(
-        "--prefill-tp",
+        Up.PREFILL_TP,
         type=int,
         default=None,
         help="tensor-parallel ranks of each prefill worker (default: --tensor-parallel-size)",
     )
-    p.add_argument("--decode-tp", type=int, default=None,
+    p.add_argument(Up.DECODE_TP, type=int, default=None,
                    help="tensor-parallel ranks of each decode worker (default: --tensor-parallel-size); "
                         "it may differ from --prefill-tp: each rank receives its own KV heads")  # fmt: skip
-    p.add_argument("--run-dir", default=".run", help="where logs go")
-    p.add_argument("--demo", action="store_true",
+    p.add_argument(Up.RUN_DIR, default=".run", help="where logs go")
+    p.add_argument(Up.DEMO, action="store_true",
                    help="stream one chat completion once ready, then exit; its prompt goes through a prefill "
                         "worker to show that path (--prefill-placement threshold --disagg-threshold 1) "
                         "unless either flag is given")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for everything to be ready")
-    p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker")
-    p.add_argument("--peer-identity", choices=PEER_IDENTITIES, default=PEER_IDENTITIES[0],
+    p.add_argument(Up.TIMEOUT, type=float, default=180.0, help="seconds to wait for everything to be ready")
+    p.add_argument(Up.WORKER_ARG, action="append", default=[], help="extra argument for every worker")
+    p.add_argument(Up.PEER_IDENTITY, choices=PEER_IDENTITIES, default=PEER_IDENTITIES[0],
                    help="token: the deployment's credential alone; certificate: each child its own certificate "
                         "from a CA made for this run (mutual TLS), and each worker acts only for itself")  # fmt: skip
     # every worker gets these; --threads defaults to cores / workers here
@@ -145,12 +148,12 @@ def worker_engine_args(engine: EngineArgs, role: str, name: str) -> EngineArgs:
 def role_ranks(args, tensor_parallel_size: int) -> dict[str, int]:
     """Tensor-parallel ranks per role: --prefill-tp / --decode-tp, else --tensor-parallel-size."""
     ranks = {"prefill": args.prefill_tp, "decode": args.decode_tp, "both": None}
-    for role, flag in (("prefill", "--prefill-tp"), ("decode", "--decode-tp")):
+    for role, flag in (("prefill", Up.PREFILL_TP), ("decode", Up.DECODE_TP)):
         if ranks[role] is not None and ranks[role] < 1:
             raise SystemExit(f"disagg up: {flag} must be >= 1, got {ranks[role]}")
     ranks = {role: n or tensor_parallel_size for role, n in ranks.items()}
     if args.kv_transfer != "nixl":
-        for role, flag in (("prefill", "--prefill-tp"), ("decode", "--decode-tp")):
+        for role, flag in (("prefill", Up.PREFILL_TP), ("decode", Up.DECODE_TP)):
             if ranks[role] > 1 and getattr(args, role) > 0:
                 raise SystemExit(
                     f"disagg up: {flag} {ranks[role]} needs --kv-transfer nixl (got --kv-transfer "
@@ -279,12 +282,15 @@ class Deployment:
         py = [sys.executable, "-m", "disagg.worker.cli"]
         for role, name in workers:
             port, mport = free_port(), free_port()
+            # every process setting named, so that none comes from a DISAGG_* variable up inherited
+            process = WorkerProcessArgs.cli_args(
+                role=role, worker_id=name, host="127.0.0.1", port=port, metrics_port=mport,
+                redis_url=self.redis_url, deployment=DEPLOYMENT,
+            )  # fmt: skip
             cmd = py + [
-                "worker", "--role", role, "--model", str(model), "--worker-id", name,
-                "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport),
-                "--redis-url", self.redis_url, "--deployment", "local", *serving.to_cli_args(),
+                "worker", *process, *EngineArgs.cli_args(model=str(model)), *serving.to_cli_args(),
                 *worker_engine_args(engine, role, name).to_cli_args(),
-                "--tensor-parallel-size", str(ranks[role]), *a.worker_arg,
+                *EngineArgs.cli_args(tensor_parallel_size=ranks[role]), *a.worker_arg,
             ]  # fmt: skip
             self.children.append(
                 Child(
@@ -298,7 +304,7 @@ class Deployment:
         self.router_url = f"http://127.0.0.1:{a.port}"
         cmd = py + [
             "router", "--host", "127.0.0.1", "--port", str(a.port), "--model", str(model),
-            "--redis-url", self.redis_url, "--deployment", "local",
+            "--redis-url", self.redis_url, "--deployment", DEPLOYMENT,
             *dataclasses.replace(router, block_size=engine.block_size, max_model_len=engine.max_model_len).to_cli_args(),
         ]  # fmt: skip
         self.children.append(

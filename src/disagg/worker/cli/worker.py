@@ -12,38 +12,14 @@ from pathlib import Path
 
 from disagg.worker.engine.args import EngineArgs
 from disagg.worker.kv_state.link import redis_password
-from disagg.worker.kv_state.records import ROLES
 from disagg.worker.serving import auth
 from disagg.worker.serving.args import ServingArgs
-
-
-def _env(name: str, default=None):
-    return os.environ.get(f"DISAGG_{name}", default)
+from disagg.worker.serving.process_args import WorkerProcessArgs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--role", choices=ROLES, default=_env("ROLE", "both"), help="prefill, decode or both (colocated)"
-    )
-    p.add_argument(
-        "--model-name", default=_env("MODEL_NAME"), help="served model name (default: directory name)"
-    )
-    p.add_argument("--worker-id", default=_env("WORKER_ID"), help="unique id (default: role-host-port)")
-    p.add_argument("--host", default=_env("HOST", "127.0.0.1"),
-                   help="bind address of gRPC, /metrics and NIXL's UCX (0.0.0.0 or the pod IP to serve peers)")  # fmt: skip
-    p.add_argument("--advertise-host", default=_env("ADVERTISE_HOST", os.environ.get("POD_IP", "127.0.0.1")),
-                   help="address peers and the router use to reach this worker")  # fmt: skip
-    p.add_argument("--port", type=int, default=int(_env("PORT", 0)), help="gRPC port (0: any free port)")
-    p.add_argument(
-        "--metrics-port", type=int, default=int(_env("METRICS_PORT", 0)), help="/metrics and /health port"
-    )
-    p.add_argument(
-        "--redis-url", default=_env("REDIS_URL"), help="Redis for registry, transfers, prefix index"
-    )
-    p.add_argument("--redis-password-file", default=None,
-                   help="file with the Redis password (or DISAGG_REDIS_PASSWORD / DISAGG_REDIS_PASSWORD_FILE)")  # fmt: skip
-    p.add_argument("--deployment", default=_env("DEPLOYMENT", "default"), help="namespace of the Redis keys")
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    pod_ip = os.environ.get("POD_IP")  # the downward API's, in a pod: what peers reach it at
+    WorkerProcessArgs.add_cli_args(p, env=True, defaults={"advertise_host": pod_ip} if pod_ip else None)
     auth.add_cli_args(p)
     auth.add_peer_identity_arg(p)
     ServingArgs.add_cli_args(p, env=True)

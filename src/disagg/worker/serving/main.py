@@ -18,6 +18,7 @@ from disagg.worker.serving.auth import INSECURE, REFUSED, InternalAuth
 from disagg.worker.serving.core import WorkerCore
 from disagg.worker.serving.engine_loop import EngineLoop
 from disagg.worker.serving.metrics import CONTENT_TYPE, ServingMetrics
+from disagg.worker.serving.process_args import WorkerProcessArgs
 from disagg.worker.serving.servicer import ServingOptions, WorkerService
 from disagg.worker.serving.state_link import StateLink
 from disagg.worker.serving.stubs import GRPC_OPTIONS
@@ -30,18 +31,18 @@ log = logging.getLogger("disagg.worker")
 class WorkerConfig:
     """What one worker process serves and how it joins its deployment; `engine` holds every
     engine setting (`EngineArgs`), resolved before the process starts, `serving` every serving
-    setting (`ServingArgs`)."""
+    setting (`ServingArgs`); the process's own fields default as its flags do (`WorkerProcessArgs`)."""
 
     engine: EngineArgs
     role: str
     worker_id: str
     model_name: str
-    host: str = "127.0.0.1"
-    advertise_host: str = "127.0.0.1"
-    port: int = 0
-    metrics_port: int = 0
-    redis_url: str | None = None
-    deployment: str = "default"
+    host: str = WorkerProcessArgs.host
+    advertise_host: str = WorkerProcessArgs.advertise_host
+    port: int = WorkerProcessArgs.port
+    metrics_port: int = WorkerProcessArgs.metrics_port
+    redis_url: str | None = WorkerProcessArgs.redis_url
+    deployment: str = WorkerProcessArgs.deployment
     serving: ServingArgs = field(default_factory=ServingArgs)
     auth: InternalAuth = INSECURE
     redis_password: str | None = None
