@@ -77,7 +77,7 @@ def register(
     *,
     login: Callable[..., kopf.ConnectionInfo] = default_login,
     kube: Kube | None = None,
-    resync_seconds: float = 60.0,
+    resync_seconds: float = Settings.resync_seconds,
     settings: Settings | None = None,
 ) -> Reconciler:
     """Register every handler of the operator onto `registry`; returns the reconciler it uses."""

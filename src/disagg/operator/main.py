@@ -50,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resync-seconds",
         type=float,
-        default=60.0,
-        help="how often every resource is re-checked for drift (default 60)",
+        default=Settings.resync_seconds,
+        help=f"how often every resource is re-checked for drift (default {Settings.resync_seconds:g})",
     )
     parser.add_argument(
         "--allow-host-path",
@@ -70,10 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpus-per-node",
         type=int,
-        default=8,
+        default=Settings.gpus_per_node,
         metavar="N",
         help="most GPUs a node offers one pod: a GPU role with a larger tensorParallelSize runs as a "
-        "LeaderWorkerSet spanning nodes (refused where the cluster does not serve that API) (default 8)",
+        "LeaderWorkerSet spanning nodes (refused where the cluster does not serve that API) "
+        f"(default {Settings.gpus_per_node})",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
@@ -82,7 +83,7 @@ def register_all(
     registry: kopf.OperatorRegistry,
     *,
     login=handlers.default_login,
-    resync_seconds: float = 60.0,
+    resync_seconds: float = Settings.resync_seconds,
     autoscaler_settings: autoscaler.Settings | None = None,
     env=os.environ,
     settings: Settings | None = None,
@@ -95,7 +96,9 @@ def register_all(
     return reconciler
 
 
-def build_registry(resync_seconds: float = 60.0, settings: Settings | None = None) -> kopf.OperatorRegistry:
+def build_registry(
+    resync_seconds: float = Settings.resync_seconds, settings: Settings | None = None
+) -> kopf.OperatorRegistry:
     """The default registry with every handler of the process."""
     registry = kopf.get_default_registry()
     register_all(registry, resync_seconds=resync_seconds, settings=settings)
@@ -112,6 +115,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         host_path_prefixes=tuple(args.allow_host_path),
         operator_namespace=args.operator_namespace or None,
         gpus_per_node=args.gpus_per_node,
+        resync_seconds=args.resync_seconds,
     )
 
 
@@ -148,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
         args.log_format
     ]
     kopf.configure(verbose=args.verbose, log_format=fmt)
-    registry = build_registry(args.resync_seconds, settings_from(args))
+    settings = settings_from(args)
+    registry = build_registry(settings.resync_seconds, settings)
     clusterwide = args.all_namespaces or not args.namespace
     standalone = args.standalone or args.peering is None
     if not standalone:

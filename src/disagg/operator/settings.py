@@ -18,6 +18,8 @@ class Settings:
     # The most GPUs one node gives one pod: a GPU role whose tensorParallelSize exceeds this runs as
     # a LeaderWorkerSet, several pods per worker (builders/leader_worker_set.py).
     gpus_per_node: int = 8
+    # How often every resource is re-checked for drift.
+    resync_seconds: float = 60.0
 
     def host_path_allowed(self, path: str) -> bool:
         """`path` (normalised: no `..` escapes) lies under one of the allowed prefixes."""

@@ -15,6 +15,7 @@ from typing import Any
 from disagg.operator import rules
 from disagg.operator.autoscaling.spec import AutoscalingSpec, AutoscalingSpecError, parse_autoscaling
 from disagg.operator.constants import ROLES
+from disagg.worker.engine.args import SPECULATIVE_METHODS, EngineArgs
 from disagg.worker.model.precisions import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 from disagg.worker.serving.args import KV_TRANSFERS, PREFILL_PLACEMENTS, ServingArgs
 
@@ -133,9 +134,9 @@ def _missing(path: str, key: str):
 class Model:
     name: str
     source: ModelSource
-    dtype: str = "auto"
-    quantization: str = "auto"
-    kv_cache_dtype: str = "auto"
+    dtype: str = EngineArgs.dtype
+    quantization: str = EngineArgs.quantization
+    kv_cache_dtype: str = EngineArgs.kv_cache_dtype
     max_model_length: int | None = None
 
 
@@ -177,9 +178,9 @@ class Role:
     replicas: int | None
     autoscaling: AutoscalingSpec | None
     resources: dict = field(default_factory=dict)
-    tensor_parallel_size: int = 1
-    block_size: int = 16
-    memory_fraction: float = 0.9
+    tensor_parallel_size: int = EngineArgs.tensor_parallel_size
+    block_size: int = EngineArgs.block_size
+    memory_fraction: float = EngineArgs.gpu_memory_utilization
     kv_host_bytes: int | None = None  # the KV cache's host-memory tier
     kv_disk: KvDisk | None = None
     max_unavailable: int = 1
@@ -192,7 +193,7 @@ class Role:
 
 @dataclass(frozen=True)
 class KvTransfer:
-    backend: str = "nixl"
+    backend: str = ServingArgs.kv_transfer
     prefill_placement: str = ServingArgs.prefill_placement
     disagg_threshold: int = ServingArgs.disagg_threshold
     ucx_transports: tuple[str, ...] = ()
@@ -217,7 +218,7 @@ class Monitoring:
 @dataclass(frozen=True)
 class Speculative:
     method: str  # ngram | draft
-    num_tokens: int = 4
+    num_tokens: int = EngineArgs.num_speculative_tokens
     draft_path: str | None = None  # inside the model volume
 
 
@@ -349,16 +350,16 @@ def _role(spec: dict, name: str) -> Role:
     body = _section(spec, name, "spec", required=True)
     kv = _section(body, "kvCache", path)
     auto = _section(body, "autoscaling", path)
-    tp = _int(body, "tensorParallelSize", path, 1, 1)
+    tp = _int(body, "tensorParallelSize", path, EngineArgs.tensor_parallel_size, 1)
     if tp not in TENSOR_PARALLEL_SIZES:
         raise SpecError(
             f"{path}.tensorParallelSize",
             f"must be one of {', '.join(map(str, TENSOR_PARALLEL_SIZES))}, got {tp}",
         )
-    fraction = _get(kv, "memoryFraction", f"{path}.kvCache", (int, float), 0.9)
+    fraction = _get(kv, "memoryFraction", f"{path}.kvCache", (int, float), EngineArgs.gpu_memory_utilization)
     if not 0.05 <= fraction <= 0.98:
         raise SpecError(f"{path}.kvCache.memoryFraction", f"must be between 0.05 and 0.98, got {fraction}")
-    block = _int(kv, "blockSize", f"{path}.kvCache", 16, 1)
+    block = _int(kv, "blockSize", f"{path}.kvCache", EngineArgs.block_size, 1)
     if block not in (8, 16, 32, 64, 128):
         raise SpecError(f"{path}.kvCache.blockSize", f"must be one of 8, 16, 32, 64, 128, got {block}")
     kv_host_bytes, kv_disk = _kv_tiers(kv, f"{path}.kvCache")
@@ -441,11 +442,13 @@ def parse_spec(spec: dict) -> Spec:
         model=Model(
             name=_get(model, "name", "spec.model", str, required=True),
             source=_source(model),
-            dtype=_choice(model, "dtype", "spec.model", ("auto", *DTYPES), "auto"),
+            dtype=_choice(model, "dtype", "spec.model", ("auto", *DTYPES), EngineArgs.dtype),
             quantization=_choice(
-                model, "quantization", "spec.model", ("auto", "none", *QUANTIZATIONS), "auto"
+                model, "quantization", "spec.model", ("auto", "none", *QUANTIZATIONS), EngineArgs.quantization
             ),
-            kv_cache_dtype=_choice(model, "kvCacheDtype", "spec.model", ("auto", *KV_CACHE_DTYPES), "auto"),
+            kv_cache_dtype=_choice(
+                model, "kvCacheDtype", "spec.model", ("auto", *KV_CACHE_DTYPES), EngineArgs.kv_cache_dtype
+            ),
             max_model_length=_int(model, "maxModelLength", "spec.model", None, 1),
         ),
         image=Image(
@@ -502,8 +505,8 @@ def _speculative(spec: dict) -> Speculative | None:
     body = _section(spec, "speculativeDecoding", "spec")
     if not body:
         return None
-    method = _choice(body, "method", path, ("ngram", "draft"), None) or _missing(path, "method")
-    num_tokens = _int(body, "numTokens", path, 4, 1)
+    method = _choice(body, "method", path, SPECULATIVE_METHODS, None) or _missing(path, "method")
+    num_tokens = _int(body, "numTokens", path, EngineArgs.num_speculative_tokens, 1)
     if num_tokens > 16:
         raise SpecError(f"{path}.numTokens", f"must be at most 16, got {num_tokens}")
     draft = _get(body, "draftModelPath", path, str, None)
