@@ -597,8 +597,8 @@ def test_a_stream_cancelled_between_attempts_finishes_its_transfer_record(engine
     loop, service = _service(engine, core, state)
     cleaning = []
 
-    async def hung_cleanup(target, attempt):  # P's Abort never answers
-        cleaning.append(attempt.transfer_id)
+    async def hung_cleanup(job):  # P's Abort never answers
+        cleaning.append(job.attempt.transfer_id)
         await asyncio.Event().wait()
 
     service.remote._cleanup_attempt = hung_cleanup
