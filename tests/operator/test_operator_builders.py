@@ -15,6 +15,9 @@ from disagg.operator import spec as specs
 from disagg.operator import status as statuses
 from disagg.operator.builders import build_children, common, workers
 from disagg.operator.settings import Settings
+from disagg.worker.cli.flags import Drain, MakeModel
+from disagg.worker.engine.args import cli_flag
+from disagg.worker.serving.process_args import WorkerProcessArgs
 
 KUBE_VERSION = "1.35"
 EXAMPLES = ("cpu-tiny.yaml", "gpu-llama3-8b.yaml")
@@ -66,12 +69,12 @@ def test_role_identity_labels_and_owners(example):
             <= sts["spec"]["template"]["metadata"]["labels"].items()
         )
         main = worker(kids, name, role)
-        assert main["args"][:3] == ["worker", "--role", role]
+        assert main["args"][:3] == ["worker", WorkerProcessArgs.cli_flag("role"), role]
         assert {"name": "DISAGG_ROLE", "value": role} in main["env"]
         assert {"name": "DISAGG_DEPLOYMENT", "value": f"default.{name}"} in main["env"]
         # /drain needs the internal credential: the hook runs `disagg drain`, which reads it
         hook = main["lifecycle"]["preStop"]["exec"]["command"]
-        assert hook[:2] == ["disagg", "drain"] and hook[hook.index("--url") + 1].endswith(":9100/drain")
+        assert hook[:2] == ["disagg", "drain"] and hook[hook.index(Drain.URL) + 1].endswith(":9100/drain")
         assert main["readinessProbe"]["httpGet"]["path"] == "/health"
         assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in sts["spec"]["template"]["spec"][
             "volumes"
@@ -118,13 +121,16 @@ def test_cpu_example_generates_the_tiny_model():
     kids = children(load_example("cpu-tiny.yaml"))
     pod = kids["StatefulSet", "tiny-prefill"]["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
-    assert init["args"] == ["make-model", "/models/model", "--preset", "tiny", "--seed", "0"]
+    assert init["args"] == ["make-model", "/models/model", MakeModel.PRESET, "tiny", MakeModel.SEED, "0"]
     args = pod["containers"][0]["args"]
-    assert args[args.index("--model") + 1] == "/models/model"
-    assert args[args.index("--dtype") + 1] == "float32"
-    assert args[args.index("--quantization") + 1] == "auto"  # the CRD default, passed through
-    assert args[args.index("--kv-cache-dtype") + 1] == "auto"
-    assert args[args.index("--redis-url") + 1] == "redis://tiny-redis.default.svc:6379/0"
+    assert args[args.index(cli_flag("model")) + 1] == "/models/model"
+    assert args[args.index(cli_flag("dtype")) + 1] == "float32"
+    assert args[args.index(cli_flag("quantization")) + 1] == "auto"  # the CRD default, passed through
+    assert args[args.index(cli_flag("kv_cache_dtype")) + 1] == "auto"
+    assert (
+        args[args.index(WorkerProcessArgs.cli_flag("redis_url")) + 1]
+        == "redis://tiny-redis.default.svc:6379/0"
+    )
 
 
 def test_quantization_is_passed_to_the_workers():
@@ -133,7 +139,7 @@ def test_quantization_is_passed_to_the_workers():
     kids = children(body)
     for role in ("prefill", "decode"):
         args = kids["StatefulSet", f"tiny-{role}"]["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert args[args.index("--quantization") + 1] == "int8"
+        assert args[args.index(cli_flag("quantization")) + 1] == "int8"
     body["spec"]["model"]["quantization"] = "int4"
     with pytest.raises(specs.SpecError, match="spec.model.quantization"):
         children(body)
@@ -145,7 +151,7 @@ def test_kv_cache_dtype_is_passed_to_the_workers():
     kids = children(body)
     for role in ("prefill", "decode"):
         args = kids["StatefulSet", f"tiny-{role}"]["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert args[args.index("--kv-cache-dtype") + 1] == "int8"
+        assert args[args.index(cli_flag("kv_cache_dtype")) + 1] == "int8"
     body["spec"]["model"]["kvCacheDtype"] = "int4"
     with pytest.raises(specs.SpecError, match="spec.model.kvCacheDtype"):
         children(body)
@@ -180,7 +186,7 @@ def test_model_sources_mount_the_checkpoint_read_only():
         "volumes"
     ]
     args = pod["containers"][0]["args"]
-    assert args[args.index("--model") + 1] == "/models/llama/8b"
+    assert args[args.index(cli_flag("model")) + 1] == "/models/llama/8b"
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in pod["containers"][0]["volumeMounts"]
 
     body["spec"]["model"]["source"] = {"hostPath": {"path": "/data/tiny"}}
@@ -208,7 +214,7 @@ def test_external_redis_password_comes_from_a_secret():
     assert ("StatefulSet", "tiny-redis") not in kids
     main = worker(kids, "tiny", "decode")
     args = main["args"]
-    assert args[args.index("--redis-url") + 1] == "redis://cache.infra.svc:6379/2"
+    assert args[args.index(WorkerProcessArgs.cli_flag("redis_url")) + 1] == "redis://cache.infra.svc:6379/2"
     assert {
         "name": "DISAGG_REDIS_PASSWORD",
         "valueFrom": {"secretKeyRef": {"name": "redis-auth", "key": "password"}},
@@ -232,7 +238,7 @@ def test_per_pod_certificates_give_each_worker_its_own_identity():
         attributes = volume["csi"]["volumeAttributes"]
         # the certificate names the pod, and the worker's id is its pod's name
         assert attributes["csi.cert-manager.io/common-name"] == "${POD_NAME}"
-        assert main["args"][main["args"].index("--worker-id") + 1] == "$(POD_NAME)"
+        assert main["args"][main["args"].index(WorkerProcessArgs.cli_flag("worker_id")) + 1] == "$(POD_NAME)"
         assert attributes["csi.cert-manager.io/issuer-name"] == "mesh-ca"
         assert attributes["csi.cert-manager.io/issuer-kind"] == "ClusterIssuer"
         assert attributes["csi.cert-manager.io/dns-names"] == "tiny.disagg"
@@ -446,10 +452,10 @@ def test_kv_tiers_reach_the_workers_with_their_volume(storage_class):
     name = body["metadata"]["name"]
     kids = children(body)
     args = worker(kids, name, "decode")["args"]
-    assert _flag(args, "--kv-host-cache-memory") == str(512 << 20)
-    assert _flag(args, "--kv-disk-cache-dir") == workers.KV_DISK_MOUNT
-    assert _flag(args, "--kv-disk-cache-size") == str(int(10 * 2**30 * workers.KV_DISK_FILL))
-    assert "--kv-host-cache-memory" not in worker(kids, name, "prefill")["args"]
+    assert _flag(args, cli_flag("kv_host_cache_memory")) == str(512 << 20)
+    assert _flag(args, cli_flag("kv_disk_cache_dir")) == workers.KV_DISK_MOUNT
+    assert _flag(args, cli_flag("kv_disk_cache_size")) == str(int(10 * 2**30 * workers.KV_DISK_FILL))
+    assert cli_flag("kv_host_cache_memory") not in worker(kids, name, "prefill")["args"]
     sts = kids["StatefulSet", f"{name}-decode"]
     pod = sts["spec"]["template"]["spec"]
     mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}

@@ -37,8 +37,11 @@ from disagg.operator import spec as specs
 from disagg.operator.builders import build_children, model, workers
 from disagg.operator.settings import Settings
 from disagg.worker import cli
+from disagg.worker.cli.flags import Drain
+from disagg.worker.engine.args import cli_flag
 from disagg.worker.kv_state import KVState, WorkerInfo
 from disagg.worker.kv_state.keys import Keys
+from disagg.worker.serving.process_args import WorkerProcessArgs
 
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.yaml"))
 POD_NAME = "pod-0"
@@ -667,7 +670,7 @@ def test_deletion_job_removes_exactly_this_deployments_worker_keys(secure_redis)
     job = cleanup_job.job(idep)
     (container,) = job["spec"]["template"]["spec"]["containers"]
     command = list(container["command"])
-    _replace(command, "--redis-url", url)
+    _replace(command, WorkerProcessArgs.cli_flag("redis_url"), url)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
     env.update(container_env(container, {}))
     env["DISAGG_REDIS_PASSWORD"] = password  # what the user's Secret holds
@@ -856,12 +859,13 @@ def _serve_and_drain(kids, idep, procs, metrics, generated_model, redis_url, tmp
         for role in ("decode", "prefill"):
             (container,) = kids["StatefulSet", f"tiny-{role}"]["spec"]["template"]["spec"]["containers"]
             metrics[role] = _free_port()
+            process = WorkerProcessArgs.cli_flag
             swaps = {
-                "--model": str(generated_model),
-                "--port": str(_free_port()),
-                "--metrics-port": str(metrics[role]),
-                "--redis-url": redis_url,
-                "--host": "127.0.0.1",
+                cli_flag("model"): str(generated_model),
+                process("port"): str(_free_port()),
+                process("metrics_port"): str(metrics[role]),
+                process("redis_url"): redis_url,
+                process("host"): "127.0.0.1",
             }
             procs[role] = _launch(container, kids, f"tiny-{role}-0", swaps, tmp_path / f"{role}.log")
         (router,) = kids["Deployment", "tiny-router"]["spec"]["template"]["spec"]["containers"]
@@ -914,7 +918,7 @@ def _serve_and_drain(kids, idep, procs, metrics, generated_model, redis_url, tmp
         # and liveness see while the pod terminates.
         (decode,) = kids["StatefulSet", "tiny-decode"]["spec"]["template"]["spec"]["containers"]
         hook = list(decode["lifecycle"]["preStop"]["exec"]["command"])
-        hook[hook.index("--url") + 1] = f"http://127.0.0.1:{metrics['decode']}{workers.DRAIN_PATH}"
+        hook[hook.index(Drain.URL) + 1] = f"http://127.0.0.1:{metrics['decode']}{workers.DRAIN_PATH}"
         hook_env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
         hook_env.update(container_env(decode, kids))
         done = subprocess.run(

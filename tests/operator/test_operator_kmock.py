@@ -8,6 +8,7 @@ import pytest
 from kube_emulator import load_example
 
 from disagg.operator import constants as c
+from disagg.worker.serving.process_args import WorkerProcessArgs
 
 IDEP = "disagg.dev/v1alpha1/inferencedeployments"
 STS = "apps/v1/statefulsets"
@@ -70,7 +71,7 @@ async def test_create_makes_children_with_roles_owners_and_images(cluster):
         main = container(sts)
         assert main["image"] == "ghcr.io/disagg/disagg-worker:0.1.0-cpu"
         args = main["args"]
-        assert args[args.index("--role") + 1] == role
+        assert args[args.index(WorkerProcessArgs.cli_flag("role")) + 1] == role
         assert {"name": "DISAGG_ROLE", "value": role} in main["env"]
         assert cluster.live("v1/services", f"tiny-{role}")["spec"]["clusterIP"] == "None"
     for resource, name in (
@@ -204,7 +205,7 @@ async def test_delete_runs_finalizer_and_schedules_the_redis_cleanup_job(cluster
         return
     (container,) = job["spec"]["template"]["spec"]["containers"]
     assert container["command"] == [
-        "disagg", "cleanup", "--redis-url", "redis://cache.infra:6379/1", "--deployment", "default.tiny"
+        "disagg", "cleanup", *WorkerProcessArgs.cli_args(redis_url="redis://cache.infra:6379/1", deployment="default.tiny")
     ]  # fmt: skip
     assert {
         "name": "DISAGG_REDIS_PASSWORD",

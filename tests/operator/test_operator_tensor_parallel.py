@@ -13,6 +13,7 @@ from disagg.operator import spec as specs
 from disagg.operator.builders import build_children, workers
 from disagg.operator.settings import Settings
 from disagg.worker import cli
+from disagg.worker.engine.args import cli_flag
 
 KUBE_VERSION = "1.35"
 
@@ -64,7 +65,7 @@ def test_a_cpu_role_runs_its_ranks_without_gpus():
 
 def test_one_rank_pods_are_unchanged():
     sts, container = _role_pod("gpu-llama3-8b.yaml", "decode")
-    assert "--tensor-parallel-size" not in container["args"]
+    assert cli_flag("tensor_parallel_size") not in container["args"]
     assert _shm(sts) == {"name": "dshm", "emptyDir": {"medium": "Memory"}}
 
 

@@ -20,6 +20,9 @@ import httpx
 from disagg.proto import worker_pb2 as pb
 from disagg.proto import worker_pb2_grpc as pb_grpc
 from disagg.worker.cli.ports import free_port
+from disagg.worker.engine.args import EngineArgs
+from disagg.worker.serving.args import ServingArgs
+from disagg.worker.serving.process_args import WorkerProcessArgs
 
 from .redis_check import assert_no_transfer_records
 
@@ -35,6 +38,12 @@ def child_pids(pid: int) -> list[int]:
         for task in Path(f"/proc/{pid}/task").iterdir()
         for c in (task / "children").read_text().split()
     ]
+
+
+def threshold_placement(threshold: int) -> list[str]:
+    """Worker flags that send every prompt with `threshold` or more uncached tokens to a prefill
+    worker (the tests that must see the prefill-worker path)."""
+    return ServingArgs.cli_args(prefill_placement="threshold", disagg_threshold=threshold)
 
 
 def complete(url: str, body: dict) -> httpx.Response:
@@ -118,12 +127,14 @@ class Cluster:
             for i in range(count):
                 name = f"{role}-{i}"
                 port, mport = free_port(), free_port()
+                process = WorkerProcessArgs.cli_args(
+                    role=role, worker_id=name, host="127.0.0.1", port=port, metrics_port=mport,
+                    deployment=deployment, **({"redis_url": redis_url} if redis_url else {}),
+                )  # fmt: skip
                 cmd = py + [
-                    "worker", "--role", role, "--model", str(model_dir), "--worker-id", name, "--host", "127.0.0.1",
-                    "--port", str(port), "--metrics-port", str(mport), "--kv-transfer", kv_transfer,
-                    "--deployment", deployment, "--threads", "1", "--num-gpu-blocks", "512", "--max-num-seqs", "64",
-                    *(["--redis-url", redis_url] if redis_url else []), *worker_args,
-                    *(role_args or {}).get(role, ()),
+                    "worker", *process, *ServingArgs.cli_args(kv_transfer=kv_transfer),
+                    *EngineArgs.cli_args(model=str(model_dir), threads=1, num_gpu_blocks=512, max_num_seqs=64),
+                    *worker_args, *(role_args or {}).get(role, ()),
                 ]  # fmt: skip
                 self.workers[name] = Proc(
                     name, cmd, tmp / f"{name}.log", f"http://127.0.0.1:{mport}/health", f"127.0.0.1:{port}",

@@ -18,9 +18,15 @@ import httpx
 import pytest
 import redis
 
+from disagg.worker.cli.flags import Up
 from disagg.worker.cli.ports import free_port
+from disagg.worker.engine.args import EngineArgs
+from disagg.worker.serving.args import ServingArgs
+from disagg.worker.serving.process_args import WorkerProcessArgs
 
 pytestmark = pytest.mark.timeout(300)
+# prompts of 8+ uncached tokens go to the prefill worker: the tests that check that path
+_THRESHOLD_PLACEMENT = ServingArgs.cli_args(prefill_placement="threshold", disagg_threshold=8)
 
 
 def _children(pid: int) -> list[int]:
@@ -40,7 +46,7 @@ def _cmdline(pid: int) -> str:
 
 def _worker_pid(up: subprocess.Popen, worker_id: str) -> int | None:
     for pid in _children(up.pid):
-        if f"--worker-id {worker_id} " in _cmdline(pid):
+        if f"{WorkerProcessArgs.cli_flag('worker_id')} {worker_id} " in _cmdline(pid):
             return pid
     return None
 
@@ -60,8 +66,8 @@ def _up(tiny_model: Path, tmp_path: Path, *flags: str):
     its log); stopped with SIGTERM after, which must end it cleanly."""
     run_dir, port = tmp_path / "run", free_port()
     log = tmp_path / "up.log"
-    cmd = [sys.executable, "-m", "disagg.worker.cli", "up", "--model", str(tiny_model), "--port", str(port),
-           "--run-dir", str(run_dir), "--num-gpu-blocks", "256", "--timeout", "150", *flags]  # fmt: skip
+    cmd = [sys.executable, "-m", "disagg.worker.cli", "up", Up.MODEL, str(tiny_model), Up.PORT, str(port),
+           Up.RUN_DIR, str(run_dir), *EngineArgs.cli_args(num_gpu_blocks=256), Up.TIMEOUT, "150", *flags]  # fmt: skip
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}, "OMP_NUM_THREADS": "1"}
     with open(log, "wb") as out:
         up = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -86,7 +92,8 @@ def _assert_prefilled_on(r: httpx.Response, run_dir: Path, worker: str) -> None:
 
 
 def test_up_keeps_its_secrets_private_and_restarts_a_dead_child(tiny_model, tmp_path):
-    with _up(tiny_model, tmp_path, "--prefill", "1", "--decode", "1", "--threads", "1") as running:
+    flags = (Up.PREFILL, "1", Up.DECODE, "1", *EngineArgs.cli_args(threads=1))
+    with _up(tiny_model, tmp_path, *flags) as running:
         up, url, run_dir, log = running
         secrets_dir = run_dir / "secrets"
         assert stat.S_IMODE(secrets_dir.stat().st_mode) == 0o700
@@ -163,16 +170,7 @@ def test_each_worker_gets_its_own_kv_disk_directory_and_prefill_no_draft():
 
 @pytest.mark.slow
 def test_up_runs_prefill_and_decode_at_different_tensor_parallel_sizes(tiny_model, tmp_path):
-    flags = (
-        "--prefill-tp",
-        "2",
-        "--decode-tp",
-        "1",
-        "--prefill-placement",
-        "threshold",
-        "--disagg-threshold",
-        "8",
-    )
+    flags = (Up.PREFILL_TP, "2", Up.DECODE_TP, "1", *_THRESHOLD_PLACEMENT)
     with _up(tiny_model, tmp_path, *flags) as (up, url, run_dir, _):
         # the prefill worker started its second rank, the decode worker none
         assert any(
@@ -189,8 +187,7 @@ def test_up_gives_each_child_its_own_certificate(tiny_model, tmp_path):
     """`--peer-identity certificate`: a CA for the run, a certificate per child naming it (keys
     0600), mutual TLS between all of them, and the P/D path works with each worker acting only for
     itself."""
-    flags = ("--threads", "1", "--peer-identity", "certificate", "--prefill-placement", "threshold",
-             "--disagg-threshold", "8")  # fmt: skip
+    flags = (*EngineArgs.cli_args(threads=1), Up.PEER_IDENTITY, "certificate", *_THRESHOLD_PLACEMENT)
     with _up(tiny_model, tmp_path, *flags) as (_, url, run_dir, _):
         tls = run_dir / "secrets" / "tls"
         assert stat.S_IMODE((tls / "ca.key").stat().st_mode) == 0o600

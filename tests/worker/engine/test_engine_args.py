@@ -32,7 +32,7 @@ def _no_disagg_env(monkeypatch):
 
 @pytest.mark.parametrize(
     "argv",
-    [["worker", "--model", "m"], ["generate", "m", "hello"], ["up"]],
+    [["worker", cli_flag("model"), "m"], ["generate", "m", "hello"], ["up"]],
     ids=["worker", "generate", "up"],
 )
 def test_every_command_takes_every_setting_with_its_default(argv):
@@ -83,9 +83,9 @@ def test_router_block_size_default_is_the_engines():
 def test_environment_gives_worker_defaults(monkeypatch):
     monkeypatch.setenv("DISAGG_MAX_NUM_SEQS", "12")
     monkeypatch.setenv("DISAGG_ENABLE_PREFIX_CACHING", "false")
-    _module, args = parse(["worker", "--model", "m"])
+    _module, args = parse(["worker", cli_flag("model"), "m"])
     assert args.max_num_seqs == 12 and args.enable_prefix_caching is False
-    _module, args = parse(["worker", "--model", "m", "--max-num-seqs", "3"])
+    _module, args = parse(["worker", *EngineArgs.cli_args(model="m", max_num_seqs=3)])
     assert args.max_num_seqs == 3  # a flag beats the environment
 
 
@@ -134,7 +134,7 @@ def test_flags_round_trip_through_the_worker_parser():
                         kv_cache_memory=1 << 28, threads=2, speculative_method="draft",
                         speculative_draft_model="/d", num_speculative_tokens=3,
                         speculative_min_acceptance=0.5)  # fmt: skip
-    _module, args = parse(["worker", "--model", "m", *chosen.to_cli_args()])
+    _module, args = parse(["worker", cli_flag("model"), "m", *chosen.to_cli_args()])
     assert EngineArgs.from_cli_args(args) == chosen
 
 

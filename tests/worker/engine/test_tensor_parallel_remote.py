@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from disagg.worker.cli.flags import TpRanks
 from disagg.worker.engine.llm_engine import LLMEngine
 from disagg.worker.model.tp_executor import RankFailedError, RankProcesses
 from disagg.worker.model.tp_join import authkey_from_token
@@ -43,9 +44,9 @@ def free_port_pair() -> int:
 
 def start_follower(port: int, *extra: str, token: str = TOKEN, first_rank: int = 1, count: int = 1):
     env = {**os.environ, "DISAGG_INTERNAL_TOKEN": token}
-    cmd = [sys.executable, "-m", "disagg.worker.cli", "tp-ranks", "--leader", f"127.0.0.1:{port}",
-           "--first-rank", str(first_rank), "--count", str(count), "--threads", "1",
-           "--connect-timeout", "60", *extra]  # fmt: skip
+    cmd = [sys.executable, "-m", "disagg.worker.cli", "tp-ranks", TpRanks.LEADER, f"127.0.0.1:{port}",
+           TpRanks.FIRST_RANK, str(first_rank), TpRanks.COUNT, str(count), TpRanks.THREADS, "1",
+           TpRanks.CONNECT_TIMEOUT, "60", *extra]  # fmt: skip
     return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
 
 
@@ -110,7 +111,7 @@ def test_a_follower_exits_non_zero_when_rank_0_is_gone(tiny_llama_dir, one_torch
 
 def test_a_rank_with_the_wrong_credential_is_not_let_in(tiny_llama_dir):
     port = free_port_pair()
-    intruder = start_follower(port, "--connect-timeout", "5", token="not-the-credential")
+    intruder = start_follower(port, TpRanks.CONNECT_TIMEOUT, "5", token="not-the-credential")
     try:
         with pytest.raises(RankFailedError, match=r"ranks \[1\] did not join from other hosts"):
             RankProcesses(tiny_llama_dir, "float32", _cpu(), 2, threads=1, local_ranks=1, port=port,

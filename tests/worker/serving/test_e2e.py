@@ -16,7 +16,7 @@ import pytest
 from disagg.proto import worker_pb2 as pb
 from disagg.worker.engine.sampling_params import SamplingParams
 
-from ..cluster import Cluster, complete
+from ..cluster import Cluster, complete, threshold_placement
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,7 +32,7 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         redis_url=redis_server.url,
         prefill=1,
         decode=1,
-        worker_args=("--prefill-placement", "threshold", "--disagg-threshold", str(THRESHOLD)),
+        worker_args=threshold_placement(THRESHOLD),
         deployment="e2e",
     )
     try:

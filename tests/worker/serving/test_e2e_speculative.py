@@ -10,9 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.sampling_params import SamplingParams
 
-from ..cluster import Cluster
+from ..cluster import Cluster, threshold_placement
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -29,16 +30,14 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         redis_url=redis_server.url,
         prefill=1,
         decode=1,
-        worker_args=("--prefill-placement", "threshold", "--disagg-threshold", str(THRESHOLD)),
+        worker_args=threshold_placement(THRESHOLD),
         role_args={
-            "decode": (
-                "--speculative-method",
-                "draft",
-                "--speculative-draft-model",
-                str(tiny_model),
-                "--no-speculative-adaptive",
+            "decode": EngineArgs.cli_args(
+                speculative_method="draft",
+                speculative_draft_model=str(tiny_model),
+                speculative_adaptive=False,
             )
-        },  # fmt: skip
+        },
         deployment="e2e-spec",
     )
     try:

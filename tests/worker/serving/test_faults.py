@@ -11,7 +11,9 @@ import time
 import httpx
 import pytest
 
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.serving.args import ServingArgs
 
 from ..cluster import Cluster
 
@@ -30,14 +32,8 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         prefill=2,
         decode=3,
         worker_args=(
-            "--prefill-placement",
-            "threshold",
-            "--disagg-threshold",
-            "8",
-            "--max-num-batched-tokens",
-            "64",
-            "--lease-seconds",
-            str(LEASE),
+            *ServingArgs.cli_args(prefill_placement="threshold", disagg_threshold=8, lease_seconds=LEASE),
+            *EngineArgs.cli_args(max_num_batched_tokens=64),
         ),
         deployment="faults",
     )

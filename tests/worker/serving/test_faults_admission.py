@@ -13,6 +13,9 @@ import time
 import httpx
 import pytest
 
+from disagg.worker.router.args import RouterArgs
+from disagg.worker.serving.args import ServingArgs
+
 from ..cluster import Cluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,15 +32,10 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         redis_url=redis_server.url,
         prefill=1,
         decode=2,
-        worker_args=(
-            "--prefill-placement",
-            "threshold",
-            "--disagg-threshold",
-            "8",
-            "--lease-seconds",
-            str(LEASE),
+        worker_args=ServingArgs.cli_args(
+            prefill_placement="threshold", disagg_threshold=8, lease_seconds=LEASE
         ),
-        router_args=("--max-queue", str(MAX_QUEUE)),
+        router_args=RouterArgs.cli_args(max_queue=MAX_QUEUE),
         deployment="faults-admission",
     )
     try:

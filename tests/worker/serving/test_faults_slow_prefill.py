@@ -14,7 +14,9 @@ import time
 import httpx
 import pytest
 
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.serving.args import ServingArgs
 
 from ..cluster import Cluster
 
@@ -36,16 +38,13 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         prefill=2,
         decode=1,
         worker_args=(
-            "--prefill-placement",
-            "threshold",
-            "--disagg-threshold",
-            "8",
-            "--max-num-batched-tokens",
-            "64",
-            "--lease-seconds",
-            str(LEASE),
-            "--prefill-timeout",
-            str(PREFILL_TIMEOUT),
+            *ServingArgs.cli_args(
+                prefill_placement="threshold",
+                disagg_threshold=8,
+                lease_seconds=LEASE,
+                prefill_timeout=PREFILL_TIMEOUT,
+            ),
+            *EngineArgs.cli_args(max_num_batched_tokens=64),
         ),  # fmt: skip
         deployment="slow-prefill",
     )

@@ -10,7 +10,7 @@ import pytest
 
 from disagg.worker.engine.sampling_params import SamplingParams
 
-from ..cluster import Cluster
+from ..cluster import Cluster, threshold_placement
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,7 +22,7 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         tmp_path_factory.mktemp("grpc_kv"),
         redis_url=redis_server.url,
         kv_transfer="grpc",
-        worker_args=("--prefill-placement", "threshold", "--disagg-threshold", "8"),
+        worker_args=threshold_placement(8),
         deployment="grpc-kv",
     )
     try:

@@ -12,11 +12,13 @@ import time
 import pytest
 import redis
 
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.block_hash import block_hashes
 from disagg.worker.engine.tiers import block_file
 from disagg.worker.kv_state.keys import Keys, hash_key
+from disagg.worker.router.args import RouterArgs
 
-from ..cluster import Cluster, complete
+from ..cluster import Cluster, complete, threshold_placement
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,10 +40,10 @@ def tiers_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory, redis_server, tiers_dir, reference_llm):
-    decode_args = (
-        "--num-gpu-blocks", str(CACHE_BLOCKS), "--block-size", str(BS),
-        "--kv-host-cache-memory", str(4 * reference_llm.engine.model.kv_cache_block_bytes(BS)),
-        "--kv-disk-cache-dir", str(tiers_dir), "--kv-disk-cache-size", str(64 << 20),
+    decode_args = EngineArgs.cli_args(
+        num_gpu_blocks=CACHE_BLOCKS, block_size=BS,
+        kv_host_cache_memory=4 * reference_llm.engine.model.kv_cache_block_bytes(BS),
+        kv_disk_cache_dir=str(tiers_dir), kv_disk_cache_size=64 << 20,
     )  # fmt: skip
     c = Cluster(
         tiny_model,
@@ -49,9 +51,9 @@ def cluster(tiny_model, tmp_path_factory, redis_server, tiers_dir, reference_llm
         redis_url=redis_server.url,
         prefill=1,
         decode=1,
-        worker_args=("--prefill-placement", "threshold", "--disagg-threshold", "8"),
+        worker_args=threshold_placement(8),
         role_args={"decode": decode_args},
-        router_args=("--block-size", str(BS)),
+        router_args=RouterArgs.cli_args(block_size=BS),
         deployment="kvtiers",
     )
     try:

@@ -15,6 +15,8 @@ import time
 import httpx
 import pytest
 
+from disagg.worker.serving.args import ServingArgs
+
 from ..cluster import Cluster
 
 pytestmark = pytest.mark.timeout(300)
@@ -154,16 +156,10 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         redis_url=redis_server.url,
         prefill=1,
         decode=3,
-        worker_args=(
-            "--prefill-placement",
-            "threshold",
-            "--disagg-threshold",
-            "8",
-            "--lease-seconds",
-            str(LEASE),
-            "--drain-handoff",
-            "0",  # at once: a window would race the streams' own end on a fast host
-        ),  # fmt: skip
+        # drain_handoff 0, at once: a window would race the streams' own end on a fast host
+        worker_args=ServingArgs.cli_args(
+            prefill_placement="threshold", disagg_threshold=8, lease_seconds=LEASE, drain_handoff=0.0
+        ),
         deployment="migration",
     )
     try:
@@ -365,7 +361,7 @@ def test_handed_off_streams_whose_kv_cannot_be_pulled_are_recomputed_exactly(
     refuses their pulls: the new worker recomputes each stream and it still continues exactly."""
     c = Cluster(
         tiny_model, tmp_path, redis_url=redis_server.url, prefill=0, decode=2, deployment="migration-replay",
-        worker_args=("--drain-handoff", "0", "--handoff-pull-window", "0"),
+        worker_args=ServingArgs.cli_args(drain_handoff=0.0, handoff_pull_window=0.0),
     )  # fmt: skip
     c.start()
     try:

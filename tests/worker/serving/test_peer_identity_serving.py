@@ -18,7 +18,7 @@ from disagg.proto import worker_pb2_grpc as pb_grpc
 from disagg.worker.serving.auth import InternalAuth, TLSFiles
 
 from ..certificates import SERVER_NAME, issue, make_ca
-from ..cluster import Cluster
+from ..cluster import Cluster, threshold_placement
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -33,7 +33,7 @@ def deployment(request, tiny_model, tmp_path_factory, redis_server):
     tmp = tmp_path_factory.mktemp(f"identity-{request.param}")
     ca = make_ca(tmp / "ca")
     c = Cluster(tiny_model, tmp, redis_url=redis_server.url, kv_transfer=request.param,
-                worker_args=("--prefill-placement", "threshold", "--disagg-threshold", "8", "--peer-identity", "certificate"),
+                worker_args=(*threshold_placement(8), "--peer-identity", "certificate"),
                 deployment=f"identity-{request.param}", env={"DISAGG_GRPC_TLS_SERVER_NAME": SERVER_NAME})  # fmt: skip
     for (
         proc

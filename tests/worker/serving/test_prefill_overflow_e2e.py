@@ -14,8 +14,9 @@ import httpx
 import pytest
 
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.router.args import RouterArgs
 
-from ..cluster import Cluster
+from ..cluster import Cluster, threshold_placement
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -32,8 +33,8 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         prefill=1,
         decode=1,
         # every prompt of 4+ tokens that the decode worker serves is prefilled on the prefill worker
-        worker_args=("--disagg-threshold", "4", "--prefill-placement", "threshold"),
-        router_args=("--prefill-overflow", "1.5"),
+        worker_args=threshold_placement(4),
+        router_args=RouterArgs.cli_args(prefill_overflow=1.5),
         deployment="overflow",
     )
     try:

@@ -13,6 +13,8 @@ import urllib.request
 import httpx
 import pytest
 
+from disagg.worker.serving.args import ServingArgs
+
 from ..cluster import Cluster
 
 pytestmark = pytest.mark.timeout(240)
@@ -30,7 +32,7 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         decode=1,
         # the default placement (load); a generous slack, so that rates measured while the machine
         # is busy elsewhere cannot turn "protect the running stream" into "the pool is backlogged"
-        worker_args=("--disagg-threshold", "8", "--disagg-busy-slack", "5"),
+        worker_args=ServingArgs.cli_args(disagg_threshold=8, disagg_busy_slack=5.0),
         deployment="placement",
     )
     try:

@@ -13,10 +13,11 @@ import httpx
 import pytest
 
 from disagg.kernels.kv_quant import region_bytes
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.router.policy import WorkerView, served_quantization
 
-from ..cluster import Cluster
+from ..cluster import Cluster, threshold_placement
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,8 +65,13 @@ class Setup:
 
 
 SETUPS = [
-    Setup("int8", ("--quantization", "int8"), {"quantization": "int8"}, _weights_reported),
-    Setup("kv-int8", ("--kv-cache-dtype", "int8"), {"kv_cache_dtype": "int8"}, _kv_regions_reported),
+    Setup("int8", EngineArgs.cli_args(quantization="int8"), {"quantization": "int8"}, _weights_reported),
+    Setup(
+        "kv-int8",
+        EngineArgs.cli_args(kv_cache_dtype="int8"),
+        {"kv_cache_dtype": "int8"},
+        _kv_regions_reported,
+    ),
 ]
 
 
@@ -80,7 +86,7 @@ def cluster(setup, tiny_model, tmp_path_factory, redis_server):
         tiny_model,
         tmp_path_factory.mktemp(setup.name),
         redis_url=redis_server.url,
-        worker_args=("--prefill-placement", "threshold", "--disagg-threshold", "8", *setup.worker_args),
+        worker_args=(*threshold_placement(8), *setup.worker_args),
         deployment=setup.name,
     )
     try:

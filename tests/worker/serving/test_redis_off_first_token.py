@@ -13,7 +13,7 @@ import redis
 
 from disagg.proto import worker_pb2 as pb
 
-from ..cluster import Cluster
+from ..cluster import Cluster, threshold_placement
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -30,7 +30,7 @@ def cluster(tiny_model, tmp_path_factory, redis_server):
         redis_url=redis_server.url,
         prefill=1,
         decode=1,
-        worker_args=("--prefill-placement", "threshold", "--disagg-threshold", "8"),
+        worker_args=threshold_placement(8),
         deployment="redis-off-path",
     )
     try:

@@ -22,9 +22,10 @@ from disagg.proto import kv_transfer_pb2 as kv_pb
 from disagg.proto import kv_transfer_pb2_grpc as kv_grpc
 from disagg.proto import worker_pb2 as pb
 from disagg.proto import worker_pb2_grpc as pb_grpc
+from disagg.worker.engine.args import EngineArgs
 
 from ..certificates import SERVER_NAME, issue, make_ca
-from ..cluster import Cluster
+from ..cluster import Cluster, threshold_placement
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,7 +38,7 @@ def cluster(tiny_model, tmp_path_factory, secure_redis):
         tmp_path_factory.mktemp("security"),
         redis_url=secure_redis.url,
         kv_transfer="grpc",
-        worker_args=("--prefill-placement", "threshold", "--disagg-threshold", "8"),
+        worker_args=threshold_placement(8),
         deployment="security",
         env={"DISAGG_REDIS_PASSWORD": secure_redis.password},
     )
@@ -175,7 +176,7 @@ def test_duplicate_client_request_id_cannot_abort_another_stream(cluster, secure
 
 def test_worker_without_a_credential_refuses_to_start(tiny_model):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
-    cmd = [sys.executable, "-m", "disagg.worker.cli", "worker", "--model", str(tiny_model)]
+    cmd = [sys.executable, "-m", "disagg.worker.cli", "worker", *EngineArgs.cli_args(model=str(tiny_model))]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "no internal credential" in r.stderr and "DISAGG_INTERNAL_TOKEN" in r.stderr, r.stderr
@@ -235,7 +236,7 @@ def test_grpc_over_mutual_tls(tiny_model, tmp_path, redis_server):
     tls = issue(make_ca(tmp_path / "ca"), tmp_path / "tls", SERVER_NAME)
     env = {"DISAGG_GRPC_TLS_DIR": str(tls), "DISAGG_GRPC_TLS_SERVER_NAME": SERVER_NAME}
     c = Cluster(tiny_model, tmp_path, redis_url=redis_server.url, kv_transfer="grpc",
-                worker_args=("--prefill-placement", "threshold", "--disagg-threshold", "8"), deployment="tls", env=env)  # fmt: skip
+                worker_args=threshold_placement(8), deployment="tls", env=env)  # fmt: skip
     try:
         c.start()
         r = _complete(c, list(range(5, 45)))

@@ -15,9 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.serving.args import ServingArgs
 
-from ..cluster import Cluster, child_pids, complete
+from ..cluster import Cluster, child_pids, complete, threshold_placement
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -35,15 +37,9 @@ def tp_pd(tiny_model, tmp_path_factory, redis_server):
         decode=1,
         # a small token budget makes a long prompt's prefill span many steps: a window to kill in
         worker_args=(
-            "--tensor-parallel-size",
-            "2",
-            "--prefill-placement",
-            "threshold",
-            "--disagg-threshold",
-            str(THRESHOLD),
-            "--max-num-batched-tokens",
-            "64",
-        ),  # fmt: skip
+            *threshold_placement(THRESHOLD),
+            *EngineArgs.cli_args(tensor_parallel_size=2, max_num_batched_tokens=64),
+        ),
         deployment="tp-pd",
     )
     try:
@@ -63,11 +59,11 @@ def mixed_pd(request, tiny_model, tmp_path_factory, redis_server):
         redis_url=redis_server.url,
         prefill=1,
         decode=1,
-        worker_args=("--prefill-placement", "threshold", "--disagg-threshold", str(THRESHOLD)),
+        worker_args=threshold_placement(THRESHOLD),
         role_args={
-            "prefill": ("--tensor-parallel-size", str(prefill_tp)),
-            "decode": ("--tensor-parallel-size", str(decode_tp)),
-        },  # fmt: skip
+            "prefill": EngineArgs.cli_args(tensor_parallel_size=prefill_tp),
+            "decode": EngineArgs.cli_args(tensor_parallel_size=decode_tp),
+        },
         deployment=f"tp-mixed-{prefill_tp}-{decode_tp}",
     )
     try:
@@ -179,16 +175,11 @@ def fan_in(tiny_model, tmp_path_factory, redis_server):
         prefill=1,
         decode=1,
         worker_args=(
-            "--prefill-placement",
-            "threshold",
-            "--disagg-threshold",
-            str(THRESHOLD),
-            "--max-num-batched-tokens",
-            "64",
-            "--lease-seconds",
-            "3",
-        ),  # fmt: skip
-        role_args={"prefill": ("--tensor-parallel-size", "2")},
+            *threshold_placement(THRESHOLD),
+            *ServingArgs.cli_args(lease_seconds=3.0),
+            *EngineArgs.cli_args(max_num_batched_tokens=64),
+        ),
+        role_args={"prefill": EngineArgs.cli_args(tensor_parallel_size=2)},
         deployment="tp-fan-in",
     )
     try:

@@ -17,9 +17,13 @@ from dataclasses import dataclass
 
 import pytest
 
+from disagg.worker.cli.flags import TpRanks
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.sampling_params import SamplingParams
+from disagg.worker.serving.args import ServingArgs
+from disagg.worker.serving.process_args import WorkerProcessArgs
 
-from ..cluster import Cluster, Proc, child_pids, complete
+from ..cluster import Cluster, Proc, child_pids, complete, threshold_placement
 from .test_tensor_parallel_pd import THRESHOLD, _serve_and_compare
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -39,20 +43,15 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def _remote_rank_args(port: int) -> tuple[str, ...]:
-    return (
-        "--tensor-parallel-size",
-        "2",
-        "--tensor-parallel-local-ranks",
-        "1",
-        "--tensor-parallel-port",
-        str(port),
+def _remote_rank_args(port: int) -> list[str]:
+    return EngineArgs.cli_args(
+        tensor_parallel_size=2, tensor_parallel_local_ranks=1, tensor_parallel_port=port
     )
 
 
 def _follower(cluster: Cluster, port: int, tmp, name: str = "tp-ranks") -> Proc:
-    cmd = [sys.executable, "-m", "disagg.worker.cli", "tp-ranks", "--leader", f"127.0.0.1:{port}",
-           "--first-rank", "1", "--count", "1", "--threads", "1", "--host", "127.0.0.1"]  # fmt: skip
+    cmd = [sys.executable, "-m", "disagg.worker.cli", "tp-ranks", TpRanks.LEADER, f"127.0.0.1:{port}",
+           TpRanks.FIRST_RANK, "1", TpRanks.COUNT, "1", TpRanks.THREADS, "1", TpRanks.HOST, "127.0.0.1"]  # fmt: skip
     return Proc(name, cmd, tmp / f"{name}.log", "", env=cluster.env)
 
 
@@ -72,7 +71,7 @@ class TPWorker:
 
 def _start(tiny_model, tmp, ranks: str) -> TPWorker:
     port = free_port_pair()
-    args = ("--tensor-parallel-size", "2") if ranks == "local" else _remote_rank_args(port)
+    args = EngineArgs.cli_args(tensor_parallel_size=2) if ranks == "local" else _remote_rank_args(port)
     c = Cluster(
         tiny_model,
         tmp,
@@ -166,7 +165,7 @@ def test_prefill_and_decode_with_remote_ranks_move_kv_and_serve_the_single_rank_
         redis_url=redis_server.url,
         prefill=1,
         decode=1,
-        worker_args=("--prefill-placement", "threshold", "--disagg-threshold", str(THRESHOLD)),
+        worker_args=threshold_placement(THRESHOLD),
         role_args={role: _remote_rank_args(port) for role, port in ports.items()},
         deployment="tp-remote-pd",
     )
@@ -183,8 +182,9 @@ def test_prefill_and_decode_with_remote_ranks_move_kv_and_serve_the_single_rank_
 
 
 def test_prefill_role_refuses_tensor_parallelism_over_the_grpc_transport(tiny_model):
-    cmd = [sys.executable, "-m", "disagg.worker.cli", "worker", "--role", "prefill", "--model",
-           str(tiny_model), "--tensor-parallel-size", "2", "--kv-transfer", "grpc"]  # fmt: skip
+    cmd = [sys.executable, "-m", "disagg.worker.cli", "worker", *WorkerProcessArgs.cli_args(role="prefill"),
+           *EngineArgs.cli_args(model=str(tiny_model), tensor_parallel_size=2),
+           *ServingArgs.cli_args(kv_transfer="grpc")]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "--tensor-parallel-size 2 with --role prefill needs --kv-transfer nixl" in out.stderr
