@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.model.precisions import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,12 +192,12 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's, one per core)"
     )
     ap.add_argument(
-        "--tensor-parallel-size", type=int, default=1,
+        "--tensor-parallel-size", type=int, default=EngineArgs.tensor_parallel_size,
         help="N > 1: only compare TP=N with TP=1 on the same cores (decode step, prefill, collectives)",
     )  # fmt: skip
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument("--quantization", default="none", choices=("none", *QUANTIZATIONS))
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", *KV_CACHE_DTYPES))
+    ap.add_argument("--kv-cache-dtype", default=EngineArgs.kv_cache_dtype, choices=("auto", *KV_CACHE_DTYPES))
     ap.add_argument("--decode-batch", type=int, default=32, help="the larger decode batch measured")
     args = ap.parse_args(argv)
     if args.decode_batch > args.max_num_seqs:

@@ -33,6 +33,7 @@ import torch
 from bench_model import ensure_model, log  # noqa: E402
 from machine import cpu_name  # noqa: E402
 
+from disagg.worker.engine.args import EngineArgs  # noqa: E402
 from disagg.worker.engine.llm_engine import LLMEngine  # noqa: E402
 from disagg.worker.engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -182,7 +183,7 @@ def main() -> int:
     )
     p.add_argument("--host-pools", type=float, default=2.0, help="the host tier, in caches' worth")
     p.add_argument("--disk-gib", type=int, default=8, help="the disk tier (a temporary directory)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=EngineArgs.block_size)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", type=Path, default=ROOT / ".run" / "kv_tiers.png")

@@ -54,6 +54,7 @@ import time
 
 import torch
 
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.model import kv_memory
 from disagg.worker.model.precisions import KV_CACHE_DTYPES
 
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="64,256", help="MiB per transfer, comma-separated")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=EngineArgs.block_size)
     parser.add_argument("--backends", default="nixl,grpc", help="nixl, nixl:prepped, nixl:merged, grpc")
     parser.add_argument(
         "--patterns", default="contiguous,churned,scattered", help="block id patterns, see the module doc"

@@ -36,8 +36,11 @@ import aiohttp
 from bench_model import ensure_model, log  # noqa: E402
 from machine import cpu_name  # noqa: E402
 
+from disagg.worker.cli.flags import Up  # noqa: E402
 from disagg.worker.cli.ports import free_port  # noqa: E402
 from disagg.worker.cli.up import Deployment, add_arguments  # noqa: E402
+from disagg.worker.engine.args import EngineArgs  # noqa: E402
+from disagg.worker.serving.args import ServingArgs  # noqa: E402
 
 
 @dataclass
@@ -57,14 +60,15 @@ def pct(xs: list[float], p: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def deploy(args, name: str, handoff: float, pull_window: float = 5.0) -> Deployment:
+def deploy(
+    args, name: str, handoff: float, pull_window: float = ServingArgs.handoff_pull_window
+) -> Deployment:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     ns = parser.parse_args([
-        "--model", str(args.model), "--prefill", "1", "--decode", "2", "--port", str(free_port()),
-        "--threads", "1", "--run-dir", str(Path(args.run_dir) / name), "--timeout", "600",
-        "--drain-timeout", str(args.drain_timeout), "--drain-handoff", str(handoff),
-        "--handoff-pull-window", str(pull_window),
+        Up.MODEL, str(args.model), Up.PREFILL, "1", Up.DECODE, "2", Up.PORT, str(free_port()),
+        *EngineArgs.cli_args(threads=1), Up.RUN_DIR, str(Path(args.run_dir) / name), Up.TIMEOUT, "600",
+        *ServingArgs.cli_args(drain_timeout=args.drain_timeout, drain_handoff=handoff, handoff_pull_window=pull_window),
     ])  # fmt: skip
     dep = Deployment(ns)
     dep.plan()
@@ -176,7 +180,9 @@ def pauses_after(streams: list[Stream], at: float) -> list[float]:
     return out
 
 
-def drain_phase(args, handoff: float, label: str, pull_window: float = 5.0) -> tuple[float, float]:
+def drain_phase(
+    args, handoff: float, label: str, pull_window: float = ServingArgs.handoff_pull_window
+) -> tuple[float, float]:
     dep = deploy(args, f"drain-{label}", handoff=handoff, pull_window=pull_window)
     took: dict = {}
     try:
@@ -219,7 +225,7 @@ def main(argv=None) -> int:
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--drain-timeout", type=float, default=120.0)
-    p.add_argument("--drain-handoff", type=float, default=2.0)
+    p.add_argument("--drain-handoff", type=float, default=ServingArgs.drain_handoff)
     p.add_argument("--run-dir", default="/tmp/disagg-bench-migration")
     args = p.parse_args(argv)
     if args.model is None:

@@ -55,6 +55,8 @@ import numpy as np
 import torch
 
 from disagg.kernels import cpu_native, native_build
+from disagg.worker.cli.flags import Up
+from disagg.worker.engine.args import EngineArgs
 from disagg.worker.model.forward_batch import ForwardBatch
 from disagg.worker.model.loader import load_model
 from disagg.worker.model.pretrained import require_default_model
@@ -308,9 +310,10 @@ def serve_pair(args, pair: Pair, path: Path, server: Path) -> tuple[float, float
     finally:
         _stop(proc)
     disagg = Path(sys.executable).with_name("disagg")
-    cmd = [str(disagg), "up", "--model", str(path), "--prefill", "0", "--decode", "0", "--both", "1",
-           "--dtype", pair.dtype, "--quantization", pair.quantization, "--threads", str(args.threads),
-           "--max-num-seqs", str(args.serve), "--port", str(args.port), "--run-dir", str(args.out / "run")]  # fmt: skip
+    engine = EngineArgs.cli_args(dtype=pair.dtype, quantization=pair.quantization, threads=args.threads,
+                                 max_num_seqs=args.serve)  # fmt: skip
+    cmd = [str(disagg), "up", Up.MODEL, str(path), Up.PREFILL, "0", Up.DECODE, "0", Up.BOTH, "1", *engine,
+           Up.PORT, str(args.port), Up.RUN_DIR, str(args.out / "run")]  # fmt: skip
     with open(log_dir / "disagg-up.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:

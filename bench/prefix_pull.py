@@ -35,7 +35,10 @@ from machine import cpu_name  # noqa: E402
 from disagg.proto import worker_pb2 as pb  # noqa: E402
 from disagg.proto import worker_pb2_grpc as pb_grpc  # noqa: E402
 from disagg.worker.cli.ports import free_port  # noqa: E402
+from disagg.worker.engine.args import EngineArgs  # noqa: E402
+from disagg.worker.serving.args import ServingArgs  # noqa: E402
 from disagg.worker.serving.auth import InternalAuth  # noqa: E402
+from disagg.worker.serving.process_args import WorkerProcessArgs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SUFFIX = 16
@@ -46,9 +49,10 @@ class Worker:
         self, name: str, role: str, model: Path, run_dir: Path, token: str, core: int | None, extra=()
     ):
         self.name, self.port, self.mport = name, free_port(), free_port()
-        cmd = [sys.executable, "-m", "disagg.worker.cli", "worker", "--role", role, "--model", str(model),
-               "--worker-id", name, "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port",
-               str(self.mport), "--deployment", "pull-bench", "--threads", "1", *extra]  # fmt: skip
+        process = WorkerProcessArgs.cli_args(role=role, worker_id=name, host="127.0.0.1", port=self.port,
+                                             metrics_port=self.mport, deployment="pull-bench")  # fmt: skip
+        cmd = [sys.executable, "-m", "disagg.worker.cli", "worker", *process,
+               *EngineArgs.cli_args(model=str(model), threads=1), *extra]  # fmt: skip
         if core is not None and shutil.which("taskset"):
             cmd = ["taskset", "-c", str(core), *cmd]
         self.log = open(run_dir / f"{name}.log", "w")  # noqa: SIM115 (closed in stop)
@@ -127,7 +131,7 @@ def main() -> int:
             run_dir,
             token,
             1 % cores,
-            ("--prefill-placement", "threshold", "--disagg-threshold", "1"),
+            ServingArgs.cli_args(prefill_placement="threshold", disagg_threshold=1),
         ),  # fmt: skip
         Worker("priced", "both", model, run_dir, token, 1 % cores),
     ]

@@ -44,6 +44,7 @@ import aiohttp
 import numpy as np
 from bench_model import ensure_model  # noqa: E402
 
+from disagg.worker.cli.flags import Up
 from disagg.worker.cli.ports import free_port
 from disagg.worker.cli.up import Deployment, add_arguments
 from disagg.worker.engine.args import EngineArgs
@@ -52,6 +53,8 @@ from disagg.worker.planner.goodput import BASE_SCALE, SLO, SLO_SCALES, TARGET, a
 from disagg.worker.planner.profile import Profile
 from disagg.worker.planner.simulate import Outcome
 from disagg.worker.planner.workload import WORKLOADS, Workload
+from disagg.worker.router.args import RouterArgs
+from disagg.worker.serving.args import ServingArgs
 
 
 @dataclass
@@ -190,15 +193,17 @@ def deploy(
     # through `disagg up`'s own parser: every setting not named here takes its default there
     up_parser = argparse.ArgumentParser()
     add_arguments(up_parser)
+    serving = {"kv_transfer": args.kv_transfer}
+    if args.disagg_threshold is not None:
+        serving["disagg_threshold"] = args.disagg_threshold
+    if args.prefill_placement:
+        serving["prefill_placement"] = args.prefill_placement
     ns = up_parser.parse_args([
-        "--model", str(args.model), "--prefill", str(prefill), "--decode", str(decode), "--both", str(both),
-        "--port", str(free_port()), "--kv-transfer", args.kv_transfer,
-        *(["--disagg-threshold", str(args.disagg_threshold)] if args.disagg_threshold is not None else []),
-        "--threads", "1",
-        "--run-dir", str(Path(args.run_dir) / name), "--timeout", "600",
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        *(["--prefill-placement", args.prefill_placement] if args.prefill_placement else []),
-        *(["--prefill-overflow", str(overflow)] if overflow is not None else []),
+        Up.MODEL, str(args.model), Up.PREFILL, str(prefill), Up.DECODE, str(decode), Up.BOTH, str(both),
+        Up.PORT, str(free_port()), *ServingArgs.cli_args(**serving),
+        *EngineArgs.cli_args(threads=1, max_num_batched_tokens=args.max_num_batched_tokens),
+        Up.RUN_DIR, str(Path(args.run_dir) / name), Up.TIMEOUT, "600",
+        *(RouterArgs.cli_args(prefill_overflow=overflow) if overflow is not None else []),
     ])  # fmt: skip
     dep = Deployment(ns)
     dep.plan()

@@ -24,21 +24,24 @@ from pathlib import Path
 
 from speculative import checkpoint, prompts  # noqa: E402
 
+from disagg.worker.cli.flags import Up  # noqa: E402
 from disagg.worker.cli.ports import free_port  # noqa: E402
 from disagg.worker.cli.up import Deployment, add_arguments  # noqa: E402
+from disagg.worker.engine.args import EngineArgs  # noqa: E402
+from disagg.worker.serving.args import ServingArgs  # noqa: E402
 
 
 def deploy(args, name: str, speculative: bool) -> Deployment:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    spec = ["--speculative-method", args.method, "--num-speculative-tokens", str(args.k)]
+    spec = {"speculative_method": args.method, "num_speculative_tokens": args.k}
     if args.method == "draft":
-        spec += ["--speculative-draft-model", str(checkpoint(args.draft))]
+        spec["speculative_draft_model"] = str(checkpoint(args.draft))
     ns = parser.parse_args([
-        "--model", str(checkpoint(args.model)), "--prefill", "1", "--decode", "1",
-        "--port", str(free_port()), "--threads", str(args.threads), "--timeout", "600",
-        "--prefill-placement", "threshold", "--disagg-threshold", "8",
-        "--run-dir", str(Path(args.run_dir) / name), *(spec if speculative else []),
+        Up.MODEL, str(checkpoint(args.model)), Up.PREFILL, "1", Up.DECODE, "1",
+        Up.PORT, str(free_port()), *EngineArgs.cli_args(threads=args.threads), Up.TIMEOUT, "600",
+        *ServingArgs.cli_args(prefill_placement="threshold", disagg_threshold=8),
+        Up.RUN_DIR, str(Path(args.run_dir) / name), *(EngineArgs.cli_args(**spec) if speculative else []),
     ])  # fmt: skip
     dep = Deployment(ns)
     dep.plan()

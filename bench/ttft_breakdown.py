@@ -41,6 +41,9 @@ import aiohttp
 import serve  # noqa: E402
 from bench_model import ensure_model  # noqa: E402
 
+from disagg.worker.engine.args import EngineArgs  # noqa: E402
+from disagg.worker.serving.args import KV_TRANSFERS, ServingArgs  # noqa: E402
+
 STAGES = ("setup", "queue", "compute", "transfer", "overhead", "commit")
 
 
@@ -168,8 +171,8 @@ def main(argv=None) -> int:
     p.add_argument("--preset", choices=("tiny", "small"), default="small")
     p.add_argument("--lengths", default="256,1024", help="prompt lengths, comma-separated")
     p.add_argument("--requests", type=int, default=8, help="sequential requests per length")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--kv-transfer", choices=("nixl", "grpc"), default="nixl")
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
+    p.add_argument("--kv-transfer", choices=KV_TRANSFERS, default=ServingArgs.kv_transfer)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default=".run/bench-ttft")
     p.add_argument("--no-pin-front-end", dest="pin_front_end", action="store_false",

@@ -86,9 +86,10 @@ def run(ctx: Context) -> StepResult:
 
 
 def pd_matches(ctx: Context, r: StepResult, kind: str, model: str, lengths: list[int]) -> None:
-    from worker.cluster import Cluster, complete
+    from worker.cluster import Cluster, complete, threshold_placement
 
     from disagg.worker import LLM, SamplingParams
+    from disagg.worker.engine.args import EngineArgs
     from disagg.worker.model.config import ModelConfig
 
     path = models.ensure(model, ctx.work)
@@ -104,10 +105,10 @@ def pd_matches(ctx: Context, r: StepResult, kind: str, model: str, lengths: list
     if ctx.device.startswith("cuda"):
         torch.cuda.empty_cache()
     tmp = Path(tempfile.mkdtemp(prefix="disagg-gpu-pd-"))
-    worker_args = ("--dtype", dtype, "--device", ctx.device)
+    worker_args = EngineArgs.cli_args(dtype=dtype, device=ctx.device)
     cluster = Cluster(
         path, tmp, redis_url=None, prefill=1, decode=1, kv_transfer=kind, worker_args=worker_args,
-        role_args={"decode": ("--prefill-placement", "threshold", "--disagg-threshold", "16")},
+        role_args={"decode": threshold_placement(16)},
     )  # fmt: skip
     try:
         cluster.start()
