@@ -12,6 +12,7 @@ import os
 import pytest
 
 from disagg.worker import cli
+from disagg.worker.cli.flags import Up
 from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.settings import env_name, given
 from disagg.worker.router.args import RouterArgs
@@ -197,15 +198,19 @@ def test_up_hands_its_settings_to_the_workers_and_the_router():
     from disagg.worker.cli import up
 
     _, args = cli.parse(
-        ["up", "--disagg-busy-slack", "3", "--tool-call-parser", "hermes", "--max-queue", "9"]
+        [
+            "up",
+            *ServingArgs.cli_args(disagg_busy_slack=3.0),
+            *RouterArgs.cli_args(tool_call_parser="hermes", max_queue=9),
+        ]
     )
     serving = up.serving_args(args)
     assert serving == ServingArgs(disagg_busy_slack=3.0)
-    assert up.router_args(args).to_cli_args() == ["--max-queue", "9", "--tool-call-parser", "hermes"]
+    assert up.router_args(args).to_cli_args() == RouterArgs.cli_args(max_queue=9, tool_call_parser="hermes")
     # --demo shows the prefill-worker path unless told where to prefill
-    _, demo = cli.parse(["up", "--demo"])
+    _, demo = cli.parse(["up", Up.DEMO])
     assert dataclasses.astuple(up.serving_args(demo))[1:3] == (1, "threshold")
-    _, told = cli.parse(["up", "--demo", "--prefill-placement", "load"])
+    _, told = cli.parse(["up", Up.DEMO, *ServingArgs.cli_args(prefill_placement="load")])
     assert up.serving_args(told) == ServingArgs()
 
 
