@@ -206,9 +206,7 @@ def _entries(model_dir) -> dict[str, tuple[tuple[str, ...], object]]:
 
 # Exported for the other sources to link against; they run inside the entries named.
 CALLED_FROM = {
-    "decode_attention_head_f32": "PagedDecodeAttention",
-    "decode_attention_head_bf16": "bf16 PagedDecodeAttention",
-    "decode_attention_head_q8": "int8 KV PagedDecodeAttention",
+    "paged_attention_rows": "PagedDecodeAttention",
     "kv_q8_quantize_head": "int8 KV rotary_write_kv",
     "gemv_chunk_rows": "gemv",
     "gemv_rows_f32": "gemv",

@@ -44,6 +44,7 @@ _SOURCES = tuple(
     SOURCE_DIR / name
     for name in (
         "cpu_kernels.c",
+        "cpu_paged_attention.c",
         "cpu_gemv.c",
         "cpu_gemm.c",
         "cpu_gemm_packed.c",
@@ -57,7 +58,7 @@ _SOURCES = tuple(
         "cpu_amx.c",
     )
 )
-_HEADERS = (SOURCE_DIR / "cpu_kernels.h",)
+_HEADERS = (SOURCE_DIR / "cpu_kernels.h", SOURCE_DIR / "paged_attention.h")
 _BASE_FLAGS = ["-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared"]
 # CPUID as this process reads it (cpu_isa.py), built for the compiler's baseline target.
 _PROBE = SOURCE_DIR / "cpu_probe.c"

@@ -11,6 +11,7 @@
  * bf16 kernels round (cpu_bf16.c), so either path gives the same result.
  */
 #include "cpu_kernels.h"
+#include "paged_attention.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -252,6 +253,7 @@ static int decode_step(const decode_model *m, void *residual, int64_t batch, con
     const int bf = m->weight_kind == WEIGHTS_BF16;
     const int64_t h = m->hidden, inter = m->inter, d = m->head_dim, hq = m->num_q_heads, hkv = m->num_kv_heads;
     const int64_t group = hq / hkv, q_width = hq * d, qkv_width = (hq + 2 * hkv) * d;
+    const kv_kind cache_kind = bf ? KV_BF16 : !region_bytes ? KV_F32 : fp8 ? KV_FP8 : KV_INT8;
     /* two residual buffers taking turns (see residual_norm); the stream starts in `residual` */
     float *qkv = work, *attn = qkv + batch * qkv_width, *act = attn + batch * q_width, *out = act + batch * inter,
           *spare = out + batch * h, *per_thread = spare + batch * h;
@@ -295,6 +297,7 @@ static int decode_step(const decode_model *m, void *residual, int64_t batch, con
         for (int64_t l = 0; l < m->num_layers; l++) {
             const decode_layer *w = &m->layers[l];
             void *layer_kv = region_bytes ? (void *)((uint8_t *)kv + l * layer_stride) : EL(kv, l * layer_stride);
+            const paged_kv layer_cache = {layer_kv, cache_kind, hkv, d, block_size, region_bytes};
             if (l == 0) {
                 if (bf)
                     residual_norm_bf16(res, 0, 0, w->input_norm, (bf16 *)normed, batch, h, m->eps);
@@ -318,21 +321,8 @@ static int decode_step(const decode_model *m, void *residual, int64_t batch, con
                     rotary_write_kv_head(qkv + b * qkv_width, m->cos_sin, positions[b], layer_kv, slot_mapping[b],
                                          hq, hkv, d, kvh, block_size, region_bytes, fp8);
             }
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < batch * hkv; item++) {
-                const int64_t b = item / hkv, kvh = item % hkv, q_at = b * qkv_width + kvh * group * d;
-                const int32_t *table = block_tables + b * table_stride;
-                void *dst = EL(attn, b * q_width + kvh * group * d);
-                if (bf)
-                    decode_attention_head_bf16(EL(qkv, q_at), layer_kv, table, seq_lens[b], group, d, kvh, hkv,
-                                               block_size, m->scale, scores, dst);
-                else if (region_bytes)
-                    decode_attention_head_q8(qkv + q_at, layer_kv, table, seq_lens[b], group, d, kvh, hkv,
-                                             block_size, region_bytes, fp8, m->scale, scores, dst);
-                else
-                    decode_attention_head_f32(qkv + q_at, layer_kv, table, seq_lens[b], group, d, kvh, hkv,
-                                              block_size, m->scale, scores, dst);
-            }
+            paged_attention_rows(&layer_cache, qkv, qkv_width, attn, q_width, block_tables, table_stride, seq_lens,
+                                 batch, hq, m->scale, scores);
             MARK(PH_ATTENTION)
             MATMUL(w->o, w->o_scale, w->o_bias, q_width, attn, h, out, h, 0)
 #pragma omp barrier

@@ -1,5 +1,5 @@
-/* Shared by the native CPU kernel sources (cpu_kernels.c, cpu_gemv.c, cpu_gemv_int8.c,
- * cpu_decode_step.c), which are built into one shared object. */
+/* Shared by the native CPU kernel sources (cpu_kernels.c, cpu_gemv.c, cpu_decode_step.c, ...), which
+ * are built into one shared object. */
 #ifndef DISAGG_CPU_KERNELS_H
 #define DISAGG_CPU_KERNELS_H
 
@@ -70,105 +70,6 @@ static inline float bf16_widen(bf16 h) {
     return u.f;
 }
 
-#if defined(__x86_64__) && defined(__AVX512F__)
-#include <immintrin.h>
-/* 16 bf16 values widened to float32 (exact: the top half of the float's bits). */
-static inline __m512 widen16(const bf16 *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* out[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once (pairwise, in four halving stages;
- * the lanes come out in order). */
-static inline __m512 reduce16(const __m512 v[16]) {
-    __m512 s[8], u[4], w[2];
-    for (int i = 0; i < 8; i++)
-        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        const __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
-        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    for (int i = 0; i < 2; i++)
-        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xdd));
-}
-
-#define PREFETCH_ROWS 8 /* cached rows ahead: a head's rows are strided, which the prefetchers miss */
-
-/* 16 cached values from p: bf16 widened (bf), else float32. */
-static inline __m512 load16(const void *p, const int bf) {
-    return bf ? widen16((const bf16 *)p) : _mm512_loadu_ps((const float *)p);
-}
-
-/* Decode attention of one sequence and one KV head (cache elements bf16 when bf, else float32) for
- * D a multiple of 16 up to 128 and a group of up to 8 query heads (q float32), in registers: each
- * cached row loaded once for the whole group; the scores of 16 tokens summed across lanes at once
- * (reduce16); the group's outputs accumulated in float32 vectors into acc. The same three passes
- * as the portable loops (cpu_kernels.c, cpu_bf16.c), the sums in another order. */
-static inline __attribute__((always_inline)) void head_attention_avx512(
-    const float *q, const void *kv_base, const int bf, const int32_t *table, int64_t len, int64_t group,
-    const int64_t D, int64_t kv_head, int64_t num_kv_heads, int64_t block_size, float scale, float *scores,
-    float *acc) {
-    const char *kv = (const char *)kv_base;
-    const int64_t el = bf ? 2 : 4;
-    const int64_t row = num_kv_heads * D, kv_block = 2 * block_size * row, C = D / 16;
-    __m512 qv[8][8], part[8][16];
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < C; c++) qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c);
-    for (int64_t j0 = 0; j0 < len; j0 += 16) {
-        const int64_t n = len - j0 < 16 ? len - j0 : 16;
-        for (int64_t i = 0; i < 16; i++) {
-            if (i >= n) {
-                for (int64_t g = 0; g < group; g++) part[g][i] = _mm512_setzero_ps();
-                continue;
-            }
-            const int64_t j = j0 + i;
-            const char *k = kv + el * ((int64_t)table[j / block_size] * kv_block + (j % block_size) * row + kv_head * D);
-            if (j + PREFETCH_ROWS < len) {
-                const int64_t f = j + PREFETCH_ROWS;
-                const char *next = kv + el * ((int64_t)table[f / block_size] * kv_block + (f % block_size) * row + kv_head * D);
-                for (int64_t b = 0; b < D * el; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-            }
-            __m512 kf[8];
-            for (int64_t c = 0; c < C; c++) kf[c] = load16(k + el * 16 * c, bf);
-            for (int64_t g = 0; g < group; g++) {
-                __m512 p = _mm512_mul_ps(qv[g][0], kf[0]);
-                for (int64_t c = 1; c < C; c++) p = _mm512_fmadd_ps(qv[g][c], kf[c], p);
-                part[g][i] = p;
-            }
-        }
-        const __mmask16 keep = n == 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-        for (int64_t g = 0; g < group; g++)
-            _mm512_mask_storeu_ps(scores + g * len + j0, keep, _mm512_mul_ps(reduce16(part[g]), _mm512_set1_ps(scale)));
-    }
-    for (int64_t g = 0; g < group; g++) softmax_in_place(scores + g * len, len);
-    __m512 out[8][8];
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < C; c++) out[g][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; j++) {
-        const char *v =
-            kv + el * ((int64_t)table[j / block_size] * kv_block + block_size * row + (j % block_size) * row + kv_head * D);
-        if (j + PREFETCH_ROWS < len) {
-            const int64_t f = j + PREFETCH_ROWS;
-            const char *next =
-                kv + el * ((int64_t)table[f / block_size] * kv_block + block_size * row + (f % block_size) * row + kv_head * D);
-            for (int64_t b = 0; b < D * el; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-        }
-        __m512 vf[8];
-        for (int64_t c = 0; c < C; c++) vf[c] = load16(v + el * 16 * c, bf);
-        for (int64_t g = 0; g < group; g++) {
-            const __m512 p = _mm512_set1_ps(scores[g * len + j]);
-            for (int64_t c = 0; c < C; c++) out[g][c] = _mm512_fmadd_ps(p, vf[c], out[g][c]);
-        }
-    }
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < C; c++) _mm512_storeu_ps(acc + g * D + 16 * c, out[g][c]);
-}
-#define HAVE_ATTENTION_AVX512 1
-#else
-#define HAVE_ATTENTION_AVX512 0
-#endif
-
 /* One float8_e4m3fn byte's value: sign, 4 exponent bits of bias 7 (0: subnormal), 3 mantissa bits.
  * (0x7f / 0xff, e4m3fn's NaN, reads as 480: quantizers never write it.) */
 static inline float fp8_e4m3_value(uint8_t v) {
@@ -201,18 +102,6 @@ void add_rms_norm_f32(const float *x, float *residual, const float *weight, floa
 void rotary_write_kv_f32(float *qkv, int64_t row_stride, const float *cos_sin, const int64_t *positions,
                          float *kv, const int64_t *slot_mapping, int64_t tokens, int64_t num_q_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size);
-/* Decode attention of one sequence and one KV head for its group of query heads (q: the group's
- * heads, contiguous; out: the same); scores holds group * len floats. */
-void decode_attention_head_f32(const float *q, const float *kv, const int32_t *table, int64_t len,
-                               int64_t group, int64_t head_dim, int64_t kv_head, int64_t num_kv_heads,
-                               int64_t block_size, float scale, float *scores, float *out);
-
-/* The same over one layer of a quantized cache (cpu_kv_quant.c: byte regions of 8-bit values, then
- * float32 scales; fp8 selects e4m3 values, else int8). D <= 512. */
-void decode_attention_head_q8(const float *q, const uint8_t *cache, const int32_t *table, int64_t len,
-                              int64_t group, int64_t head_dim, int64_t kv_head, int64_t num_kv_heads,
-                              int64_t block_size, int64_t region_bytes, int fp8, float scale, float *scores,
-                              float *out);
 /* One head's D values quantized into dst (8-bit) with their scale, as the quantized cache stores them. */
 void kv_q8_quantize_head(const float *x, int64_t head_dim, int fp8, uint8_t *dst, float *scale_out);
 
@@ -380,10 +269,5 @@ void amx_rows_bf16(const bf16 *w, const bf16 *bias, int64_t n, int64_t k, int64_
 void amx_pack_i8(const float *x, int64_t m, int64_t k, void *scratch, int64_t m_max, int64_t k_max);
 void amx_rows_i8(const int8_t *w, const float *scale, const float *bias, int64_t n, int64_t k, int64_t m, int64_t r0,
                  int64_t r1, float *y, int64_t y_stride, void *scratch, int64_t m_max, int64_t k_max);
-/* Decode attention of one sequence and one KV head of a bf16 cache (q, out: the group's heads, bf16);
- * scratch holds group * (len + 2 D) floats. */
-void decode_attention_head_bf16(const bf16 *q, const bf16 *kv, const int32_t *table, int64_t len, int64_t group,
-                                int64_t head_dim, int64_t kv_head, int64_t num_kv_heads, int64_t block_size,
-                                float scale, float *scratch, bf16 *out);
 
 #endif
