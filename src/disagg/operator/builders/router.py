@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from disagg.operator.builders import common, config, hardening, model, secrets, workers
 from disagg.operator.spec import InferenceDeployment
-from disagg.worker.router.args import RouterArgs
+from disagg.worker.router.args import RouterArgs, RouterProcessArgs
 
 API_KEYS_DIR = "/etc/disagg/api-keys"
 SHUTDOWN_DELAY_SECONDS = 5  # see the container's preStop
@@ -14,19 +14,20 @@ LIVE_PATH = "/metrics"  # answers whenever the server runs, whether or not worke
 
 def _args(idep: InferenceDeployment) -> list[str]:
     router = idep.spec.router
+    flag = RouterProcessArgs.cli_flag
     args = [
         "router",
-        "--host",
+        flag("host"),
         workers.BIND_ALL,
-        "--port",
+        flag("port"),
         str(router.port),
-        "--redis-url",
+        flag("redis_url"),
         common.redis_url(idep),
-        "--deployment",
+        flag("deployment"),
         idep.deployment_id,
-        "--model",
+        flag("model"),
         model.model_dir(idep),
-        "--model-name",
+        flag("model_name"),
         idep.spec.model.name,
         # The router hashes prompts into blocks for the prefix index: the workers' block size.
         RouterArgs.cli_flag("block_size"),
@@ -37,7 +38,7 @@ def _args(idep: InferenceDeployment) -> list[str]:
     if router.prefill_overflow is not None:
         args += [RouterArgs.cli_flag("prefill_overflow"), f"{router.prefill_overflow:g}"]
     if router.api_key is not None:
-        args += ["--api-key-file", f"{API_KEYS_DIR}/{router.api_key.key}"]
+        args += [flag("api_key_file"), f"{API_KEYS_DIR}/{router.api_key.key}"]
     return args
 
 

@@ -8,12 +8,8 @@ import logging
 import os
 from pathlib import Path
 
-from disagg.worker.router.args import RouterArgs
+from disagg.worker.router.args import RouterArgs, RouterProcessArgs
 from disagg.worker.serving import auth
-
-
-def _env(name: str, default=None):
-    return os.environ.get(f"DISAGG_{name}", default)
 
 
 def router_args(args) -> RouterArgs:
@@ -24,26 +20,9 @@ def router_args(args) -> RouterArgs:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default=_env("HOST", "127.0.0.1"),
-                   help="bind address (0.0.0.0 or the pod IP to serve clients beyond this machine)")  # fmt: skip
-    p.add_argument("--port", type=int, default=int(_env("PORT", 8000)))
-    p.add_argument(
-        "--model", default=_env("MODEL"), help="model directory (tokenizer, chat template, context)"
-    )
-    p.add_argument(
-        "--model-name", default=_env("MODEL_NAME"), help="served model name (default: directory name)"
-    )
-    p.add_argument(
-        "--redis-url", default=_env("REDIS_URL"), help="Redis with the worker registry and prefix index"
-    )
-    p.add_argument("--deployment", default=_env("DEPLOYMENT", "default"))
-    p.add_argument("--workers", default=_env("WORKERS", ""),
-                   help="comma-separated worker gRPC addresses, in addition to the registry")  # fmt: skip
+    RouterProcessArgs.add_cli_args(p, env=True)
+    # repeatable, so not a setting (DISAGG_API_KEY adds one more)
     p.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
-    p.add_argument("--api-key-file", default=_env("API_KEY_FILE"), help="file with one API key per line")
-    p.add_argument("--redis-password-file", default=None,
-                   help="file with the Redis password (or DISAGG_REDIS_PASSWORD / DISAGG_REDIS_PASSWORD_FILE)")  # fmt: skip
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     auth.add_cli_args(p)
     RouterArgs.add_cli_args(p, env=True)
 

@@ -38,7 +38,7 @@ from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.settings import given
 from disagg.worker.model import pretrained
 from disagg.worker.model.gguf_checkpoint import served_name
-from disagg.worker.router.args import RouterArgs
+from disagg.worker.router.args import RouterArgs, RouterProcessArgs
 from disagg.worker.serving.args import ServingArgs
 from disagg.worker.serving.auth import PEER_IDENTITIES
 from disagg.worker.serving.process_args import WorkerProcessArgs
@@ -303,8 +303,9 @@ class Deployment:
             )
         self.router_url = f"http://127.0.0.1:{a.port}"
         cmd = py + [
-            "router", "--host", "127.0.0.1", "--port", str(a.port), "--model", str(model),
-            "--redis-url", self.redis_url, "--deployment", DEPLOYMENT,
+            "router",
+            *RouterProcessArgs.cli_args(host="127.0.0.1", port=a.port, model=str(model), redis_url=self.redis_url,
+                                        deployment=DEPLOYMENT),
             *dataclasses.replace(router, block_size=engine.block_size, max_model_len=engine.max_model_len).to_cli_args(),
         ]  # fmt: skip
         self.children.append(

@@ -1,8 +1,9 @@
-"""`RouterArgs`: the router's serving settings (admission bounds, prompt hashing, tool calls,
+"""`RouterProcessArgs`: what a router process binds, serves and reads (its address, the model's
+tokenizer, the worker registry, the API keys); `RouterArgs`: the router's serving settings (admission bounds, prompt hashing, tool calls,
 prefill overflow, the worker call's attempts, timeout and moves), each declared once with its
 default, help and check, like `EngineArgs`.
 
-`disagg router` generates its flags from these fields (`DISAGG_<FLAG>` gives a pod's default) and
+`disagg router` generates its flags from the fields of both (`DISAGG_<FLAG>` gives a pod's default) and
 hands them to the router (`Router(args, ...)`), `disagg up` passes them on with `to_cli_args`, and
 the operator names the flags it writes into the router's pod through `cli_flag`.
 Standard library only: the operator imports it without torch.
@@ -114,3 +115,23 @@ class RouterArgs(Settings):
         if self.max_choices is not None:
             return self.max_choices
         return max(1, min(DEFAULT_MAX_CHOICES, self.max_queue))
+
+
+@dataclass
+class RouterProcessArgs(Settings):
+    GROUP = "router process"
+
+    host: str = setting(
+        "127.0.0.1", "bind address (0.0.0.0 or the pod IP to serve clients beyond this machine)"
+    )
+    port: int = setting(8000, "HTTP port of the OpenAI API, /health and /metrics")
+    model: str | None = setting(None, "model directory or GGUF file (tokenizer, chat template, context)")
+    model_name: str | None = setting(None, "served model name (default: the directory or file name)")
+    redis_url: str | None = setting(None, "Redis with the worker registry and prefix index")
+    deployment: str = setting("default", "namespace of the Redis keys")
+    workers: str = setting("", "comma-separated worker gRPC addresses, in addition to the registry")
+    api_key_file: str | None = setting(None, "file with one accepted API key per line")
+    redis_password_file: str | None = setting(
+        None, "file with the Redis password (or DISAGG_REDIS_PASSWORD / DISAGG_REDIS_PASSWORD_FILE)"
+    )
+    log_level: str = setting("INFO", "logging level (DEBUG, INFO, WARNING, ERROR)")
