@@ -36,6 +36,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from disagg.worker.serving.args import ServingArgs
+
 # An idle D goes remote only when that is cheaper than local by more than this fraction.
 IDLE_REMOTE_MARGIN = 0.1
 
@@ -100,9 +102,9 @@ class Placement:
     prompt_len: int
     remote: PrefillSite
     remote_extra_s: Callable[[int], float]  # tokens -> transfer and hop seconds (`RemoteCost.seconds`)
-    mode: str = "load"  # load | threshold
-    threshold: int = 0
-    busy_slack: float = 1.0
+    mode: str = ServingArgs.prefill_placement  # load | threshold
+    threshold: int = ServingArgs.disagg_threshold
+    busy_slack: float = ServingArgs.disagg_busy_slack
 
 
 def place(p: Placement, cached_tokens: int, local: PrefillSite, decoding: int) -> Decision:

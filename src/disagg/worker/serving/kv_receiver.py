@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from disagg.worker.engine.llm_engine import Reservation
 from disagg.worker.engine.outputs import RequestOutput, TokenLogprob
+from disagg.worker.serving.args import ServingArgs
 from disagg.worker.serving.engine_loop import SOON, yield_cpu
 from disagg.worker.serving.held_blocks import hold
 from disagg.worker.serving.metrics import ServingMetrics
@@ -78,7 +79,7 @@ class KVReceiver:
         self.reserved: set[str] = set()  # request ids with reserved blocks not yet committed
         self.kv_waits: dict[str, KVWait] = {}  # transfer id -> waiter
         self.quarantined: dict[str, float] = {}  # transfer id given up on -> deadline of its held blocks
-        self.quarantine_seconds = 30.0
+        self.quarantine_seconds = ServingArgs().quarantine_seconds()  # the worker sets its own
 
     # ---- reservations and expectations -------------------------------------------------------------
     def reserve(self, request_id: str, prompt_ids: list[int], params, sink, resume=None) -> Reservation:
