@@ -15,11 +15,11 @@ from disagg.worker import cli
 from disagg.worker.cli.flags import Up
 from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.settings import env_name, given
-from disagg.worker.router.args import RouterArgs
+from disagg.worker.router.args import RouterArgs, RouterProcessArgs
 from disagg.worker.serving.args import ServingArgs
 from disagg.worker.serving.process_args import WorkerProcessArgs
 
-ARGS_CLASSES = (EngineArgs, ServingArgs, RouterArgs, WorkerProcessArgs)
+ARGS_CLASSES = (EngineArgs, ServingArgs, RouterArgs, RouterProcessArgs, WorkerProcessArgs)
 # the operator's flags are kopf's and its own: no settings class owns them
 COMMANDS = [name for name in cli.COMMANDS if name != "operator"]
 

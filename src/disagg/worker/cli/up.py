@@ -90,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(Up.PREFILL, type=int, default=1, help="number of prefill workers")
     p.add_argument(Up.DECODE, type=int, default=1, help="number of decode workers")
     p.add_argument(Up.BOTH, type=int, default=0, help="number of colocated workers (role both)")
-    p.add_argument(Up.PORT, type=int, default=8000, help="router port")
+    p.add_argument(Up.PORT, type=int, default=RouterProcessArgs.port, help="router port")
     p.add_argument(
         Up.PREFILL_TP,
         type=int,
