@@ -13,9 +13,6 @@ import torch
 
 from disagg.kernels import native_build
 
-# The engine starts the build through this module (disagg/worker/engine/llm_engine.py).
-from disagg.kernels.native_build import build_in_background  # noqa: F401
-
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode_attention_f32": (

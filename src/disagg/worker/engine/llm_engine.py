@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from disagg.kernels import cpu_native
+from disagg.kernels import native_build
 from disagg.worker.engine import prompt_logprobs
 from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.batch_builder import build_batch
@@ -100,7 +100,7 @@ class LLMEngine:
             torch.set_num_threads(args.threads)  # process-wide: the engine owns its process's CPU
         model, dtype, device = args.model, args.resolved_dtype(), args.resolved_device()
         if torch.device(device).type == "cpu":
-            cpu_native.build_in_background()  # the native kernels compile while the weights load
+            native_build.build_in_background()  # the native kernels compile while the weights load
         block_size, max_num_seqs = args.block_size, args.max_num_seqs
         self.ranks = None  # the other tensor-parallel ranks' processes, when there are any
         if args.tensor_parallel_size > 1:
