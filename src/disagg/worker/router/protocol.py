@@ -36,7 +36,7 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
-# Accepted and deliberately not acted on (README lists them too). Every other field OpenAI
+# Accepted and deliberately not acted on (docs/usage.md lists them too). Every other field OpenAI
 # defines is either acted on or refused with a 400 naming it.
 IGNORED_FIELDS = {
     "user": "an end-user identifier for the caller's own abuse monitoring; not used",
