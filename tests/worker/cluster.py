@@ -46,6 +46,12 @@ def threshold_placement(threshold: int) -> list[str]:
     return ServingArgs.cli_args(prefill_placement="threshold", disagg_threshold=threshold)
 
 
+def greedy_body(model: str, prompt, max_tokens: int) -> dict:
+    """A /v1/completions body whose output is a fixed number of greedy tokens (what the serving
+    tests compare with the engine's own greedy output)."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
 def complete(url: str, body: dict) -> httpx.Response:
     """POST /v1/completions to the router at `url`."""
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)

@@ -16,7 +16,7 @@ import pytest
 from disagg.proto import worker_pb2 as pb
 from disagg.worker.engine.sampling_params import SamplingParams
 
-from ..cluster import Cluster, complete, threshold_placement
+from ..cluster import Cluster, complete, greedy_body, threshold_placement
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -96,13 +96,7 @@ def test_second_request_with_a_cached_prefix_skips_those_blocks(cluster, referen
     for prompt, want in zip(prompts, expected, strict=True):
         bytes_before = cluster.metric("prefill-0", "disagg_kv_transfer_bytes_total")
         hits_before = cluster.metric("decode-0", "disagg_prefix_cache_hits_total")
-        body = {
-            "model": cluster.model_name,
-            "prompt": prompt,
-            "max_tokens": 6,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
+        body = greedy_body(cluster.model_name, prompt, 6)
         r = complete(cluster.url, body)
         assert r.status_code == 200, r.text
         cluster.assert_prefilled_on(r, "prefill-0")

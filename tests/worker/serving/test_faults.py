@@ -15,7 +15,7 @@ from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.serving.args import ServingArgs
 
-from ..cluster import Cluster
+from ..cluster import Cluster, greedy_body
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -137,13 +137,7 @@ def test_redis_restart_under_load(cluster, redis_server, reference_llm):
 
     prompt = _prompt(48, seed=6)
     want = reference_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
-    body = {
-        "model": cluster.model_name,
-        "prompt": prompt,
-        "max_tokens": 6,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    body = greedy_body(cluster.model_name, prompt, 6)
     statuses: list[int] = []
     texts: list[str] = []
     stop = threading.Event()

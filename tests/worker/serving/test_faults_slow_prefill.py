@@ -18,7 +18,7 @@ from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.serving.args import ServingArgs
 
-from ..cluster import Cluster
+from ..cluster import Cluster, greedy_body
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -60,13 +60,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def _complete(cluster: Cluster, prompt: list[int], result: dict) -> None:
-    body = {
-        "model": cluster.model_name,
-        "prompt": prompt,
-        "max_tokens": 8,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    body = greedy_body(cluster.model_name, prompt, 8)
     result["r"] = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
 
 

@@ -17,7 +17,7 @@ from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.router.policy import WorkerView, served_quantization
 
-from ..cluster import Cluster, threshold_placement
+from ..cluster import Cluster, greedy_body, threshold_placement
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -106,13 +106,7 @@ def test_disaggregated_output_equals_colocated_in_the_same_setting(setup, cluste
     prompts = [[rng.randrange(5, 1000) for _ in range(n)] for n in (12, 40)]
     want = reference.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     for prompt, w in zip(prompts, want, strict=True):
-        body = {
-            "model": cluster.model_name,
-            "prompt": prompt,
-            "max_tokens": 8,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
+        body = greedy_body(cluster.model_name, prompt, 8)
         r = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         cluster.assert_prefilled_on(r, "prefill-0")

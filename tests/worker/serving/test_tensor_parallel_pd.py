@@ -19,7 +19,7 @@ from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.sampling_params import SamplingParams
 from disagg.worker.serving.args import ServingArgs
 
-from ..cluster import Cluster, child_pids, complete, threshold_placement
+from ..cluster import Cluster, child_pids, complete, greedy_body, threshold_placement
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -124,13 +124,7 @@ def test_a_prefill_rank_killed_mid_prefill_fails_it_and_the_worker_exits(tp_pd, 
     prompt = [rng.randrange(5, 1000) for _ in range(1200)]
     want = reference_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     result: dict = {}
-    body = {
-        "model": tp_pd.model_name,
-        "prompt": prompt,
-        "max_tokens": 6,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    body = greedy_body(tp_pd.model_name, prompt, 6)
     t = threading.Thread(target=lambda: result.update(r=complete(tp_pd.url, body)))
     t.start()
     _wait_running(tp_pd, "prefill-0")
