@@ -191,13 +191,7 @@ static void rotary_write_kv_head(float *qkv_row, const float *cos_sin, int64_t p
     const float *c = cos_sin + position * d, *s = c + half;
     for (int64_t i = 0; i <= group; i++) {
         const int64_t head = i < group ? kvh * group + i : hq + kvh; /* the group's q heads, then k */
-        float *a = qkv_row + head * d, *b = a + half;
-#pragma omp simd
-        for (int64_t j = 0; j < half; j++) {
-            const float lo = a[j], hi = b[j];
-            a[j] = lo * c[j] - hi * s[j];
-            b[j] = hi * c[j] + lo * s[j];
-        }
+        rotary_head_f32(qkv_row + head * d, c, s, half);
     }
     if (slot < 0) return;
     if (region_bytes) { /* a quantized cache: K then V of this head, each with its scale */

@@ -85,8 +85,19 @@ static inline bf16 bf16_narrow(float f) {
     return (bf16)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
 }
 
-/* Rotary embedding (rotate-half form) of one bf16 head of D = 2 half values in place, angles c
- * (cos) and s (sin) in float32; each rotated value rounded to bf16 once. */
+/* Rotary embedding (rotate-half form) of one float32 head of D = 2 half values in place, angles c
+ * (cos) and s (sin). */
+static inline void rotary_head_f32(float *head, const float *c, const float *s, int64_t half) {
+    float *b = head + half;
+#pragma omp simd
+    for (int64_t j = 0; j < half; j++) {
+        const float lo = head[j], hi = b[j];
+        head[j] = lo * c[j] - hi * s[j];
+        b[j] = hi * c[j] + lo * s[j];
+    }
+}
+
+/* The same of one bf16 head, angles in float32; each rotated value rounded to bf16 once. */
 static inline void rotary_head_bf16(bf16 *head, const float *c, const float *s, int64_t half) {
     bf16 *b = head + half;
 #pragma omp simd

@@ -60,15 +60,7 @@ void rotary_write_kv_q8(float *qkv, int64_t row_stride, const float *cos_sin, co
     for (int64_t t = 0; t < tokens; t++) {
         float *x = qkv + t * row_stride;
         const float *c = cos_sin + positions[t] * head_dim, *s = c + half;
-        for (int64_t h = 0; h < num_q_heads + num_kv_heads; h++) {
-            float *a = x + h * head_dim, *b = a + half;
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                const float lo = a[i], hi = b[i];
-                a[i] = lo * c[i] - hi * s[i];
-                b[i] = hi * c[i] + lo * s[i];
-            }
-        }
+        for (int64_t h = 0; h < num_q_heads + num_kv_heads; h++) rotary_head_f32(x + h * head_dim, c, s, half);
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;
         uint8_t *region = cache + (slot / block_size) * region_bytes;
