@@ -16,7 +16,6 @@ class TpRanks:
     HOST = "--host"
     THREADS = "--threads"
     CONNECT_TIMEOUT = "--connect-timeout"
-    INTERNAL_TOKEN_FILE = "--internal-token-file"
     LOG_LEVEL = "--log-level"
 
 

@@ -22,7 +22,8 @@ import time
 
 from disagg.worker.cli.flags import TpRanks as F
 from disagg.worker.model.tp_join import AUTHKEY_ENV, authkey_from_token
-from disagg.worker.serving.auth import TOKEN_ENV, TOKEN_FILE_ENV, read_token
+from disagg.worker.serving import auth
+from disagg.worker.serving.auth import TOKEN_ENV, read_token
 
 log = logging.getLogger("disagg.tp_ranks")
 PROG = "disagg tp-ranks"
@@ -45,8 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads per rank on CPU (default: this host's cores / --count)")  # fmt: skip
     p.add_argument(F.CONNECT_TIMEOUT, type=float, default=600.0,
                    help="seconds to keep trying to reach rank 0 (it may start later)")  # fmt: skip
-    p.add_argument(F.INTERNAL_TOKEN_FILE, default=os.environ.get(TOKEN_FILE_ENV),
-                   help=f"file holding the deployment's internal credential (or set {TOKEN_ENV})")  # fmt: skip
+    auth.add_token_file_arg(p)
     p.add_argument(F.LOG_LEVEL, default="info")
 
 

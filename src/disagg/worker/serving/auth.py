@@ -254,10 +254,15 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 # ---- configuration -----------------------------------------------------------------------------
-def add_cli_args(p: argparse.ArgumentParser) -> None:
+def add_token_file_arg(p: argparse.ArgumentParser) -> None:
+    """The flag of the deployment's internal credential (every process that calls a peer takes it)."""
     p.add_argument("--internal-token-file", default=os.environ.get(TOKEN_FILE_ENV),
                    help=f"file holding the deployment's internal credential (or set {TOKEN_ENV}; "
                         "never pass the token itself on the command line)")  # fmt: skip
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    add_token_file_arg(p)
     p.add_argument("--grpc-tls-dir", default=os.environ.get(TLS_DIR_ENV),
                    help="directory with tls.crt, tls.key and optionally ca.crt (cert-manager's layout): "
                         "gRPC over TLS, peers' certificates checked against ca.crt")  # fmt: skip
