@@ -11,13 +11,12 @@ from disagg.proto import worker_pb2
 from disagg.worker.router.args import RouterArgs
 from disagg.worker.router.policy import Lending, WorkerView, choose_decode, rank_holders, rank_prefill
 from disagg.worker.router.workers import WorkerPool
+from disagg.worker.serving.attempt import MAX_ATTEMPTS
 from disagg.worker.serving.metrics import ServingMetrics
-from disagg.worker.serving.remote_prefill import MAX_ATTEMPTS
 
 log = logging.getLogger("disagg.router")
 
-# A decode worker tries its first prefill candidate and, when that fails, the next
-# (serving/remote_prefill.py): offering it more would go unused.
+# The prefill candidates a decode worker tries (serving/attempt.py): offering more would go unused.
 PREFILL_CANDIDATES = MAX_ATTEMPTS
 
 

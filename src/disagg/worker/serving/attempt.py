@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 from disagg.proto import worker_pb2 as pb
 
+# Prefill workers a decode worker tries for one prompt: the router's first candidate, then the next.
+MAX_ATTEMPTS = 2
+
 
 class PrefillFailed(Exception):
     """No prefill worker could do it; the request holds nothing of the failed attempts."""

@@ -18,7 +18,7 @@ import grpc
 from disagg.proto import worker_pb2 as pb
 from disagg.worker.engine.block_manager import NoFreeBlocksError
 from disagg.worker.serving.args import ServingArgs
-from disagg.worker.serving.attempt import Attempt, PrefillAborted, PrefillFailed, RequestGone
+from disagg.worker.serving.attempt import MAX_ATTEMPTS, Attempt, PrefillAborted, PrefillFailed, RequestGone
 from disagg.worker.serving.convert import logprob_from_proto, prompt_logprobs_from_proto
 from disagg.worker.serving.disagg_policy import Placement, PrefillSite
 from disagg.worker.serving.metrics import ServingMetrics
@@ -33,8 +33,6 @@ from disagg.worker.serving.remote_prefill_request import (
 from disagg.worker.serving.transfer_record import TransferRecord
 
 log = logging.getLogger("disagg.worker.remote_prefill")
-
-MAX_ATTEMPTS = 2
 
 
 class RemotePrefill:
