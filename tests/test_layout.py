@@ -141,11 +141,11 @@ def module_graph() -> dict[str, set[str]]:
     return graph
 
 
-def cycles() -> list[list[str]]:
+def cycles(graph: dict[str, set[str]] | None = None) -> list[list[str]]:
     """The rings of the module graph (its strongly connected components of two or more modules,
     Tarjan's algorithm), each sorted. A module that imports a name of its own package's `__init__`
     is not a ring with it."""
-    graph = {m: {e for e in es if not m.startswith(e + ".")} for m, es in module_graph().items()}
+    graph = {m: {e for e in es if not m.startswith(e + ".")} for m, es in (graph or module_graph()).items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -186,8 +186,9 @@ def layer_table() -> str:
     for module in modules:
         if (pkg := _package(module)) is not None:
             by_package[pkg].append(module)
+    graph = module_graph()
     uses: dict[str, set[str]] = defaultdict(set)
-    for module, edges in module_graph().items():
+    for module, edges in graph.items():
         here = _package(module)
         for e in edges:
             there = _package(e)
@@ -199,7 +200,9 @@ def layer_table() -> str:
         used = ", ".join(p.removeprefix("disagg.") for p in sorted(uses[pkg], key=lambda p: (LAYERS[p], p)))
         rows.append(f"{LAYERS[pkg]:>5}  {pkg:<28}{len(by_package[pkg]):>8}{lines:>8}  {used or '-'}")
     edges = sum(len(v) for v in uses.values())
-    rows.append(f"{len(LAYERS)} packages, {edges} package-to-package imports, {len(cycles())} module rings")
+    rows.append(
+        f"{len(LAYERS)} packages, {edges} package-to-package imports, {len(cycles(graph))} module rings"
+    )
     return "\n".join(rows)
 
 
