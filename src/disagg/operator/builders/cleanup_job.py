@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from disagg.operator.builders import common, hardening, secrets
 from disagg.operator.spec import InferenceDeployment
-from disagg.worker.serving.process_args import WorkerProcessArgs
+from disagg.worker.serving.process_args import DeploymentArgs
 
 TTL_AFTER_FINISHED_SECONDS = 600
 DEADLINE_SECONDS = 300
@@ -24,7 +24,7 @@ def job_name(idep: InferenceDeployment) -> str:
 
 
 def command(idep: InferenceDeployment) -> list[str]:
-    flag = WorkerProcessArgs.cli_flag  # `disagg cleanup` names the Redis and deployment as workers do
+    flag = DeploymentArgs.cli_flag  # `disagg cleanup` names the Redis and deployment as every process does
     return [
         "disagg",
         "cleanup",

@@ -13,7 +13,7 @@ import os
 import sys
 
 from disagg.worker.engine.settings import env_name
-from disagg.worker.serving.process_args import WorkerProcessArgs
+from disagg.worker.serving.process_args import DeploymentArgs
 
 BATCH = 500
 
@@ -41,9 +41,9 @@ def delete_keys(client, deployment_id: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    # the workers' flags and variables for the same Redis and deployment, here without defaults:
+    # every process's flags and variables for the same Redis and deployment, here without defaults:
     # a cleanup deletes the keys of the deployment it is named, never of "default"
-    flag = WorkerProcessArgs.cli_flag
+    flag = DeploymentArgs.cli_flag
     p.add_argument(
         flag("redis_url"), default=os.environ.get(env_name("redis_url")), help="Redis URL (no password)"
     )

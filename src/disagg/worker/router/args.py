@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from disagg.worker.engine.args import EngineArgs
 from disagg.worker.engine.settings import Settings, setting
+from disagg.worker.serving.process_args import DeploymentArgs
 
 # how `tool_choice: auto` finds calls in the output (router/tool_parsers.py, as vLLM names them)
 TOOL_CALL_PARSERS = ("llama3_json", "hermes")
@@ -118,7 +119,7 @@ class RouterArgs(Settings):
 
 
 @dataclass
-class RouterProcessArgs(Settings):
+class RouterProcessArgs(DeploymentArgs):
     GROUP = "router process"
 
     host: str = setting(
@@ -127,11 +128,5 @@ class RouterProcessArgs(Settings):
     port: int = setting(8000, "HTTP port of the OpenAI API, /health and /metrics")
     model: str | None = setting(None, "model directory or GGUF file (tokenizer, chat template, context)")
     model_name: str | None = setting(None, "served model name (default: the directory or file name)")
-    redis_url: str | None = setting(None, "Redis with the worker registry and prefix index")
-    deployment: str = setting("default", "namespace of the Redis keys")
     workers: str = setting("", "comma-separated worker gRPC addresses, in addition to the registry")
     api_key_file: str | None = setting(None, "file with one accepted API key per line")
-    redis_password_file: str | None = setting(
-        None, "file with the Redis password (or DISAGG_REDIS_PASSWORD / DISAGG_REDIS_PASSWORD_FILE)"
-    )
-    log_level: str = setting("INFO", "logging level (DEBUG, INFO, WARNING, ERROR)")

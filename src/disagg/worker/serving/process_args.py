@@ -20,7 +20,22 @@ ROLES = ("prefill", "decode", "both")
 
 
 @dataclass
-class WorkerProcessArgs(Settings):
+class DeploymentArgs(Settings):
+    """What every process of a deployment (worker, router) shares: its Redis, the namespace of
+    its keys there, and how it logs."""
+
+    GROUP = "deployment"
+
+    redis_url: str | None = setting(None, "Redis of the deployment: worker registry, transfers, prefix index")
+    redis_password_file: str | None = setting(
+        None, "file with the Redis password (or DISAGG_REDIS_PASSWORD / DISAGG_REDIS_PASSWORD_FILE)"
+    )
+    deployment: str = setting("default", "namespace of the Redis keys")
+    log_level: str = setting("INFO", "logging level (DEBUG, INFO, WARNING, ERROR)")
+
+
+@dataclass
+class WorkerProcessArgs(DeploymentArgs):
     GROUP = "worker"
 
     role: str = setting("both", "prefill, decode or both (colocated)", choices=ROLES)
@@ -33,9 +48,3 @@ class WorkerProcessArgs(Settings):
     advertise_host: str = setting("127.0.0.1", "address peers and the router use to reach this worker")
     port: int = setting(0, "gRPC port (0: any free port)")
     metrics_port: int = setting(0, "/metrics and /health port")
-    redis_url: str | None = setting(None, "Redis for registry, transfers, prefix index")
-    redis_password_file: str | None = setting(
-        None, "file with the Redis password (or DISAGG_REDIS_PASSWORD / DISAGG_REDIS_PASSWORD_FILE)"
-    )
-    deployment: str = setting("default", "namespace of the Redis keys")
-    log_level: str = setting("INFO", "logging level (DEBUG, INFO, WARNING, ERROR)")
