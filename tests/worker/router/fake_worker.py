@@ -1,5 +1,7 @@
 """A worker pool of one scripted in-process worker, for router tests that need a stream but no
-engine: `Generate` answers the tokens a test gives, as a decode worker's messages would."""
+engine: `Generate` answers the tokens a test gives, as a decode worker's messages would; a call
+the test marks `hold_open` then goes on generating (sends nothing more) until it is cancelled.
+The pool records each request, each stream that ended, and each abort."""
 
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ def messages(texts: list[str], finish: str, prompt_tokens: int = 3) -> list[pb.G
 
 
 class _Call:
-    def __init__(self, items: list[pb.GenerateResponse], on_message: Callable[[int], None] | None):
-        self._items, self._on_message = items, on_message
+    def __init__(self, pool: FakePool, items: list[pb.GenerateResponse], hold_open: bool):
+        self._pool, self._items, self._hold_open = pool, items, hold_open
         self._it = self._gen()
 
     def __aiter__(self):  # one stream, however often it is asked for (as a gRPC call)
@@ -33,11 +35,14 @@ class _Call:
 
     async def _gen(self):
         for i, m in enumerate(self._items):
-            if self._on_message is not None:
-                self._on_message(i)
+            if self._pool.on_message is not None:
+                self._pool.on_message(i)
             yield m
             for _ in range(5):  # the router relays (and writes) this message before the next arrives
                 await asyncio.sleep(0)
+        if self._hold_open:
+            await asyncio.Event().wait()  # still generating: only a cancel ends it
+        self._pool.ended += 1
 
     def cancel(self) -> None:
         pass
@@ -49,9 +54,10 @@ class _Stub:
 
     def Generate(self, req, timeout=None):  # noqa: N802 (the gRPC method's name)
         self.pool.requests.append(req)
-        return _Call(self.pool.script(req), self.pool.on_message)
+        return _Call(self.pool, self.pool.script(req), self.pool.hold_open(req))
 
     async def Abort(self, req, timeout=None):  # noqa: N802
+        self.pool.aborts.append(req.request_id)
         return pb.AbortResponse()
 
 
@@ -64,9 +70,12 @@ class FakePool:
     refresh_seconds = 0.01
 
     def __init__(self, script: Callable[[pb.GenerateRequest], list[pb.GenerateResponse]],
-                 on_message: Callable[[int], None] | None = None):  # fmt: skip
-        self.script, self.on_message = script, on_message
+                 on_message: Callable[[int], None] | None = None,
+                 hold_open: Callable[[pb.GenerateRequest], bool] = lambda req: False):  # fmt: skip
+        self.script, self.on_message, self.hold_open = script, on_message, hold_open
         self.requests: list[pb.GenerateRequest] = []
+        self.ended = 0  # streams that sent their last message
+        self.aborts: list[str] = []  # request ids the router aborted
         self.view = WorkerView("w0", "both", "fake:0", free_blocks=100, total_blocks=100)
 
     async def start(self) -> None:

@@ -53,9 +53,54 @@ class RouterArgs(Settings):
     )
     max_prompt_bytes: int = setting(
         1 << 20,
-        "most bytes of prompt text (or chat message text) one request may send, summed over its "
-        "prompts; more is a 400 before any tokenizing",
+        "most bytes of prompt one request may send: its prompts' text summed, or for chat the prompt "
+        "its template renders (estimated before rendering, measured before tokenizing); more is a 400",
         minimum=1,
+    )
+    max_messages: int = setting(
+        4096,
+        "most chat messages (or Responses input items) one request may send; more is a 400 before "
+        "the chat template renders them",
+        minimum=1,
+    )
+    max_grammar_bytes: int = setting(
+        256 << 10,
+        "most bytes of a request's structured output (guided_regex, guided_grammar, guided_choice, "
+        "guided_json, response_format's schema, a forced tool call's schemas); more is a 400",
+        minimum=1,
+    )
+    max_schema_depth: int = setting(
+        512,
+        "most levels a JSON schema (guided_json, response_format, tools' parameters) may nest, "
+        "counting the levels each local $ref leads to; more is a 400 naming the field",
+        minimum=1,
+    )
+    grammar_timeout: float = setting(
+        2.0,
+        "seconds a request's grammar may take to compile in the router's check; longer is a 400",
+        minimum=0.0,
+        exclusive_min=True,
+    )
+    grammar_threads: int = setting(
+        1, "threads that compile requests' grammars (llguidance releases the GIL)", minimum=1
+    )
+    tokenize_threads: int = setting(
+        2,
+        "threads that render chat templates and tokenize prompts over 16 KiB (tokenizing releases "
+        "the GIL); shorter prompts have one thread of their own, so they never queue behind long ones",
+        minimum=1,
+    )
+    parse_processes: int = setting(
+        1,
+        "processes that parse request bodies over --parse-inline-bytes (JSON validation holds the "
+        "GIL, so in a thread it would still stall the event loop); 0: every body is parsed on the loop",
+        minimum=0,
+    )
+    parse_inline_bytes: int = setting(
+        64 << 10,
+        "bodies up to this size are parsed on the event loop (a few milliseconds at most); larger "
+        "ones in the parse processes",
+        minimum=0,
     )
     tool_call_parser: str | None = setting(
         None,
@@ -89,6 +134,19 @@ class RouterArgs(Settings):
         "seconds a generation may run on its decode worker; past it the client gets a 504",
         minimum=0.0,
         exclusive_min=True,
+    )
+    client_write_timeout: float = setting(
+        30.0,
+        "seconds a write to a client may wait for it to read (its connection's buffers full); past "
+        "it the client is disconnected and its generations still running are aborted on their "
+        "workers, so that a client that stops reading holds no queue slot or KV blocks",
+        minimum=0.0,
+        exclusive_min=True,
+    )
+    allowed_origins: str = setting(
+        "",
+        "comma-separated origins (https://app.example.com, or *) whose web pages may call this API "
+        "from a browser (CORS); default: none, a browser's cross-origin call is refused",
     )
 
     stream_interval: int = setting(

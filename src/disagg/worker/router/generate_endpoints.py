@@ -73,7 +73,7 @@ class GenerateEndpoints:
         self.placement = placement
         self.metrics = metrics
         self.clock = clock
-        self.writer = ResponseWriter(metrics, clock)
+        self.writer = ResponseWriter(metrics, clock, args.client_write_timeout)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, parse_completion)
@@ -126,7 +126,7 @@ class GenerateEndpoints:
             seed = secrets.randbits(63)
         plans = plan_choices(spec.num_prompts, spec.n, seed)
         generations: list[Generation] = []
-        with self.admission.admit(len(plans)):
+        with self.admission.admit(len(plans)) as slots:
             try:
                 prompts = await self.prompts.tokenize_all(spec)
                 max_tokens = [self._fit(spec, i, len(ids)) for i, ids in enumerate(prompts)]
@@ -172,9 +172,9 @@ class GenerateEndpoints:
                     )
                     generations.append(generation)
                 if spec.stream:
-                    return await self.writer.stream(request, spec, generations, builder, arrival)
+                    return await self.writer.stream(request, spec, generations, builder, arrival, slots)
                 lengths = [len(ids) for ids in prompts]
-                return await self.writer.whole(request, generations, builder, lengths, arrival)
+                return await self.writer.whole(request, generations, builder, lengths, arrival, slots)
             finally:
                 for g in generations:
                     g.release()

@@ -38,7 +38,8 @@ class Generation:
     """Its worker request, where it runs, and what was relayed of it (what a move resumes from).
 
     From its making until `release`, it is counted in flight on every decode worker it used, so
-    that each routing decision weighs the ones taken before it."""
+    that each routing decision weighs the ones taken before it; it is released when its worker
+    stream ends, whether or not its client has read the output yet."""
 
     def __init__(
         self,
@@ -74,7 +75,9 @@ class Generation:
         return self.req.request_id.split(MIGRATION_SUFFIX, 1)[0]
 
     def release(self) -> None:
-        for d in self.used:
+        """End its in-flight counts: once, when it ends on its worker or with its request."""
+        used, self.used = self.used, []
+        for d in used:
             self._pool.end(d.worker_id)
 
     def _count_on(self, decode: WorkerView) -> None:

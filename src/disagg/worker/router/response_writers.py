@@ -2,7 +2,12 @@
 every generation ended (`whole`), or SSE chunks as their tokens arrive (`stream`), interleaved
 across choices. Either runs the generations concurrently; when it returns or fails, those still
 running are cancelled (each aborts on its worker): a client that goes away, or one generation that
-fails, ends the rest."""
+fails, ends the rest.
+
+Each generation frees its admission slot and its workers' in-flight counts as soon as it ends on
+its worker, before its output is written: what a slow client holds after that is only its unsent
+bytes, and every write is bounded by `--client-write-timeout` (`client_writes.py`); a client
+disconnected for not reading ends the response like one that went away."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from collections.abc import Callable
 from aiohttp import web
 
 from disagg.worker.router import generation_metrics
+from disagg.worker.router.admission import Slots
+from disagg.worker.router.client_writes import BoundedWrites, SlowClient
 from disagg.worker.router.errors import APIError
 from disagg.worker.router.fanout import total_usage
 from disagg.worker.router.generation import Generation
@@ -41,9 +48,31 @@ def _served_headers(generations: list[Generation]) -> dict[str, str]:
 
 
 class ResponseWriter:
-    def __init__(self, metrics: ServingMetrics, clock: Callable[[], float]):
+    def __init__(self, metrics: ServingMetrics, clock: Callable[[], float], write_timeout: float):
         self.metrics = metrics
         self.clock = clock
+        self.write_timeout = write_timeout
+
+    @staticmethod
+    def _run(generations: list[Generation], events: asyncio.Queue, slots: Slots) -> list[asyncio.Task]:
+        """Start the generations; each one's slot is freed when it ends on its worker."""
+
+        def ended(generation: Generation) -> Callable[[asyncio.Task], None]:
+            def free(_task: asyncio.Task) -> None:
+                generation.release()
+                slots.free()
+
+            return free
+
+        tasks = []
+        for g in generations:
+            t = asyncio.create_task(g.run(events))
+            t.add_done_callback(ended(g))
+            tasks.append(t)
+        return tasks
+
+    def _writes(self, request: web.Request, response: web.StreamResponse) -> BoundedWrites:
+        return BoundedWrites(request, response, self.write_timeout, self.metrics.slow_client)
 
     async def _stop(self, tasks: list[asyncio.Task]) -> None:
         """Cancel the generations still running (each aborts on its worker) and count them."""
@@ -61,9 +90,10 @@ class ResponseWriter:
         builder: ResponseBuilder,
         prompt_lengths: list[int],
         arrival: float,
+        slots: Slots,
     ) -> web.Response:
         events: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(g.run(events)) for g in generations]
+        tasks = self._run(generations, events, slots)
         try:
             pending = len(generations)
             while pending:
@@ -88,8 +118,12 @@ class ResponseWriter:
             total_usage(states, prompt_lengths),
         )
         resp = web.json_response(body, headers=_served_headers(generations))
-        await resp.prepare(request)
-        await resp.write_eof()
+        writes = self._writes(request, resp)
+        try:
+            await writes.prepare()
+            await writes.write_eof()
+        except SlowClient:
+            return resp
         end = self.clock()
         for s in states:
             # a whole body has no first byte before its last: TTFT here is when the first token
@@ -106,9 +140,10 @@ class ResponseWriter:
         generations: list[Generation],
         builder: ResponseBuilder,
         arrival: float,
+        slots: Slots,
     ) -> web.StreamResponse:
         events: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(g.run(events)) for g in generations]
+        tasks = self._run(generations, events, slots)
         try:
             # Answer once every generation sent its first message, so that errors found before any
             # token (bad parameters on the worker, no prefill worker) still get a proper HTTP status.
@@ -131,9 +166,10 @@ class ResponseWriter:
                     **_served_headers(generations),
                 }  # fmt: skip
             )
-            await resp.prepare(request)
+            writes = self._writes(request, resp)
+            await writes.prepare()
             if start := builder.stream_start():
-                await resp.write(start)
+                await writes.write(start)
             pending = len(generations)
             error = None
             first_written: dict[int, float] = {}  # choice index -> when its first chunk was written
@@ -160,10 +196,10 @@ class ResponseWriter:
                         delta.text, delta.logprobs, delta.finish_reason or None, spec.include_usage,
                         g.state.plan.index, usage,
                     )  # fmt: skip
-                    await resp.write(chunk)
+                    await writes.write(chunk)
                     first_written.setdefault(g.state.plan.index, self.clock())
             if error is not None:
-                await resp.write(builder.stream_error(error))
+                await writes.write(builder.stream_error(error))
             else:
                 usage = None
                 if spec.include_usage:
@@ -171,8 +207,8 @@ class ResponseWriter:
                     for g in generations:
                         lengths[g.state.plan.prompt_index] = len(g.req.prompt_token_ids)
                     usage = total_usage([g.state for g in generations], lengths)
-                await resp.write(builder.stream_end(usage))
-            await resp.write_eof()
+                await writes.write(builder.stream_end(usage))
+            await writes.write_eof()
             if error is None:
                 end = self.clock()  # the last byte written: every generation's end, as the client saw it
                 for g in generations:
@@ -180,5 +216,7 @@ class ResponseWriter:
                     first = first_written.get(s.plan.index)
                     generation_metrics.record(self.metrics, arrival, s, s.finish_reason or "stop", first, end)
             return resp
+        except SlowClient as gone:
+            return gone.response  # disconnected: the generations still running are aborted below
         finally:
             await self._stop(tasks)

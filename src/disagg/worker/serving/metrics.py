@@ -44,6 +44,7 @@ class _Families:
     routed: Counter
     migrations: Counter
     migration_gap: Histogram
+    slow_clients: Counter
     prefill_retries: Counter
     kv_quarantined: Counter
     remote_prefill_stages: Histogram
@@ -145,6 +146,13 @@ def _families(registry: CollectorRegistry) -> _Families:
                 "first one the new worker sent.",
                 LABELS,
                 buckets=_LATENCY_BUCKETS,
+                registry=registry,
+            ),
+            slow_clients=Counter(
+                "disagg_router_slow_clients",
+                "Clients disconnected for not reading their answer within --client-write-timeout "
+                "(their generations still running were aborted on the workers).",
+                LABELS,
                 registry=registry,
             ),
             prefill_retries=Counter(
@@ -349,6 +357,9 @@ class ServingMetrics:
         self._f.migrations.labels(role=self.role, model=self.model, reason=reason, outcome=outcome).inc()
         if gap_seconds is not None:
             self._f.migration_gap.labels(role=self.role, model=self.model).observe(gap_seconds)
+
+    def slow_client(self) -> None:
+        self._f.slow_clients.labels(role=self.role, model=self.model).inc()
 
     def routed(self, worker_role: str) -> None:
         self._routed.labels(role=self.role, model=self.model, worker_role=worker_role).inc()
