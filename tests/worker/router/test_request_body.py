@@ -1,10 +1,12 @@
 """Request bodies: Content-Encoding decoded with a streaming limit (a compression bomb stops at the
-first byte past the limit), an undecodable body a 400, an unknown encoding a 415."""
+first byte past the limit, in whichever gzip member it is), an undecodable body a 400, an unknown
+encoding a 415."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import random
 import zlib
 
 import pytest
@@ -30,6 +32,13 @@ def test_each_encoding_round_trips(encoding):
     assert _decode(encoding, data, limit=len(body)) == body
 
 
+@pytest.mark.parametrize("size", [1000, 1 << 20])
+def test_an_incompressible_body_at_the_limit_still_decodes(size):
+    body = random.Random(size).randbytes(size)  # compressed, it is a little larger than the limit
+    for encoding, compress in (("gzip", gzip.compress), ("deflate", zlib.compress)):
+        assert _decode(encoding, compress(body), limit=size) == body
+
+
 def test_raw_deflate_is_accepted_too():
     c = zlib.compressobj(wbits=-15)
     body = b'{"a": 1}' * 100
@@ -46,6 +55,41 @@ def test_a_bomb_stops_at_the_first_byte_past_the_limit():
     # what was decompressed: the limit and one byte, never the rest of the 64 MiB
     assert d.produced == (1 << 20) + 1
     assert d.consumed < len(bomb) // 4
+
+
+@pytest.mark.parametrize("chunk", [4096, 7, 1])
+def test_gzip_members_one_after_another_decode_to_their_contents_joined(chunk):
+    first, second = b'{"model": "m", ' * 50, b'"prompt": "x"}' * 50
+    data = gzip.compress(first) + gzip.compress(second)  # what `cat a.gz b.gz` sends
+    assert _decode("gzip", data, limit=len(first) + len(second), chunk=chunk) == first + second
+
+
+def test_a_bomb_in_a_later_gzip_member_stops_at_the_first_byte_past_the_limit():
+    data = gzip.compress(b"{}") + gzip.compress(b"\0" * (64 << 20))
+    d = BodyDecoder("gzip", limit=1 << 20)
+    with pytest.raises(APIError) as info:
+        for i in range(0, len(data), 4096):
+            d.feed(data[i : i + 4096])
+    assert info.value.status == 413 and d.produced == (1 << 20) + 1
+    assert d.consumed < len(data) // 4
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_compressed_bytes_that_produce_nothing_are_cut_near_the_limit(encoding):
+    """Empty deflate blocks (or empty gzip members) without end: the compressed bytes are bounded
+    too, a little past the limit, not only what they inflate to."""
+    if encoding == "gzip":
+        head, empty = b"", gzip.compress(b"")
+    else:
+        head, empty = b"\x78\x9c", b"\x00\x00\x00\xff\xff"  # a zlib header, then empty stored blocks
+    limit = 64 << 10
+    d = BodyDecoder(encoding, limit)
+    d.feed(head)
+    with pytest.raises(APIError) as info:
+        for _ in range(8 * limit // len(empty)):
+            d.feed(empty)
+    assert info.value.status == 413 and d.produced == 0
+    assert d.consumed < 2 * limit
 
 
 @pytest.mark.parametrize(
@@ -87,7 +131,10 @@ async def test_the_router_decodes_and_refuses_bodies_by_their_encoding(tokenizer
     headers = {"Content-Type": "application/json"}
     try:
         # decoded: past validation, to the 503 of a pool with no worker
-        for encoding, data in (("gzip", gzip.compress(CHAT)), ("deflate", zlib.compress(CHAT))):
+        half = len(CHAT) // 2
+        members = gzip.compress(CHAT[:half]) + gzip.compress(CHAT[half:])
+        for encoding, data in (("gzip", gzip.compress(CHAT)), ("deflate", zlib.compress(CHAT)),
+                               ("gzip", members)):  # fmt: skip
             r = await client.post(
                 "/v1/chat/completions", data=data, headers={**headers, "Content-Encoding": encoding}
             )
