@@ -3,17 +3,21 @@
 `Router` makes the parts each request goes through once, hands them to the endpoint families
 (`generate_endpoints.py`, `model_endpoints.py`, `tokenize_endpoints.py`, `status_endpoints.py`)
 and routes their paths; what a generation request goes through is `generate_endpoints.py`'s.
+Every POST route takes a JSON body only as `application/json` (`client_checks.check_json_body`),
+and browsers' cross-origin calls are what `--allowed-origins` allows (`cors.py`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from disagg.worker.router.admission import Admission
 from disagg.worker.router.args import RouterArgs
+from disagg.worker.router.client_checks import check_json_body
+from disagg.worker.router.cors import CorsPolicy
 from disagg.worker.router.errors import APIError
 from disagg.worker.router.generate_endpoints import ARRIVAL, ECHO_HEADERS, GenerateEndpoints
 from disagg.worker.router.model_endpoints import ModelEndpoints
@@ -45,6 +49,7 @@ class Router:
         if args.max_model_len is None:
             raise ValueError("the router needs max_model_len: the model's context, resolved before")
         self.args = args
+        self.cors = CorsPolicy(args.allowed_origins)
         self.model_name = model_name
         self.api_keys = api_keys
         self.clock = clock  # every latency the router reports (tests inject theirs)
@@ -83,21 +88,26 @@ class Router:
             "/openapi.json": ("GET", self.status.openapi),
             "/metrics": ("GET", self.status.metrics_page),
         }
+        methods = {path: [m, *(["HEAD"] if m == "GET" else [])] for path, (m, _) in served.items()}
+        catch_all = fallback(methods)
         for path, (method, handler) in served.items():
+            if method == "POST":  # every POST body here is JSON
+                handler = _json_body(handler)
+            preflight = self.cors.preflight(methods[path], catch_all)
             # clients and proxies add a trailing slash: the same route, not a 405 or a redirect
             path = path.replace("{model_id}", "{model_id:.+}")  # model ids hold slashes (org/model)
             for p in (path, path + "/") if not path.endswith("}") else (path,):
                 app.router.add_route(method, p, handler)
                 if method == "GET":
                     app.router.add_route("HEAD", p, handler)
-        methods = {path: [m, *(["HEAD"] if m == "GET" else [])] for path, (m, _) in served.items()}
-        catch_all = fallback(methods)
+                app.router.add_route("OPTIONS", p, preflight)
         app.router.add_route("*", "/v1/{endpoint:.*}", catch_all)  # after every served route
         for path in methods:
             if not path.startswith("/v1/"):  # another method on a served path outside /v1: 405 too
                 app.router.add_route("*", path, catch_all)
                 app.router.add_route("*", path + "/", catch_all)
         app.on_response_prepare.append(self._echo_headers)
+        app.on_response_prepare.append(self.cors.on_prepare)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -130,3 +140,11 @@ class Router:
                 err = APIError(e.status, e.reason or "error")
                 return web.json_response(err.body(), status=e.status)
             raise
+
+
+def _json_body(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    async def json_only(request: web.Request) -> web.StreamResponse:
+        check_json_body(request)  # before the body is read: a 415 costs nothing
+        return await handler(request)
+
+    return json_only

@@ -11,6 +11,7 @@ Standard library only: the operator imports it without torch.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from disagg.worker.engine.args import EngineArgs
@@ -20,6 +21,22 @@ from disagg.worker.serving.process_args import DeploymentArgs
 # how `tool_choice: auto` finds calls in the output (router/tool_parsers.py, as vLLM names them)
 TOOL_CALL_PARSERS = ("llama3_json", "hermes")
 DEFAULT_MAX_CHOICES = 64
+# an origin as a browser sends it in `Origin`: scheme://host[:port], nothing after
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+")
+
+
+def parse_origins(setting: str) -> frozenset[str]:
+    """The origins of --allowed-origins (comma-separated; `*`: any), lowercased; ValueError names
+    one that is not an origin (a path or a trailing slash would never match a browser's)."""
+    origins = set()
+    for item in setting.split(","):
+        origin = item.strip().lower()
+        if not origin:
+            continue
+        if origin != "*" and not _ORIGIN.fullmatch(origin):
+            raise ValueError(f"--allowed-origins: {item.strip()!r} is not scheme://host[:port] or *")
+        origins.add(origin)
+    return frozenset(origins)
 
 
 @dataclass
@@ -165,6 +182,7 @@ class RouterArgs(Settings):
 
     def check(self) -> None:
         super().check()
+        parse_origins(self.allowed_origins)
         if self.max_choices is not None and self.max_choices > self.max_queue:
             # a request larger than the queue would get 429 forever
             raise ValueError(f"max_choices ({self.max_choices}) must not exceed max_queue ({self.max_queue})")
