@@ -498,3 +498,75 @@ def test_quantities_read_as_bytes():
     for bad in ("", "Gi", "1Xi", "-1Gi", "one"):
         with pytest.raises(specs.SpecError):
             specs.quantity_bytes(bad, "f")
+
+
+def _pod_specs(kids) -> list[tuple[str, dict]]:
+    out = []
+    for m in kids:
+        spec = m.get("spec") or {}
+        template = (spec.get("jobTemplate") or {}).get("spec", spec).get("template")
+        if template:
+            out.append((f"{m['kind']} {m['metadata']['name']}", template["spec"]))
+    return out
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_every_container_of_every_pod_requests_cpu_and_memory_and_bounds_memory(example):
+    """No pod the operator creates is BestEffort (the first to wait for a CPU and to be evicted):
+    each container, init containers included, requests CPU and memory and has a memory limit."""
+    from disagg.operator.builders import cleanup_job
+
+    body = load_example(example)
+    idep = specs.parse(body)
+    kids = [*build_children(idep, body), cleanup_job.job(idep)]
+    pods = _pod_specs(kids)
+    assert {name.split()[0] for name, _ in pods} == {"StatefulSet", "Deployment", "Job"}
+    for name, pod in pods:
+        for ctr in [*pod.get("initContainers", []), *pod["containers"]]:
+            res = ctr.get("resources") or {}
+            assert {"cpu", "memory"} <= set(res.get("requests") or {}), (name, ctr["name"], res)
+            assert "memory" in (res.get("limits") or {}), (name, ctr["name"], res)
+
+
+def test_the_router_and_redis_run_under_the_serving_priority_class_unless_their_spec_names_one():
+    body = load_example("cpu-tiny.yaml")
+    settings = Settings(serving_priority_class="disagg-serving")
+    kids = children(body, settings=settings)
+    pod = lambda kind, name: kids[kind, name]["spec"]["template"]["spec"]  # noqa: E731
+    assert pod("Deployment", "tiny-router")["priorityClassName"] == "disagg-serving"
+    assert pod("StatefulSet", "tiny-redis")["priorityClassName"] == "disagg-serving"
+    assert "priorityClassName" not in pod("StatefulSet", "tiny-decode")  # workers yield first
+    assert "priorityClassName" not in children(body)["Deployment", "tiny-router"]["spec"]["template"]["spec"]
+
+    body["spec"]["router"]["priorityClassName"] = "edge"
+    body["spec"]["redis"] = {
+        "managed": {
+            "priorityClassName": "state",
+            "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        }
+    }
+    body["spec"]["decode"]["priorityClassName"] = "batch"
+    kids = children(body, settings=settings)
+    assert pod("Deployment", "tiny-router")["priorityClassName"] == "edge"
+    redis = pod("StatefulSet", "tiny-redis")
+    assert redis["priorityClassName"] == "state"
+    assert redis["containers"][0]["resources"]["requests"] == {"cpu": "1", "memory": "1Gi"}
+    assert redis["initContainers"][0]["resources"]["limits"] == {"memory": "2Gi"}
+    assert pod("StatefulSet", "tiny-decode")["priorityClassName"] == "batch"
+
+
+def test_the_router_defaults_are_what_the_crd_describes():
+    """The CRD's description of `resources` states the router's and Redis' defaults (footprints)."""
+    from test_operator_crd import SCHEMA
+
+    from disagg.operator import footprints
+
+    text = " ".join(
+        SCHEMA["properties"]["spec"]["properties"]["router"]["properties"]["resources"]["description"].split()
+    )
+    for what in (footprints.ROUTER, footprints.REDIS):
+        req, lim = what["requests"], what["limits"]
+        assert f"cpu {req['cpu']} and memory {req['memory']} with a {lim['memory']} memory limit" in text, (
+            text
+        )
+    assert specs.parse(load_example("cpu-tiny.yaml")).spec.router.resources == footprints.ROUTER

@@ -29,6 +29,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
+{{/* The PriorityClass every deployment's router and managed Redis run under ("" for none). */}}
+{{- define "disagg.servingPriorityClass" -}}
+{{- if .Values.servingPriorityClass.create -}}
+{{- default (printf "%s-serving" (include "disagg.fullname" .) | trunc 63 | trimSuffix "-") .Values.servingPriorityClass.name -}}
+{{- else -}}
+{{- .Values.servingPriorityClass.name -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The namespace the operator serves when not cluster-wide. */}}
 {{- define "disagg.watchNamespace" -}}
 {{- default .Release.Namespace .Values.watchNamespace -}}

@@ -76,6 +76,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "LeaderWorkerSet spanning nodes (refused where the cluster does not serve that API) "
         f"(default {Settings.gpus_per_node})",
     )
+    parser.add_argument(
+        "--serving-priority-class",
+        default=Settings.serving_priority_class,
+        metavar="NAME",
+        help="PriorityClass of every deployment's router and managed Redis unless its spec names one "
+        "(the chart creates one; default: none)",
+    )
+    parser.add_argument(
+        "--not-ready-grace-seconds",
+        type=float,
+        default=Settings.not_ready_grace_seconds,
+        metavar="S",
+        help="how long a running pod may fail readiness before its deployment's status reports it "
+        f"(default {Settings.not_ready_grace_seconds:g}: loading a large checkpoint takes minutes)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -111,11 +126,17 @@ def settings_from(args: argparse.Namespace) -> Settings:
             raise SystemExit(f"disagg operator: --allow-host-path {prefix!r} must be an absolute path")
     if args.gpus_per_node < 1:
         raise SystemExit(f"disagg operator: --gpus-per-node must be at least 1, got {args.gpus_per_node}")
+    if args.not_ready_grace_seconds < 0:
+        raise SystemExit(
+            f"disagg operator: --not-ready-grace-seconds must not be negative, got {args.not_ready_grace_seconds:g}"
+        )
     return Settings(
         host_path_prefixes=tuple(args.allow_host_path),
         operator_namespace=args.operator_namespace or None,
         gpus_per_node=args.gpus_per_node,
         resync_seconds=args.resync_seconds,
+        serving_priority_class=args.serving_priority_class or None,
+        not_ready_grace_seconds=args.not_ready_grace_seconds,
     )
 
 

@@ -20,6 +20,12 @@ class Settings:
     gpus_per_node: int = 8
     # How often every resource is re-checked for drift.
     resync_seconds: float = 60.0
+    # The PriorityClass the router and the managed Redis run under unless their spec names one:
+    # the chart creates it, so they are scheduled before workers and evicted after them.
+    serving_priority_class: str | None = None
+    # How long a running pod may fail its readiness probe before the status calls it a problem
+    # (a worker loading a large checkpoint is not ready for minutes, and that is no fault).
+    not_ready_grace_seconds: float = 600.0
 
     def host_path_allowed(self, path: str) -> bool:
         """`path` (normalised: no `..` escapes) lies under one of the allowed prefixes."""

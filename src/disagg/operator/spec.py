@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.operator import rules
+from disagg.operator import footprints, rules
 from disagg.operator.autoscaling.spec import AutoscalingSpec, AutoscalingSpecError, parse_autoscaling
 from disagg.operator.constants import ROLES
 from disagg.worker.engine.args import SPECULATIVE_METHODS, EngineArgs
@@ -159,8 +159,9 @@ class Router:
     port: int = 8000
     service_annotations: dict = field(default_factory=dict)
     api_key: SecretRef | None = None
-    resources: dict = field(default_factory=dict)
+    resources: dict = field(default_factory=lambda: footprints.or_default({}, footprints.ROUTER))
     prefill_overflow: float | None = None  # the router's --prefill-overflow margin
+    priority_class: str | None = None  # default: the operator's --serving-priority-class
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,7 @@ class Role:
     tolerations: tuple = ()
     affinity: dict | None = None
     env: tuple = ()
+    priority_class: str | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,8 @@ class Redis:
     image: str = "redis:7.4-alpine"
     url: str | None = None
     password: SecretRef | None = None
+    resources: dict = field(default_factory=lambda: footprints.or_default({}, footprints.REDIS))
+    priority_class: str | None = None  # default: the operator's --serving-priority-class
 
 
 @dataclass(frozen=True)
@@ -383,6 +387,7 @@ def _role(spec: dict, name: str) -> Role:
         tolerations=tuple(_get(body, "tolerations", path, list, [])),
         affinity=_section(body, "affinity", path) or None,
         env=tuple(env),
+        priority_class=_get(body, "priorityClassName", path, str, None),
     )
 
 
@@ -467,8 +472,9 @@ def parse_spec(spec: dict) -> Spec:
             port=_int(service, "port", "spec.router.service", 8000, 1),
             service_annotations=_section(service, "annotations", "spec.router.service"),
             api_key=_secret(router, "apiKeySecret", "spec.router", "api-keys"),
-            resources=_section(router, "resources", "spec.router"),
+            resources=footprints.or_default(_section(router, "resources", "spec.router"), footprints.ROUTER),
             prefill_overflow=_number(router, "prefillOverflow", "spec.router", None, 0),
+            priority_class=_get(router, "priorityClassName", "spec.router", str, None),
         ),
         prefill=_role(spec, "prefill"),
         decode=_role(spec, "decode"),
@@ -489,6 +495,10 @@ def parse_spec(spec: dict) -> Spec:
                 external, "url", "spec.redis.external", str, required=bool(redis.get("external") is not None)
             ),
             password=_secret(external, "passwordSecret", "spec.redis.external", "password"),
+            resources=footprints.or_default(
+                _section(managed, "resources", "spec.redis.managed"), footprints.REDIS
+            ),
+            priority_class=_get(managed, "priorityClassName", "spec.redis.managed", str, None),
         ),
         monitoring=Monitoring(
             service_monitor=_get(mon, "serviceMonitor", "spec.monitoring", bool, True),

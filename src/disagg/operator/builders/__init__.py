@@ -52,7 +52,7 @@ def infrastructure(idep: InferenceDeployment, settings: Settings = Settings()) -
         *network.policies(idep, settings),
     ]
     if idep.spec.redis.managed:
-        out += [redis.service(idep), redis.statefulset(idep)]
+        out += [redis.service(idep), redis.statefulset(idep, settings)]
     for role in ("decode", "prefill"):
         out += [workers.headless_service(idep, role), disruption.role_pdb(idep, role)]
     return out
@@ -77,8 +77,8 @@ def spans_nodes(idep: InferenceDeployment, settings: Settings) -> bool:
     return any(leader_worker_set.spans_nodes(idep.spec.role(r), settings) for r in ("decode", "prefill"))
 
 
-def frontend(idep: InferenceDeployment) -> list[dict]:
-    return [router.deployment(idep), router.service(idep), disruption.router_pdb(idep)]
+def frontend(idep: InferenceDeployment, settings: Settings = Settings()) -> list[dict]:  # noqa: B008
+    return [router.deployment(idep, settings), router.service(idep), disruption.router_pdb(idep)]
 
 
 def extras(
@@ -112,7 +112,7 @@ def build_children(
         *infrastructure(idep, settings),
         role_workload(idep, "decode", settings),
         role_workload(idep, "prefill", settings),
-        *frontend(idep),
+        *frontend(idep, settings),
         *extras(idep, body or {}, service_monitor_available, settings),
     ]
     # after the builders, so a spec that is also malformed names its more specific field first

@@ -9,6 +9,7 @@ garbage-collected with the other children).
 
 from __future__ import annotations
 
+from disagg.operator import footprints
 from disagg.operator.builders import common, hardening, secrets
 from disagg.operator.spec import InferenceDeployment
 from disagg.worker.serving.process_args import DeploymentArgs
@@ -59,10 +60,7 @@ def job(idep: InferenceDeployment) -> dict:
                             "command": command(idep),
                             "env": [*secrets.redis_password_env(idep), *hardening.scratch_env()],
                             "volumeMounts": hardening.scratch_mounts(),
-                            "resources": {
-                                "requests": {"cpu": "50m", "memory": "64Mi"},
-                                "limits": {"memory": "256Mi"},
-                            },
+                            "resources": footprints.CLEANUP_JOB,
                             "securityContext": hardening.container(),
                         }
                     ],

@@ -8,7 +8,9 @@ environment with the shell's built-in printf: it appears in no command line, arg
 from __future__ import annotations
 
 from disagg.operator import constants as c
+from disagg.operator import footprints
 from disagg.operator.builders import common, hardening, secrets
+from disagg.operator.settings import Settings
 from disagg.operator.spec import InferenceDeployment
 
 USER = 999  # the redis user of the official image
@@ -23,7 +25,7 @@ def server_args() -> list[str]:
     return [AUTH_FILE, "--save", "", "--appendonly", "no", "--protected-mode", "yes"]
 
 
-def statefulset(idep: InferenceDeployment) -> dict:
+def statefulset(idep: InferenceDeployment, settings: Settings = Settings()) -> dict:  # noqa: B008
     name = common.redis_name(idep)
     probe = {"tcpSocket": {"port": "redis"}, "periodSeconds": 5}
     password = {
@@ -33,6 +35,7 @@ def statefulset(idep: InferenceDeployment) -> dict:
         },
     }
     auth_mount = {"name": "auth", "mountPath": AUTH_DIR}
+    priority_class = idep.spec.redis.priority_class or settings.serving_priority_class
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -46,6 +49,7 @@ def statefulset(idep: InferenceDeployment) -> dict:
                 "spec": {
                     "serviceAccountName": common.service_account_name(idep),
                     "automountServiceAccountToken": False,
+                    **({"priorityClassName": priority_class} if priority_class else {}),
                     "securityContext": hardening.pod(USER, fs_group=False),
                     "initContainers": [
                         {
@@ -54,6 +58,7 @@ def statefulset(idep: InferenceDeployment) -> dict:
                             "command": ["sh", "-c", WRITE_CONFIG],
                             "env": [password],
                             "volumeMounts": [auth_mount],
+                            "resources": footprints.for_init_container(idep.spec.redis.resources),
                             "securityContext": hardening.container(),
                         }
                     ],
@@ -66,10 +71,7 @@ def statefulset(idep: InferenceDeployment) -> dict:
                             "ports": [{"name": "redis", "containerPort": c.REDIS_PORT, "protocol": "TCP"}],
                             "readinessProbe": probe,
                             "livenessProbe": {**probe, "failureThreshold": 6},
-                            "resources": {
-                                "requests": {"cpu": "100m", "memory": "128Mi"},
-                                "limits": {"memory": "1Gi"},
-                            },
+                            "resources": idep.spec.redis.resources,
                             "securityContext": hardening.container(),
                             "volumeMounts": [
                                 {"name": "data", "mountPath": "/data"},

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from disagg.operator import footprints
 from disagg.operator.builders import common, config, hardening, model, secrets, workers
+from disagg.operator.settings import Settings
 from disagg.operator.spec import InferenceDeployment
 from disagg.worker.router.args import RouterArgs, RouterProcessArgs
 
@@ -42,7 +44,7 @@ def _args(idep: InferenceDeployment) -> list[str]:
     return args
 
 
-def deployment(idep: InferenceDeployment) -> dict:
+def deployment(idep: InferenceDeployment, settings: Settings = Settings()) -> dict:  # noqa: B008
     spec = idep.spec
     router = spec.router
     health = {"path": HEALTH_PATH, "port": "http"}
@@ -69,10 +71,9 @@ def deployment(idep: InferenceDeployment) -> dict:
         # A terminating router keeps listening while its endpoint leaves every node's Service
         # rules; stopping at once refuses the connections still routed to it (a rollout's errors).
         "lifecycle": {"preStop": {"sleep": {"seconds": SHUTDOWN_DELAY_SECONDS}}},
+        "resources": router.resources,
         "securityContext": hardening.container(),
     }
-    if router.resources:
-        container["resources"] = router.resources
     volumes = [
         *hardening.scratch_volumes(),
         model.volume(idep, tokenizer_only=True),
@@ -85,7 +86,10 @@ def deployment(idep: InferenceDeployment) -> dict:
         "serviceAccountName": common.service_account_name(idep),
         "automountServiceAccountToken": False,
         "securityContext": hardening.pod(),
-        "initContainers": model.init_containers(idep, tokenizer_only=True),
+        "initContainers": [
+            {**init, "resources": footprints.for_init_container(router.resources)}
+            for init in model.init_containers(idep, tokenizer_only=True)
+        ],
         "containers": [container],
         "volumes": volumes,
     }
@@ -93,6 +97,9 @@ def deployment(idep: InferenceDeployment) -> dict:
         del pod_spec["initContainers"]
     if spec.image.pull_secrets:
         pod_spec["imagePullSecrets"] = common.pull_secrets(idep)
+    priority_class = router.priority_class or settings.serving_priority_class
+    if priority_class:
+        pod_spec["priorityClassName"] = priority_class
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

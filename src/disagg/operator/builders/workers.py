@@ -9,6 +9,7 @@ from __future__ import annotations
 import posixpath
 
 from disagg.operator import constants as c
+from disagg.operator import footprints
 from disagg.operator.builders import common, config, hardening, model, secrets
 from disagg.operator.spec import InferenceDeployment, Role, SpecError, quantity_bytes
 from disagg.worker.cli.flags import Drain
@@ -299,7 +300,10 @@ def pod_spec(idep: InferenceDeployment, role: Role, container: dict, pod_ranks: 
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": role.termination_grace_seconds,
         "securityContext": hardening.pod(),
-        "initContainers": model.init_containers(idep),
+        "initContainers": [
+            {**init, "resources": footprints.for_init_container(container.get("resources") or {})}
+            for init in model.init_containers(idep)
+        ],
         "containers": [container],
         "volumes": [
             model.volume(idep),
@@ -322,6 +326,8 @@ def pod_spec(idep: InferenceDeployment, role: Role, container: dict, pod_ranks: 
         out["tolerations"] = [dict(t) for t in role.tolerations]
     if role.affinity:
         out["affinity"] = role.affinity
+    if role.priority_class:
+        out["priorityClassName"] = role.priority_class
     return out
 
 
