@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import kopf
 
 from disagg.operator import constants as c
-from disagg.operator import credential_secret, events, replicas, rollout
+from disagg.operator import credential_secret, events, pod_health, replicas, rollout
 from disagg.operator import spec as specs
 from disagg.operator import status as statuses
 from disagg.operator.builders import build_children, common, leader_worker_set, spans_nodes, workload_key
@@ -96,6 +96,15 @@ def describe(manifest: dict, was: dict | None, seen_before: bool) -> tuple[str, 
     )
 
 
+def _has_replicas(obj: dict | None) -> bool:
+    return obj is not None and obj.get("kind") in ("StatefulSet", "Deployment", "LeaderWorkerSet")
+
+
+def _ready(obj: dict) -> bool:
+    want = (obj.get("spec") or {}).get("replicas", 1)
+    return (obj.get("status") or {}).get("readyReplicas", 0) >= want
+
+
 class Reconciler:
     def __init__(
         self,
@@ -103,8 +112,10 @@ class Reconciler:
         post: Callable[..., None] = events.post,
         children: Children | None = None,
         settings: Settings | None = None,
+        clock: Callable[[], float] = time.time,
     ):
         self.kube = kube
+        self.clock = clock  # wall time: pods' condition timestamps are wall time
         self.settings = settings or Settings()
         self._secret_ensured: set[str] = set()  # uids whose credentials Secret exists (as far as we know)
         self.post = post  # Events on the InferenceDeployment
@@ -114,6 +125,7 @@ class Reconciler:
         self._lws_checked: tuple[float, bool] | None = None  # when the LWS API was last found served
         self._waiting: dict[str, int] = {}  # uid -> runs queued for the lock
         self._held: dict[str, set[str]] = {}  # uid -> children held back, to post the Event once
+        self._pod_problems: dict[str, set[tuple[str, str]]] = {}  # uid -> (pod, reason) posted
 
     def _lock(self, uid: str) -> asyncio.Lock:
         return self._locks.setdefault(uid, asyncio.Lock())
@@ -123,6 +135,7 @@ class Reconciler:
         self._locks.pop(uid, None)
         self._waiting.pop(uid, None)
         self._held.pop(uid, None)
+        self._pod_problems.pop(uid, None)
 
     def recheck_secret(self, uid: str) -> None:
         """Have the next run create the credentials Secret again if it went (the slow resync asks:
@@ -217,6 +230,30 @@ class Reconciler:
         if statuses.changed(body.get("status") or {}, new):
             self.post(body, type="Warning", reason="InvalidSpec", message=message)
         await self._write_status(body, new)
+
+    async def _pod_problems_of(
+        self, body: dict, idep: specs.InferenceDeployment, observed: dict
+    ) -> list[pod_health.PodProblem]:
+        """What keeps this deployment's pods from serving, each new one posted as an Event. The
+        pods are listed only while some workload lacks ready replicas: a healthy deployment costs
+        no call, and one that is not is looked at on each of its children's changes and resyncs."""
+        if all(_ready(obj) for obj in observed.values() if _has_replicas(obj)):
+            self._pod_problems[idep.uid] = set()
+            return []
+        pods = await self.kube.list(
+            "v1",
+            "Pod",
+            idep.namespace,
+            f"{c.LABEL_DEPLOYMENT}={idep.name},{c.LABEL_MANAGED_BY}={c.FIELD_MANAGER}",
+        )
+        found = pod_health.problems(pods, self.clock(), self.settings.not_ready_grace_seconds)
+        seen = {(p.pod, p.reason) for p in found}
+        posted = self._pod_problems.get(idep.uid, set())
+        for p in found:
+            if (p.pod, p.reason) not in posted:
+                self.post(body, type="Warning", reason=p.reason, message=p.describe())
+        self._pod_problems[idep.uid] = seen
+        return found
 
     async def reconcile(self, body: dict, logger: logging.Logger) -> Outcome:
         meta = body["metadata"]
@@ -313,6 +350,7 @@ class Reconciler:
             )
         self._held[idep.uid] = held_names
 
+        pod_problems = await self._pod_problems_of(body, idep, observed)
         by_kind_name = {_key(m): m for m in desired}
         workloads = {
             "decode": decode_key,
@@ -329,6 +367,7 @@ class Reconciler:
             redis_observed=observed.get(("StatefulSet", common.redis_name(idep))),
             redis_managed=idep.spec.redis.managed,
             previous=(body.get("status") or {}).get("conditions") or [],
+            pod_problems=pod_problems,
         )
         await self._write_status(body, new_status)
         if problem is not None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import datetime
 
+from disagg.operator.pod_health import PodProblem
 from disagg.operator.rollout import applied_hash, generation_seen, rolled_out
 
 WORKLOADS = ("decode", "prefill", "router")
+MAX_PODS_NAMED = 5  # a condition message stays readable in `kubectl describe`
 
 
 def now() -> str:
@@ -64,12 +66,14 @@ def compute(
     redis_managed: bool = False,
     previous: list[dict] | None = None,
     timestamp: str | None = None,
+    pod_problems: tuple[PodProblem, ...] | list[PodProblem] = (),
 ) -> dict:
     """Status for one reconcile.
 
     desired/observed: per workload ("decode", "prefill", "router"), the stamped manifest and the
     live object. held: names of children held back by the rollout order. problem: (reason,
-    message) when the spec is invalid or applying failed.
+    message) when the spec is invalid or applying failed. pod_problems: what keeps pods from
+    serving (`pod_health`), most urgent first: the Degraded condition names them.
     """
     previous = previous or []
     timestamp = timestamp or now()
@@ -117,6 +121,8 @@ def compute(
 
     if problem is not None:
         degraded = (True, problem[0], problem[1])
+    elif pod_problems:
+        degraded = (True, pod_problems[0].reason, pods_message(pod_problems))
     elif redis_down and not missing:
         degraded = (True, "RedisUnavailable", "the managed Redis has no ready pod")
     else:
@@ -127,6 +133,12 @@ def compute(
         for ctype, values in (("Ready", ready), ("Progressing", progressing), ("Degraded", degraded))
     ]
     return out
+
+
+def pods_message(found) -> str:
+    named = "; ".join(p.describe() for p in found[:MAX_PODS_NAMED])
+    more = len(found) - MAX_PODS_NAMED
+    return named + (f"; and {more} more" if more > 0 else "")
 
 
 def _template_current(desired: dict, observed: dict) -> bool:
